@@ -1,0 +1,267 @@
+//! Composition root: builds every part, starts them in order, serves, and
+//! shuts down gracefully.
+//!
+//! Owns startup order (telemetry → rules → Redis client → limiter →
+//! scheduled jobs → proxy and admin listeners) and shutdown order (stop
+//! accepting, drain in-flight requests, stop jobs). [`run`] takes its
+//! listeners and shutdown signal as arguments, so tests bind port 0 and stop
+//! a gateway whenever they like.
+
+use std::future::Future;
+use std::net::{SocketAddr, TcpListener};
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix_web::{App, HttpServer, web};
+use anyhow::Context as _;
+use tokio_cron_scheduler::{Job, JobScheduler};
+
+use crate::admin::{self, AdminState};
+use crate::bucket::{Limiter, LocalBuckets, RedisBucket};
+use crate::clock::SystemClock;
+use crate::config::{Config, RedisTarget, RuleSource, ServerSettings};
+use crate::proxy::forward::Forwarder;
+use crate::proxy::route::RouteTable;
+use crate::proxy::{self, ProxyState};
+use crate::rules::{self, RulesHandle};
+use crate::telemetry::{self, Metrics};
+
+/// Most buckets the local limiter tracks before it evicts.
+const LOCAL_MAX_KEYS: usize = 100_000;
+/// Period of metric upkeep and local-bucket eviction.
+const HOUSEKEEPING_PERIOD: Duration = Duration::from_secs(5);
+
+/// The two bound sockets a gateway serves on.
+pub struct Listeners {
+    /// Tenant traffic.
+    pub proxy: TcpListener,
+    /// `/live`, `/ready`, `/metrics`.
+    pub admin: TcpListener,
+}
+
+impl Listeners {
+    /// Binds both addresses of `server`.
+    ///
+    /// # Errors
+    /// When either address cannot be bound.
+    pub fn bind(server: &ServerSettings) -> anyhow::Result<Self> {
+        let proxy = TcpListener::bind(server.listen)
+            .with_context(|| format!("cannot listen on server.listen {}", server.listen))?;
+        let admin = TcpListener::bind(server.admin_listen).with_context(|| {
+            format!(
+                "cannot listen on server.admin_listen {}",
+                server.admin_listen
+            )
+        })?;
+        Ok(Self { proxy, admin })
+    }
+
+    /// The proxy's bound address.
+    ///
+    /// # Errors
+    /// When the socket has no local address.
+    pub fn proxy_addr(&self) -> std::io::Result<SocketAddr> {
+        self.proxy.local_addr()
+    }
+
+    /// The admin listener's bound address.
+    ///
+    /// # Errors
+    /// When the socket has no local address.
+    pub fn admin_addr(&self) -> std::io::Result<SocketAddr> {
+        self.admin.local_addr()
+    }
+}
+
+/// Checks what the config file only names: the rules source. Returns the
+/// number of rules found.
+///
+/// # Errors
+/// One line per problem.
+pub fn check(config: &Config) -> Result<usize, Vec<String>> {
+    let RuleSource::File(path) = &config.rules.source;
+    match rules::file::load(path) {
+        Ok(rules) => Ok(rules.len()),
+        Err(rules::file::RuleFileError::Invalid { path, problems }) => Err(problems
+            .into_iter()
+            .map(|p| format!("{}: {p}", path.display()))
+            .collect()),
+        Err(e) => Err(vec![e.to_string()]),
+    }
+}
+
+/// Runs one gateway until `shutdown` resolves, then drains and stops.
+///
+/// Must run inside an actix `System` (actors need its arbiter).
+///
+/// # Errors
+/// When the rules cannot be loaded or a listener cannot be served.
+pub async fn run(
+    config: Config,
+    listeners: Listeners,
+    shutdown: impl Future<Output = ()>,
+) -> anyhow::Result<()> {
+    let prometheus = telemetry::install();
+    let metrics = Metrics::new();
+    let clock = SystemClock::shared();
+
+    let rules = rules::cache::start(
+        &config.rules.source,
+        config.default_rule.into(),
+        config.rules.watch_interval,
+        metrics.clone(),
+    )?;
+
+    let redis = RedisBucket::connect(&config.redis, metrics.clone(), clock.clone())
+        .context("cannot set up the Redis client")?;
+    match &config.redis.target {
+        RedisTarget::LocalOnly => tracing::warn!(
+            instances = config.instance.expected_count.get(),
+            "No Redis configured: every limit is enforced by this instance alone, at 1/N."
+        ),
+        RedisTarget::Single(url) => tracing::info!(url = %url, "Buckets live in Redis."),
+        RedisTarget::Cluster(nodes) => {
+            tracing::info!(seeds = nodes.len(), "Buckets live in a Redis Cluster.")
+        }
+    }
+    let limiter = Arc::new(Limiter::new(
+        redis,
+        LocalBuckets::new(LOCAL_MAX_KEYS, clock.clone()),
+        config.instance.expected_count,
+        clock.clone(),
+        metrics.clone(),
+    ));
+
+    let mut scheduler = schedule(&config, &rules, &limiter, &prometheus).await?;
+
+    let proxy_addr = listeners.proxy_addr()?;
+    let admin_addr = listeners.admin_addr()?;
+    let proxy_state = web::Data::new(ProxyState {
+        routes: RouteTable::new(&config.routes),
+        rules: rules.clone(),
+        limiter: limiter.clone(),
+        metrics,
+        clock,
+    });
+    let upstream = config.upstream.clone();
+    let proxy = HttpServer::new(move || {
+        App::new()
+            .app_data(proxy_state.clone())
+            .app_data(web::Data::new(Forwarder::new(&upstream)))
+            .configure(proxy::configure)
+    })
+    .workers(config.server.workers)
+    .shutdown_timeout(config.server.shutdown_timeout.as_secs())
+    .disable_signals()
+    .listen(listeners.proxy)?
+    .run();
+
+    let admin_state = web::Data::new(AdminState {
+        prometheus,
+        rules,
+        limiter,
+        instance_id: config.instance.id.clone(),
+        region: config.instance.region.clone(),
+    });
+    let admin = HttpServer::new(move || {
+        App::new()
+            .app_data(admin_state.clone())
+            .configure(admin::configure)
+    })
+    .workers(1)
+    .shutdown_timeout(1)
+    .disable_signals()
+    .listen(listeners.admin)?
+    .run();
+
+    let (proxy_handle, admin_handle) = (proxy.handle(), admin.handle());
+    let mut proxy_task = actix_web::rt::spawn(proxy);
+    let admin_task = actix_web::rt::spawn(admin);
+    tracing::info!(
+        instance = %config.instance.id,
+        proxy = %proxy_addr,
+        admin = %admin_addr,
+        routes = config.routes.len(),
+        "tollgate is serving."
+    );
+
+    tokio::select! {
+        () = shutdown => tracing::info!("Shutting down: draining in-flight requests."),
+        ended = &mut proxy_task => tracing::error!(result = ?ended, "The proxy listener stopped unexpectedly."),
+    }
+    proxy_handle.stop(true).await;
+    admin_handle.stop(true).await;
+    let _ = admin_task.await;
+    if let Err(e) = scheduler.shutdown().await {
+        tracing::warn!(error = %e, "Scheduled jobs did not stop cleanly.");
+    }
+    tracing::info!("Stopped.");
+    Ok(())
+}
+
+/// Starts the periodic jobs: the full rule reload (safety net behind file
+/// watching) and housekeeping (metric upkeep, local-bucket eviction).
+async fn schedule(
+    config: &Config,
+    rules: &RulesHandle,
+    limiter: &Arc<Limiter>,
+    prometheus: &metrics_exporter_prometheus::PrometheusHandle,
+) -> anyhow::Result<JobScheduler> {
+    let scheduler = JobScheduler::new().await?;
+
+    let rules = rules.clone();
+    scheduler
+        .add(Job::new_repeated_async(config.rules.refresh, move |_, _| {
+            let rules = rules.clone();
+            Box::pin(async move {
+                match rules.reload().await {
+                    Ok(n) => tracing::debug!(rules = n, "Periodic rule reload done."),
+                    Err(e) => tracing::error!(error = %e, "Periodic rule reload failed; the previous rules stay in force."),
+                }
+            })
+        })?)
+        .await?;
+
+    let (limiter, prometheus) = (limiter.clone(), prometheus.clone());
+    scheduler
+        .add(Job::new_repeated_async(
+            HOUSEKEEPING_PERIOD,
+            move |_, _| {
+                let (limiter, prometheus) = (limiter.clone(), prometheus.clone());
+                Box::pin(async move {
+                    prometheus.run_upkeep();
+                    limiter.sweep_local();
+                })
+            },
+        )?)
+        .await?;
+
+    scheduler.start().await?;
+    Ok(scheduler)
+}
+
+/// Resolves on SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(
+            tokio::signal::unix::SignalKind::terminate(),
+        ) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "Cannot watch SIGTERM; only Ctrl-C stops the gateway.");
+                let _ = ctrl_c.await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = ctrl_c => {},
+            _ = term.recv() => {},
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}

@@ -1,0 +1,106 @@
+//! The outcome of asking a bucket for tokens, and why asking can fail.
+//!
+//! A rejection is a [`Decision`] with `allowed == false`, never an error.
+//! [`BucketError`] means "could not decide": the caller falls back to the
+//! local limiter instead of failing the request.
+
+use std::num::NonZeroU32;
+
+/// The token bucket in force for one decision: the rule's limit after any
+/// regional share or fallback division.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BucketSpec {
+    /// Burst size in tokens.
+    pub capacity: NonZeroU32,
+    /// Tokens added per second; always finite and > 0.
+    pub refill_per_second: f64,
+}
+
+impl BucketSpec {
+    /// The bucket of a whole limit.
+    pub fn of(capacity: NonZeroU32, refill_per_second: NonZeroU32) -> Self {
+        Self {
+            capacity,
+            refill_per_second: f64::from(refill_per_second.get()),
+        }
+    }
+
+    /// This bucket split `n` ways: capacity / n (floored, at least 1) and
+    /// refill / n.
+    pub fn divided(&self, n: NonZeroU32) -> Self {
+        let capacity = NonZeroU32::new(self.capacity.get() / n.get()).unwrap_or(NonZeroU32::MIN);
+        Self {
+            capacity,
+            refill_per_second: self.refill_per_second / f64::from(n.get()),
+        }
+    }
+
+    /// Seconds to refill an empty bucket, rounded up (the `w` of
+    /// `RateLimit-Policy`).
+    pub fn window_seconds(&self) -> u64 {
+        // Saturating float-to-int cast; the value is finite and positive.
+        (f64::from(self.capacity.get()) / self.refill_per_second).ceil() as u64
+    }
+}
+
+/// What a bucket answered for one request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Decision {
+    /// Whether the request's tokens were taken.
+    pub allowed: bool,
+    /// Tokens left after this request, floored.
+    pub remaining: u64,
+    /// Milliseconds until enough tokens exist; 0 when allowed.
+    pub retry_after_ms: u64,
+}
+
+/// Why a bucket could not decide.
+#[derive(Debug, thiserror::Error)]
+pub enum BucketError {
+    /// Redis did not answer within the configured timeout.
+    #[error("redis call timed out")]
+    Timeout,
+    /// No connection to Redis exists yet (a cluster still being reached).
+    #[error("not connected to redis")]
+    NotConnected,
+    /// Redis answered with an error or the connection failed.
+    #[error("redis call failed")]
+    Redis(#[source] redis::RedisError),
+}
+
+impl BucketError {
+    /// A short, stable label for metrics (`timeout`, `connection`, `server`).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Timeout => "timeout",
+            Self::NotConnected => "connection",
+            Self::Redis(e) if e.is_io_error() || e.is_connection_dropped() => "connection",
+            Self::Redis(_) => "server",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn nz(n: u32) -> NonZeroU32 {
+        NonZeroU32::new(n).unwrap()
+    }
+
+    #[test]
+    fn dividing_keeps_at_least_one_token() {
+        let spec = BucketSpec::of(nz(20), nz(10));
+        let third = spec.divided(nz(3));
+        assert_eq!(third.capacity.get(), 6);
+        assert!((third.refill_per_second - 10.0 / 3.0).abs() < 1e-9);
+        assert_eq!(spec.divided(nz(50)).capacity.get(), 1);
+    }
+
+    #[test]
+    fn window_is_time_to_refill_from_empty_rounded_up() {
+        assert_eq!(BucketSpec::of(nz(200), nz(100)).window_seconds(), 2);
+        assert_eq!(BucketSpec::of(nz(5), nz(2)).window_seconds(), 3);
+        assert_eq!(BucketSpec::of(nz(1), nz(1000)).window_seconds(), 1);
+    }
+}

@@ -1,0 +1,13 @@
+//! Token buckets: the arithmetic, the Redis script client, the local
+//! limiter, and the hot-path [`Limiter`] that combines them.
+
+pub mod decision;
+pub mod limiter;
+pub mod local;
+pub mod redis;
+pub mod tokens;
+
+pub use decision::{BucketError, BucketSpec, Decision};
+pub use limiter::{Limiter, RedisState, Verdict};
+pub use local::LocalBuckets;
+pub use redis::RedisBucket;

@@ -1,0 +1,187 @@
+//! The configuration file as written: serde structs with defaults.
+//!
+//! These structs mirror SPEC §11 key for key. They are deliberately loose
+//! (signed integers, plain strings) so that [`super::settings`] can report a
+//! readable message for every bad value instead of a serde type error. The
+//! serialized [`RawConfig::default`] doubles as the schema used to find
+//! unknown keys and wrong value types.
+
+use serde::{Deserialize, Serialize};
+
+/// The whole configuration file.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(crate) struct RawConfig {
+    pub(crate) server: RawServer,
+    pub(crate) instance: RawInstance,
+    pub(crate) redis: RawRedis,
+    pub(crate) rules: RawRules,
+    pub(crate) default_rule: RawLimit,
+    pub(crate) admin: RawAdmin,
+    pub(crate) upstream: RawUpstream,
+    pub(crate) log: RawLog,
+    pub(crate) routes: Vec<RawRoute>,
+}
+
+/// `[server]`: listeners and workers.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(crate) struct RawServer {
+    pub(crate) listen: String,
+    pub(crate) admin_listen: String,
+    pub(crate) workers: i64,
+    pub(crate) shutdown_timeout_seconds: i64,
+}
+
+impl Default for RawServer {
+    fn default() -> Self {
+        Self {
+            listen: "0.0.0.0:8080".into(),
+            admin_listen: "127.0.0.1:9091".into(),
+            workers: 2,
+            shutdown_timeout_seconds: 10,
+        }
+    }
+}
+
+/// `[instance]`: identity of this gateway.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(crate) struct RawInstance {
+    pub(crate) id: String,
+    pub(crate) region: String,
+    pub(crate) expected_count: i64,
+}
+
+impl Default for RawInstance {
+    fn default() -> Self {
+        Self {
+            id: String::new(),
+            region: String::new(),
+            expected_count: 1,
+        }
+    }
+}
+
+/// `[redis]`: where bucket state lives.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(crate) struct RawRedis {
+    pub(crate) url: String,
+    pub(crate) cluster_nodes: Vec<String>,
+    pub(crate) timeout_ms: i64,
+    pub(crate) connect_timeout_ms: i64,
+}
+
+impl Default for RawRedis {
+    fn default() -> Self {
+        Self {
+            url: "redis://127.0.0.1:6379".into(),
+            cluster_nodes: Vec::new(),
+            timeout_ms: 5,
+            connect_timeout_ms: 200,
+        }
+    }
+}
+
+/// `[rules]`: where per-tenant rules come from.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(crate) struct RawRules {
+    pub(crate) database_url: String,
+    pub(crate) file: String,
+    pub(crate) refresh_seconds: i64,
+    pub(crate) watch_interval_ms: i64,
+}
+
+impl Default for RawRules {
+    fn default() -> Self {
+        Self {
+            database_url: String::new(),
+            file: "config/rules.toml".into(),
+            refresh_seconds: 30,
+            watch_interval_ms: 1000,
+        }
+    }
+}
+
+/// `[default_rule]`: the limit for pairs without a rule.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(crate) struct RawLimit {
+    pub(crate) capacity: i64,
+    pub(crate) refill_per_second: i64,
+}
+
+impl Default for RawLimit {
+    fn default() -> Self {
+        Self {
+            capacity: 20,
+            refill_per_second: 10,
+        }
+    }
+}
+
+/// `[admin]`: admin API protection.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(crate) struct RawAdmin {
+    pub(crate) token: String,
+}
+
+/// `[upstream]`: how the proxy talks to upstreams.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(crate) struct RawUpstream {
+    pub(crate) connect_timeout_ms: i64,
+    pub(crate) timeout_ms: i64,
+    pub(crate) max_connections_per_worker: i64,
+}
+
+impl Default for RawUpstream {
+    fn default() -> Self {
+        Self {
+            connect_timeout_ms: 1000,
+            timeout_ms: 30_000,
+            max_connections_per_worker: 256,
+        }
+    }
+}
+
+/// `[log]`: log verbosity.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(crate) struct RawLog {
+    pub(crate) level: String,
+}
+
+impl Default for RawLog {
+    fn default() -> Self {
+        Self {
+            level: "info".into(),
+        }
+    }
+}
+
+/// One `[[routes]]` entry.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(crate) struct RawRoute {
+    pub(crate) id: String,
+    pub(crate) methods: Vec<String>,
+    pub(crate) path_prefix: String,
+    pub(crate) upstream: String,
+    pub(crate) cost: i64,
+}
+
+impl Default for RawRoute {
+    fn default() -> Self {
+        Self {
+            id: String::new(),
+            methods: Vec::new(),
+            path_prefix: String::new(),
+            upstream: String::new(),
+            cost: 1,
+        }
+    }
+}

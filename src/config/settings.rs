@@ -1,0 +1,481 @@
+//! Checked, typed settings built from the raw file.
+//!
+//! [`validate`] turns a [`RawConfig`] into a [`Config`], collecting a
+//! [`Problem`] for every bad value rather than stopping at the first.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::num::NonZeroU32;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use actix_web::http::{Method, Uri};
+
+use super::Problem;
+use super::raw::{RawConfig, RawLimit, RawRoute};
+use crate::key::{RouteId, validate_id};
+
+/// The validated gateway configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Listeners and worker threads.
+    pub server: ServerSettings,
+    /// This instance's identity.
+    pub instance: InstanceSettings,
+    /// Where bucket state lives.
+    pub redis: RedisSettings,
+    /// Where rules come from.
+    pub rules: RulesSettings,
+    /// The limit for (tenant, route) pairs without a rule.
+    pub default_rule: LimitSettings,
+    /// Admin API protection.
+    pub admin: AdminSettings,
+    /// Upstream connection behaviour.
+    pub upstream: UpstreamSettings,
+    /// Log verbosity.
+    pub log: LogSettings,
+    /// The route table, in file order.
+    pub routes: Vec<RouteSpec>,
+}
+
+/// `[server]`.
+#[derive(Debug, Clone)]
+pub struct ServerSettings {
+    /// Proxy listener address.
+    pub listen: SocketAddr,
+    /// Admin listener address (`/live`, `/ready`, `/metrics`, `/admin/*`).
+    pub admin_listen: SocketAddr,
+    /// Proxy worker threads (≥ 1; a configured 0 became the core count).
+    pub workers: usize,
+    /// How long in-flight requests may run after a shutdown signal.
+    pub shutdown_timeout: Duration,
+}
+
+/// `[instance]`.
+#[derive(Debug, Clone)]
+pub struct InstanceSettings {
+    /// Unique instance id (default: `<hostname>-<pid>`).
+    pub id: String,
+    /// Region this instance serves, when regions are used.
+    pub region: Option<String>,
+    /// Gateway instances assumed live before the first membership reading;
+    /// the local fallback divides every limit by it.
+    pub expected_count: NonZeroU32,
+}
+
+/// Which Redis deployment holds bucket state.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RedisTarget {
+    /// No Redis: every decision is local to this instance.
+    LocalOnly,
+    /// One Redis server.
+    Single(String),
+    /// A Redis Cluster, reached through these seed URLs.
+    Cluster(Vec<String>),
+}
+
+/// `[redis]`.
+#[derive(Debug, Clone)]
+pub struct RedisSettings {
+    /// Where to connect.
+    pub target: RedisTarget,
+    /// Longest wait for one bucket call before the local fallback decides.
+    pub timeout: Duration,
+    /// Longest wait for a new connection.
+    pub connect_timeout: Duration,
+}
+
+/// Where rules are loaded from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RuleSource {
+    /// A TOML rules file, reloaded when it changes.
+    File(PathBuf),
+}
+
+/// `[rules]`.
+#[derive(Debug, Clone)]
+pub struct RulesSettings {
+    /// The rule source.
+    pub source: RuleSource,
+    /// Period of the full safety-net reload.
+    pub refresh: Duration,
+    /// How often the rules file is checked for changes.
+    pub watch_interval: Duration,
+}
+
+/// A capacity and refill pair, both > 0 and within `i32`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LimitSettings {
+    /// Burst size in tokens.
+    pub capacity: NonZeroU32,
+    /// Tokens per second.
+    pub refill_per_second: NonZeroU32,
+}
+
+/// `[admin]`.
+#[derive(Debug, Clone)]
+pub struct AdminSettings {
+    /// Bearer token for admin writes; `None` disables writes.
+    pub token: Option<String>,
+}
+
+/// `[upstream]`.
+#[derive(Debug, Clone)]
+pub struct UpstreamSettings {
+    /// Longest wait to open a connection to an upstream (→ 502 when refused,
+    /// 504 when it times out).
+    pub connect_timeout: Duration,
+    /// Longest wait for an upstream's response head (→ 504).
+    pub timeout: Duration,
+    /// Pooled upstream connections per proxy worker.
+    pub max_connections_per_worker: usize,
+}
+
+/// `[log]`.
+#[derive(Debug, Clone)]
+pub struct LogSettings {
+    /// A `tracing` filter such as `info` or `tollgate=debug,warn`.
+    pub level: String,
+}
+
+/// One validated `[[routes]]` entry.
+#[derive(Debug, Clone)]
+pub struct RouteSpec {
+    /// Route id, part of bucket keys and metric labels.
+    pub id: RouteId,
+    /// Accepted methods; empty accepts any method.
+    pub methods: Vec<Method>,
+    /// Path prefix, matched on whole segments (`/orders` matches `/orders`
+    /// and `/orders/7`, not `/orders7`).
+    pub path_prefix: String,
+    /// Upstream origin, `http://host:port`, without a trailing slash.
+    pub upstream_origin: String,
+    /// Path prepended to forwarded paths (`""` or `/base`, no trailing slash).
+    pub upstream_base_path: String,
+    /// Tokens one request on this route takes.
+    pub cost: NonZeroU32,
+}
+
+/// Collects problems while converting fields.
+struct Check {
+    problems: Vec<Problem>,
+}
+
+impl Check {
+    fn bad(&mut self, key: impl Into<String>, message: impl Into<String>) {
+        self.problems.push(Problem::new(key, message));
+    }
+
+    /// An integer in `min..=max`, or a problem.
+    fn range(&mut self, key: &str, value: i64, min: i64, max: i64) -> Option<u64> {
+        if (min..=max).contains(&value) {
+            u64::try_from(value).ok()
+        } else {
+            self.bad(
+                key,
+                format!("must be between {min} and {max}, found {value}"),
+            );
+            None
+        }
+    }
+
+    fn millis(&mut self, key: &str, value: i64, max: i64) -> Duration {
+        Duration::from_millis(self.range(key, value, 1, max).unwrap_or(1))
+    }
+
+    fn seconds(&mut self, key: &str, value: i64, max: i64) -> Duration {
+        Duration::from_secs(self.range(key, value, 1, max).unwrap_or(1))
+    }
+
+    fn positive_i32(&mut self, key: &str, value: i64) -> NonZeroU32 {
+        let v = self.range(key, value, 1, i64::from(i32::MAX)).unwrap_or(1);
+        // unwrap: `range` guarantees 1..=i32::MAX, or the fallback 1.
+        NonZeroU32::new(u32::try_from(v).unwrap_or(1)).expect("checked non-zero")
+    }
+
+    fn socket(&mut self, key: &str, value: &str) -> SocketAddr {
+        value.parse().unwrap_or_else(|_| {
+            self.bad(
+                key,
+                format!("expected host:port with a numeric IP, found {value:?}"),
+            );
+            SocketAddr::from(([127, 0, 0, 1], 0))
+        })
+    }
+
+    fn limit(&mut self, section: &str, raw: &RawLimit) -> LimitSettings {
+        LimitSettings {
+            capacity: self.positive_i32(&format!("{section}.capacity"), raw.capacity),
+            refill_per_second: self.positive_i32(
+                &format!("{section}.refill_per_second"),
+                raw.refill_per_second,
+            ),
+        }
+    }
+}
+
+/// Validates every value of `raw`.
+///
+/// # Errors
+/// Every [`Problem`] found, in file order.
+pub(crate) fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
+    let mut c = Check {
+        problems: Vec::new(),
+    };
+
+    let listen = c.socket("server.listen", &raw.server.listen);
+    let admin_listen = c.socket("server.admin_listen", &raw.server.admin_listen);
+    if listen == admin_listen && listen.port() != 0 {
+        c.bad("server.admin_listen", "must differ from server.listen");
+    }
+    let workers = match c.range("server.workers", raw.server.workers, 0, 1024) {
+        Some(0) => std::thread::available_parallelism().map_or(1, usize::from),
+        Some(n) => usize::try_from(n).unwrap_or(1),
+        None => 1,
+    };
+    let server = ServerSettings {
+        listen,
+        admin_listen,
+        workers,
+        shutdown_timeout: c.seconds(
+            "server.shutdown_timeout_seconds",
+            raw.server.shutdown_timeout_seconds,
+            3600,
+        ),
+    };
+
+    let instance = InstanceSettings {
+        id: instance_id(&mut c, &raw.instance.id),
+        region: optional_id(&mut c, "instance.region", &raw.instance.region),
+        expected_count: c.positive_i32("instance.expected_count", raw.instance.expected_count),
+    };
+
+    let redis = RedisSettings {
+        target: redis_target(&mut c, &raw.redis.url, &raw.redis.cluster_nodes),
+        timeout: c.millis("redis.timeout_ms", raw.redis.timeout_ms, 60_000),
+        connect_timeout: c.millis(
+            "redis.connect_timeout_ms",
+            raw.redis.connect_timeout_ms,
+            60_000,
+        ),
+    };
+
+    if !raw.rules.database_url.is_empty() {
+        c.bad(
+            "rules.database_url",
+            "PostgreSQL rules are not supported by this build; leave it empty and use rules.file",
+        );
+    }
+    if raw.rules.file.trim().is_empty() {
+        c.bad("rules.file", "must name a rules file");
+    }
+    let rules = RulesSettings {
+        source: RuleSource::File(PathBuf::from(&raw.rules.file)),
+        refresh: c.seconds("rules.refresh_seconds", raw.rules.refresh_seconds, 86_400),
+        watch_interval: c.millis(
+            "rules.watch_interval_ms",
+            raw.rules.watch_interval_ms,
+            60_000,
+        ),
+    };
+
+    let default_rule = c.limit("default_rule", &raw.default_rule);
+
+    let admin = AdminSettings {
+        token: Some(raw.admin.token).filter(|t| !t.is_empty()),
+    };
+
+    let upstream = UpstreamSettings {
+        connect_timeout: c.millis(
+            "upstream.connect_timeout_ms",
+            raw.upstream.connect_timeout_ms,
+            600_000,
+        ),
+        timeout: c.millis("upstream.timeout_ms", raw.upstream.timeout_ms, 3_600_000),
+        max_connections_per_worker: c
+            .range(
+                "upstream.max_connections_per_worker",
+                raw.upstream.max_connections_per_worker,
+                1,
+                100_000,
+            )
+            .and_then(|n| usize::try_from(n).ok())
+            .unwrap_or(1),
+    };
+
+    if let Err(e) = tracing_subscriber::EnvFilter::try_new(&raw.log.level) {
+        c.bad("log.level", format!("not a valid tracing filter: {e}"));
+    }
+    let log = LogSettings {
+        level: raw.log.level,
+    };
+
+    if raw.routes.is_empty() {
+        c.bad("routes", "at least one [[routes]] entry is required");
+    }
+    let mut seen = HashSet::new();
+    let routes = raw
+        .routes
+        .iter()
+        .enumerate()
+        .filter_map(|(i, r)| route(&mut c, i, r, &mut seen))
+        .collect();
+
+    if c.problems.is_empty() {
+        Ok(Config {
+            server,
+            instance,
+            redis,
+            rules,
+            default_rule,
+            admin,
+            upstream,
+            log,
+            routes,
+        })
+    } else {
+        Err(c.problems)
+    }
+}
+
+/// The configured instance id, or `<hostname>-<pid>`.
+fn instance_id(c: &mut Check, raw: &str) -> String {
+    if raw.is_empty() {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .ok()
+            .map(|h| h.trim().to_owned())
+            .filter(|h| validate_id(h).is_ok())
+            .unwrap_or_else(|| "tollgate".to_owned());
+        return format!("{host}-{}", std::process::id());
+    }
+    optional_id(c, "instance.id", raw).unwrap_or_default()
+}
+
+/// An id in the key charset, or `None` when empty.
+fn optional_id(c: &mut Check, key: &str, raw: &str) -> Option<String> {
+    if raw.is_empty() {
+        return None;
+    }
+    match validate_id(raw) {
+        Ok(()) => Some(raw.to_owned()),
+        Err(e) => {
+            c.bad(key, format!("{raw:?} {e}"));
+            None
+        }
+    }
+}
+
+/// Resolves `redis.url` and `redis.cluster_nodes` into one target.
+fn redis_target(c: &mut Check, url: &str, nodes: &[String]) -> RedisTarget {
+    if !nodes.is_empty() {
+        let urls = nodes
+            .iter()
+            .enumerate()
+            .map(|(i, node)| {
+                let url = if node.contains("://") {
+                    node.clone()
+                } else {
+                    format!("redis://{node}")
+                };
+                if redis::Client::open(url.as_str()).is_err() || !url.starts_with("redis://") {
+                    c.bad(
+                        format!("redis.cluster_nodes[{i}]"),
+                        format!("expected host:port, found {node:?}"),
+                    );
+                }
+                url
+            })
+            .collect();
+        return RedisTarget::Cluster(urls);
+    }
+    if url.is_empty() {
+        return RedisTarget::LocalOnly;
+    }
+    if !url.starts_with("redis://") {
+        c.bad(
+            "redis.url",
+            format!("expected redis://host:port[/db], found {url:?}"),
+        );
+    } else if let Err(e) = redis::Client::open(url) {
+        c.bad("redis.url", format!("not a usable Redis URL: {e}"));
+    }
+    RedisTarget::Single(url.to_owned())
+}
+
+/// Validates one route entry; `None` when it is unusable.
+fn route(c: &mut Check, i: usize, r: &RawRoute, seen: &mut HashSet<String>) -> Option<RouteSpec> {
+    let at = |key: &str| format!("routes[{i}].{key}");
+    let before = c.problems.len();
+
+    let id = match RouteId::parse(&r.id) {
+        Ok(id) => Some(id),
+        Err(e) => {
+            c.bad(at("id"), format!("{:?} {e}", r.id));
+            None
+        }
+    };
+    if !r.id.is_empty() && !seen.insert(r.id.clone()) {
+        c.bad(at("id"), format!("duplicate route id {:?}", r.id));
+    }
+
+    let methods = r
+        .methods
+        .iter()
+        .filter_map(
+            |m| match Method::from_bytes(m.to_ascii_uppercase().as_bytes()) {
+                Ok(method) => Some(method),
+                Err(_) => {
+                    c.bad(at("methods"), format!("{m:?} is not an HTTP method"));
+                    None
+                }
+            },
+        )
+        .collect();
+
+    if !r.path_prefix.starts_with('/') {
+        c.bad(
+            at("path_prefix"),
+            format!("must start with '/', found {:?}", r.path_prefix),
+        );
+    }
+    let path_prefix = match r.path_prefix.trim_end_matches('/') {
+        "" => "/".to_owned(),
+        p => p.to_owned(),
+    };
+
+    let (upstream_origin, upstream_base_path) = upstream(c, &at("upstream"), &r.upstream);
+    let cost = c.positive_i32(&at("cost"), r.cost);
+
+    if c.problems.len() != before {
+        return None;
+    }
+    Some(RouteSpec {
+        id: id?,
+        methods,
+        path_prefix,
+        upstream_origin,
+        upstream_base_path,
+        cost,
+    })
+}
+
+/// Splits an upstream URL into origin and base path.
+fn upstream(c: &mut Check, key: &str, raw: &str) -> (String, String) {
+    let parsed = raw.parse::<Uri>().ok().filter(|u| {
+        u.scheme_str() == Some("http") && u.authority().is_some() && u.query().is_none()
+    });
+    match parsed {
+        Some(uri) => {
+            let authority = uri.authority().map(|a| a.as_str()).unwrap_or_default();
+            let base = uri.path().trim_end_matches('/').to_owned();
+            (format!("http://{authority}"), base)
+        }
+        None => {
+            c.bad(
+                key,
+                format!("expected http://host:port[/base-path], found {raw:?}"),
+            );
+            (String::new(), String::new())
+        }
+    }
+}

@@ -1,0 +1,218 @@
+use super::*;
+
+const MINIMAL: &str = r#"
+[[routes]]
+id = "create-order"
+methods = ["POST"]
+path_prefix = "/orders"
+upstream = "http://127.0.0.1:9000"
+"#;
+
+fn env(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+    pairs
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect()
+}
+
+fn problems(contents: &str, vars: &[(&str, &str)]) -> Vec<String> {
+    match load(contents, &env(vars)) {
+        Ok(_) => panic!("expected the config to be rejected"),
+        Err(e) => e.problems(),
+    }
+}
+
+#[test]
+fn defaults_match_the_interface_contract() {
+    let config = load(MINIMAL, &BTreeMap::new()).unwrap();
+    assert_eq!(config.server.listen.to_string(), "0.0.0.0:8080");
+    assert_eq!(config.server.admin_listen.to_string(), "127.0.0.1:9091");
+    assert_eq!(config.server.workers, 2);
+    assert_eq!(
+        config.redis.target,
+        RedisTarget::Single("redis://127.0.0.1:6379".into())
+    );
+    assert_eq!(config.redis.timeout, std::time::Duration::from_millis(5));
+    assert_eq!(
+        config.rules.source,
+        RuleSource::File("config/rules.toml".into())
+    );
+    assert_eq!(config.rules.refresh.as_secs(), 30);
+    assert_eq!(config.default_rule.capacity.get(), 20);
+    assert_eq!(config.default_rule.refill_per_second.get(), 10);
+    assert!(config.admin.token.is_none());
+    let route = &config.routes[0];
+    assert_eq!(route.id.as_str(), "create-order");
+    assert_eq!(route.methods, vec![actix_web::http::Method::POST]);
+    assert_eq!(route.upstream_origin, "http://127.0.0.1:9000");
+    assert_eq!(route.cost.get(), 1);
+}
+
+#[test]
+fn shipped_config_files_are_valid() {
+    for file in ["config/tollgate.toml", "config/demo.toml"] {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(file);
+        if let Err(e) = load_file(&path, &BTreeMap::new()) {
+            panic!("{file}: {e}");
+        }
+    }
+}
+
+#[test]
+fn environment_overrides_keys_with_the_schema_type() {
+    let config = load(
+        MINIMAL,
+        &env(&[
+            ("TOLLGATE__REDIS__URL", ""),
+            ("TOLLGATE__SERVER__WORKERS", "4"),
+            ("TOLLGATE__INSTANCE__ID", "1234"),
+            ("TOLLGATE__ROUTES__0__UPSTREAM", "http://10.0.0.1:81/base/"),
+            ("TOLLGATE__ROUTES__0__METHODS", "get, post"),
+            ("OTHER_VARIABLE", "ignored"),
+        ]),
+    )
+    .unwrap();
+    assert_eq!(config.redis.target, RedisTarget::LocalOnly);
+    assert_eq!(config.server.workers, 4);
+    assert_eq!(config.instance.id, "1234");
+    assert_eq!(config.routes[0].upstream_origin, "http://10.0.0.1:81");
+    assert_eq!(config.routes[0].upstream_base_path, "/base");
+    assert_eq!(config.routes[0].methods.len(), 2);
+}
+
+#[test]
+fn cluster_nodes_from_the_environment_switch_to_cluster_mode() {
+    let config = load(
+        MINIMAL,
+        &env(&[(
+            "TOLLGATE__REDIS__CLUSTER_NODES",
+            r#"["127.0.0.1:7001", "127.0.0.1:7002"]"#,
+        )]),
+    )
+    .unwrap();
+    assert_eq!(
+        config.redis.target,
+        RedisTarget::Cluster(vec![
+            "redis://127.0.0.1:7001".into(),
+            "redis://127.0.0.1:7002".into()
+        ])
+    );
+}
+
+#[test]
+fn every_problem_is_reported_at_once() {
+    let contents = r#"
+[server]
+listen = "nowhere"
+workers = "two"
+colour = "blue"
+
+[redis]
+timeout_ms = 0
+
+[default_rule]
+capacity = -1
+refill_per_second = 3000000000
+
+[bogus]
+x = 1
+
+[[routes]]
+id = "bad{id}"
+path_prefix = "orders"
+upstream = "ftp://x"
+cost = 0
+
+[[routes]]
+id = "dup"
+upstream = "http://a:1"
+path_prefix = "/"
+
+[[routes]]
+id = "dup"
+upstream = "http://a:1"
+path_prefix = "/"
+methods = ["NOT A METHOD"]
+"#;
+    // Shape problems (unknown keys, wrong types) come first, alone.
+    let shape = problems(contents, &[("TOLLGATE__SERVER__NOPE", "1")]);
+    assert_eq!(
+        shape,
+        vec![
+            "TOLLGATE__SERVER__NOPE: no config key server.nope",
+            "bogus: unknown section",
+            "server.colour: unknown key",
+            "server.workers: expected an integer, found a string",
+        ]
+    );
+
+    let fixed = contents
+        .replace("workers = \"two\"\n", "")
+        .replace("colour = \"blue\"\n", "")
+        .replace("[bogus]\nx = 1\n", "");
+    let values = problems(&fixed, &[]);
+    let keys: Vec<&str> = values
+        .iter()
+        .map(|p| p.split(':').next().unwrap())
+        .collect();
+    assert_eq!(
+        keys,
+        vec![
+            "server.listen",
+            "redis.timeout_ms",
+            "default_rule.capacity",
+            "default_rule.refill_per_second",
+            "routes[0].id",
+            "routes[0].path_prefix",
+            "routes[0].upstream",
+            "routes[0].cost",
+            "routes[2].id",
+            "routes[2].methods",
+        ],
+        "{values:#?}"
+    );
+}
+
+#[test]
+fn bad_environment_values_name_the_variable() {
+    let found = problems(
+        MINIMAL,
+        &[
+            ("TOLLGATE__REDIS__TIMEOUT_MS", "fast"),
+            ("TOLLGATE__ROUTES__3__COST", "2"),
+            ("TOLLGATE__NOSECTION", "x"),
+        ],
+    );
+    assert_eq!(
+        found,
+        vec![
+            "TOLLGATE__NOSECTION: expected TOLLGATE__<SECTION>__<KEY>",
+            "TOLLGATE__REDIS__TIMEOUT_MS: expected an integer, found \"fast\"",
+            "TOLLGATE__ROUTES__3__COST: no such [[routes]] entry in the file",
+        ]
+    );
+}
+
+#[test]
+fn a_config_without_routes_is_rejected() {
+    assert_eq!(
+        problems("", &[]),
+        vec!["routes: at least one [[routes]] entry is required"]
+    );
+}
+
+#[test]
+fn toml_syntax_errors_are_reported() {
+    let err = load("[server\nlisten=", &BTreeMap::new()).unwrap_err();
+    assert!(matches!(err, ConfigError::Syntax(_)), "{err}");
+}
+
+#[test]
+fn path_prefixes_are_normalised() {
+    let config = load(
+        &MINIMAL.replace("\"/orders\"", "\"/orders/\""),
+        &BTreeMap::new(),
+    )
+    .unwrap();
+    assert_eq!(config.routes[0].path_prefix, "/orders");
+}

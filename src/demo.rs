@@ -1,0 +1,137 @@
+//! The built-in demo upstream used by `tollgate demo`.
+//!
+//! Owns a tiny HTTP service that answers every request with a JSON echo of
+//! what it received, so a try-out needs nothing but the binary. It is not
+//! used on the production path.
+
+use std::net::TcpListener;
+
+use actix_web::dev::Server;
+use actix_web::{App, HttpRequest, HttpResponse, HttpServer, web};
+use serde_json::json;
+
+/// Starts the echo upstream on `listener` with one worker.
+///
+/// # Errors
+/// When the listener cannot be used.
+pub fn upstream(listener: TcpListener) -> std::io::Result<Server> {
+    Ok(
+        HttpServer::new(|| App::new().default_service(web::to(echo)))
+            .workers(1)
+            .disable_signals()
+            .listen(listener)?
+            .run(),
+    )
+}
+
+/// Echoes method, path, query, tenant and body size.
+async fn echo(req: HttpRequest, body: web::Bytes) -> HttpResponse {
+    HttpResponse::Ok().json(json!({
+        "upstream": "tollgate demo",
+        "method": req.method().as_str(),
+        "path": req.path(),
+        "query": req.query_string(),
+        "tenant": req.headers().get("x-api-key").and_then(|v| v.to_str().ok()),
+        "forwarded_for": req.headers().get("x-forwarded-for").and_then(|v| v.to_str().ok()),
+        "body_bytes": body.len(),
+    }))
+}
+
+/// The demo's configuration, compiled in so `tollgate demo` works anywhere.
+pub const DEMO_CONFIG: &str = include_str!("../config/demo.toml");
+/// The shipped rules, used when `config/rules.toml` is not on disk.
+const SHIPPED_RULES: &str = include_str!("../config/rules.toml");
+
+/// Runs the demo: an echo upstream plus one gateway on `config`, using
+/// Redis when one answers at the configured URL and local-only limiting
+/// otherwise. Stops on Ctrl-C.
+///
+/// # Errors
+/// When a port is taken or the gateway fails to start.
+pub async fn run(mut config: crate::config::Config) -> anyhow::Result<()> {
+    use crate::config::{RedisTarget, RuleSource};
+    use anyhow::Context as _;
+
+    let RuleSource::File(path) = &config.rules.source;
+    if !path.exists() {
+        let fallback = std::env::temp_dir().join("tollgate-demo-rules.toml");
+        std::fs::write(&fallback, SHIPPED_RULES)
+            .with_context(|| format!("cannot write {}", fallback.display()))?;
+        println!(
+            "{} not found; using the shipped rules, written to {}",
+            path.display(),
+            fallback.display()
+        );
+        config.rules.source = RuleSource::File(fallback);
+    }
+
+    let redis_line = match config.redis.target.clone() {
+        RedisTarget::Single(url) if redis_answers(&url).await => {
+            format!("Redis at {url} (limits shared cluster-wide)")
+        }
+        RedisTarget::Single(url) => {
+            config.redis.target = RedisTarget::LocalOnly;
+            format!(
+                "NO REDIS answered at {url}: LOCAL-ONLY limiting in this process.\n\
+                 !!! Limits are not shared between instances. Start redis-server for the real thing. !!!"
+            )
+        }
+        RedisTarget::LocalOnly => "LOCAL-ONLY limiting (redis.url is empty)".to_owned(),
+        RedisTarget::Cluster(_) => "a Redis Cluster".to_owned(),
+    };
+
+    let upstream_addr = config
+        .routes
+        .first()
+        .map(|r| r.upstream_origin.trim_start_matches("http://").to_owned())
+        .context("the demo config has no routes")?;
+    let upstream_listener = TcpListener::bind(&upstream_addr)
+        .with_context(|| format!("cannot start the demo upstream on {upstream_addr}"))?;
+    let echo = upstream(upstream_listener)?;
+    let echo_handle = echo.handle();
+    actix_web::rt::spawn(echo);
+
+    let listeners = crate::app::Listeners::bind(&config.server)?;
+    let gw = listeners.proxy_addr()?;
+    let admin = listeners.admin_addr()?;
+    println!(
+        "\ntollgate demo\n\
+         =============\n\
+         gateway  http://{gw}\n\
+         admin    http://{admin}\n\
+         upstream http://{upstream_addr} (built-in echo)\n\
+         buckets  {redis_line}\n\
+         rules    {rules}\n\n\
+         Try:\n\
+         \x20 curl -i -X POST -H 'X-Api-Key: shop-a' http://{gw}/orders\n\
+         \x20 for i in $(seq 8); do curl -s -o /dev/null -w '%{{http_code}} ' -X POST -H 'X-Api-Key: shop-b' http://{gw}/orders; done; echo\n\
+         \x20 curl -i http://{gw}/orders/42                      # 401: no X-Api-Key\n\
+         \x20 curl -i -H 'X-Api-Key: {{bad}}' http://{gw}/orders/42  # 400: malformed key\n\
+         \x20 curl -s http://{admin}/ready\n\
+         \x20 curl -s http://{admin}/metrics | grep tollgate_requests_total\n\n\
+         Edit the rules file and the change applies within seconds. Ctrl-C stops.\n",
+        rules = match &config.rules.source {
+            RuleSource::File(p) => p.display().to_string(),
+        },
+    );
+
+    let result = crate::app::run(config, listeners, crate::app::shutdown_signal()).await;
+    echo_handle.stop(true).await;
+    result
+}
+
+/// Whether a Redis server answers PING at `url` within a moment.
+async fn redis_answers(url: &str) -> bool {
+    let probe = async {
+        let client = redis::Client::open(url).ok()?;
+        let mut conn = client.get_multiplexed_async_connection().await.ok()?;
+        redis::cmd("PING")
+            .query_async::<String>(&mut conn)
+            .await
+            .ok()
+    };
+    matches!(
+        tokio::time::timeout(std::time::Duration::from_millis(500), probe).await,
+        Ok(Some(_))
+    )
+}

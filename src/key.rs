@@ -1,0 +1,166 @@
+//! Validated identifiers and the Redis keys built from them.
+//!
+//! Owns [`TenantId`] and [`RouteId`], the only way a client-supplied or
+//! configured identifier becomes part of a Redis key, and [`BucketKey`].
+//!
+//! Invariants: an id is 1 to [`MAX_ID_LEN`] bytes drawn from the safe set
+//! `A-Z a-z 0-9 . _ : -`. In particular `{` and `}` never pass, so the Redis
+//! Cluster hash tag in `rl:{<tenant>}:<route>` always spans exactly the tenant.
+
+use std::fmt;
+use std::sync::Arc;
+
+/// Longest accepted tenant or route id, in bytes.
+pub const MAX_ID_LEN: usize = 64;
+
+/// Why an id was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum IdError {
+    /// The id is the empty string.
+    #[error("is empty")]
+    Empty,
+    /// The id is longer than [`MAX_ID_LEN`] bytes.
+    #[error("is longer than {MAX_ID_LEN} bytes")]
+    TooLong,
+    /// The id holds a byte outside `A-Z a-z 0-9 . _ : -`.
+    #[error("may only contain letters, digits and . _ : -")]
+    BadChar,
+}
+
+/// Checks an id against the length limit and the safe character set.
+///
+/// # Errors
+/// [`IdError`] when `raw` is empty, too long or holds an unsafe character.
+pub fn validate_id(raw: &str) -> Result<(), IdError> {
+    if raw.is_empty() {
+        return Err(IdError::Empty);
+    }
+    if raw.len() > MAX_ID_LEN {
+        return Err(IdError::TooLong);
+    }
+    let safe = |b: u8| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-');
+    if raw.bytes().all(safe) {
+        Ok(())
+    } else {
+        Err(IdError::BadChar)
+    }
+}
+
+macro_rules! id_type {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub struct $name(Arc<str>);
+
+        impl $name {
+            /// Validates `raw` and wraps it.
+            ///
+            /// # Errors
+            /// [`IdError`] when `raw` is empty, too long or holds an unsafe character.
+            pub fn parse(raw: &str) -> Result<Self, IdError> {
+                validate_id(raw)?;
+                Ok(Self(Arc::from(raw)))
+            }
+
+            /// The id as text.
+            pub fn as_str(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl std::borrow::Borrow<str> for $name {
+            fn borrow(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&self.0)
+            }
+        }
+
+        impl fmt::Debug for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                fmt::Debug::fmt(&*self.0, f)
+            }
+        }
+    };
+}
+
+id_type!(
+    /// A tenant, identified by the `X-Api-Key` header value.
+    TenantId
+);
+id_type!(
+    /// A gateway route id from the route table.
+    RouteId
+);
+
+/// The Redis key of one (tenant, route) bucket: `rl:{<tenant>}:<route>`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct BucketKey(String);
+
+impl BucketKey {
+    /// The key of the bucket for `tenant` on `route`.
+    pub fn new(tenant: &TenantId, route: &RouteId) -> Self {
+        let (t, r) = (tenant.as_str(), route.as_str());
+        let mut key = String::with_capacity(6 + t.len() + r.len());
+        key.push_str("rl:{");
+        key.push_str(t);
+        key.push_str("}:");
+        key.push_str(r);
+        Self(key)
+    }
+
+    /// The key as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn accepts_the_documented_charset() {
+        assert!(TenantId::parse("shop-a_1.eu:prod").is_ok());
+        assert!(TenantId::parse(&"a".repeat(MAX_ID_LEN)).is_ok());
+    }
+
+    #[test]
+    fn rejects_empty_long_and_unsafe_ids() {
+        assert_eq!(TenantId::parse(""), Err(IdError::Empty));
+        assert_eq!(
+            TenantId::parse(&"a".repeat(MAX_ID_LEN + 1)),
+            Err(IdError::TooLong)
+        );
+        for bad in ["a{b", "a}b", "a b", "a/b", "é", "a\nb", "a*"] {
+            assert_eq!(TenantId::parse(bad), Err(IdError::BadChar), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn bucket_key_uses_the_tenant_as_hash_tag() {
+        let key = BucketKey::new(
+            &TenantId::parse("shop-a").unwrap(),
+            &RouteId::parse("create-order").unwrap(),
+        );
+        assert_eq!(key.as_str(), "rl:{shop-a}:create-order");
+    }
+
+    proptest! {
+        #[test]
+        fn valid_ids_never_break_the_hash_tag(raw in "\\PC{0,80}") {
+            if let Ok(t) = TenantId::parse(&raw) {
+                let key = BucketKey::new(&t, &RouteId::parse("r").unwrap());
+                let s = key.as_str();
+                prop_assert_eq!(s.matches('{').count(), 1);
+                prop_assert_eq!(s.matches('}').count(), 1);
+                prop_assert!(t.as_str().len() <= MAX_ID_LEN);
+            }
+        }
+    }
+}

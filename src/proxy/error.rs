@@ -1,0 +1,136 @@
+//! The one place where failures become HTTP responses.
+//!
+//! Every client-visible error has a status, a short stable `error` code and
+//! a fixed human message in a small JSON body. Internal error text (Redis,
+//! socket or parser messages) is logged, never sent to clients.
+
+use actix_web::http::StatusCode;
+use actix_web::http::header::{CACHE_CONTROL, CONTENT_TYPE, HeaderValue};
+use actix_web::{HttpResponse, HttpResponseBuilder};
+
+use crate::key::IdError;
+
+/// Why the gateway answered instead of the upstream.
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    /// No route matches the method and path.
+    #[error("no route matches")]
+    NoRoute,
+    /// The request has no `X-Api-Key` header.
+    #[error("missing api key")]
+    MissingKey,
+    /// The `X-Api-Key` header is not a valid tenant id.
+    #[error("malformed api key: {0}")]
+    BadKey(#[source] IdError),
+    /// The key is not text (non-UTF-8 bytes).
+    #[error("api key is not text")]
+    BadKeyEncoding,
+    /// The tenant is over its limit.
+    #[error("rate limited")]
+    RateLimited,
+    /// The upstream refused the connection or could not be reached.
+    #[error("upstream unreachable")]
+    UpstreamUnreachable(#[source] awc::error::SendRequestError),
+    /// Connecting to or hearing from the upstream took too long.
+    #[error("upstream timed out")]
+    UpstreamTimeout,
+}
+
+impl ProxyError {
+    /// The HTTP status of this error.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Self::NoRoute => StatusCode::NOT_FOUND,
+            Self::MissingKey => StatusCode::UNAUTHORIZED,
+            Self::BadKey(_) | Self::BadKeyEncoding => StatusCode::BAD_REQUEST,
+            Self::RateLimited => StatusCode::TOO_MANY_REQUESTS,
+            Self::UpstreamUnreachable(_) => StatusCode::BAD_GATEWAY,
+            Self::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
+        }
+    }
+
+    /// Short, stable machine-readable code.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Self::NoRoute => "no_route",
+            Self::MissingKey => "missing_api_key",
+            Self::BadKey(_) | Self::BadKeyEncoding => "invalid_api_key",
+            Self::RateLimited => "rate_limited",
+            Self::UpstreamUnreachable(_) => "upstream_unreachable",
+            Self::UpstreamTimeout => "upstream_timeout",
+        }
+    }
+
+    /// Fixed human-readable explanation.
+    fn message(&self) -> &'static str {
+        match self {
+            Self::NoRoute => "No route matches this method and path.",
+            Self::MissingKey => "The X-Api-Key header is required.",
+            Self::BadKey(IdError::Empty) => "The X-Api-Key header is empty.",
+            Self::BadKey(IdError::TooLong) => "The X-Api-Key header is longer than 64 bytes.",
+            Self::BadKey(IdError::BadChar) | Self::BadKeyEncoding => {
+                "The X-Api-Key header may only contain letters, digits and . _ : -"
+            }
+            Self::RateLimited => "Too many requests for this API key and route; see Retry-After.",
+            Self::UpstreamUnreachable(_) => "The upstream service could not be reached.",
+            Self::UpstreamTimeout => "The upstream service did not answer in time.",
+        }
+    }
+
+    /// A response builder with this error's status and JSON body headers;
+    /// add further headers, then call [`ProxyError::finish`].
+    pub fn builder(&self) -> HttpResponseBuilder {
+        let mut builder = HttpResponse::build(self.status());
+        builder
+            .insert_header((CONTENT_TYPE, HeaderValue::from_static("application/json")))
+            .insert_header((CACHE_CONTROL, HeaderValue::from_static("no-store")));
+        builder
+    }
+
+    /// Completes `builder` with this error's JSON body.
+    pub fn finish(&self, mut builder: HttpResponseBuilder) -> HttpResponse {
+        builder.body(format!(
+            "{{\"error\":\"{}\",\"message\":\"{}\"}}\n",
+            self.code(),
+            self.message()
+        ))
+    }
+
+    /// The complete response for this error.
+    pub fn response(&self) -> HttpResponse {
+        self.finish(self.builder())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bodies_are_json_with_a_stable_code_and_no_internal_text() {
+        for err in [
+            ProxyError::NoRoute,
+            ProxyError::MissingKey,
+            ProxyError::BadKey(IdError::BadChar),
+            ProxyError::RateLimited,
+            ProxyError::UpstreamTimeout,
+        ] {
+            let body = format!(
+                "{{\"error\":\"{}\",\"message\":\"{}\"}}\n",
+                err.code(),
+                err.message()
+            );
+            let parsed: serde_json::Value = serde_json::from_str(&body).unwrap();
+            assert_eq!(parsed["error"], err.code());
+        }
+        assert_eq!(ProxyError::MissingKey.status(), StatusCode::UNAUTHORIZED);
+        assert_eq!(
+            ProxyError::BadKey(IdError::Empty).status(),
+            StatusCode::BAD_REQUEST
+        );
+        assert_eq!(
+            ProxyError::UpstreamTimeout.status(),
+            StatusCode::GATEWAY_TIMEOUT
+        );
+    }
+}

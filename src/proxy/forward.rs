@@ -1,0 +1,234 @@
+//! Forwarding an admitted request to its upstream and streaming the answer.
+//!
+//! Owns the upstream HTTP client (one pooled `awc` client per worker, since
+//! `awc` is single-threaded), hop-by-hop header removal in both directions,
+//! `X-Forwarded-*`, and upstream timeouts. Bodies are streamed in both
+//! directions, never buffered; a known `Content-Length` is kept.
+
+use actix_web::body::SizedStream;
+use actix_web::http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use actix_web::http::{Method, StatusCode};
+use actix_web::{HttpRequest, HttpResponse, HttpResponseBuilder, web};
+use awc::error::{ConnectError, SendRequestError};
+
+use super::error::ProxyError;
+use crate::config::{RouteSpec, UpstreamSettings};
+
+/// Headers that describe one hop and are never forwarded.
+const HOP_BY_HOP: [HeaderName; 9] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+];
+
+/// `X-Forwarded-For`.
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+/// `X-Forwarded-Proto`.
+const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+/// `X-Forwarded-Host`.
+const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+
+/// One worker's pooled upstream client.
+pub struct Forwarder {
+    /// Keeps connections alive per upstream; follows no redirects and adds
+    /// no headers of its own.
+    client: awc::Client,
+}
+
+impl Forwarder {
+    /// A client with the configured pool size and timeouts.
+    pub fn new(settings: &UpstreamSettings) -> Self {
+        let connector = awc::Connector::new()
+            .timeout(settings.connect_timeout)
+            .limit(settings.max_connections_per_worker);
+        let client = awc::Client::builder()
+            .connector(connector)
+            .timeout(settings.timeout)
+            .disable_redirects()
+            .no_default_headers()
+            .finish();
+        Self { client }
+    }
+
+    /// Sends `req` with its streamed `payload` to `route`'s upstream and
+    /// streams the answer back; `decorate` adds gateway headers.
+    ///
+    /// # Errors
+    /// [`ProxyError::UpstreamUnreachable`] or [`ProxyError::UpstreamTimeout`].
+    pub async fn forward(
+        &self,
+        req: &HttpRequest,
+        payload: web::Payload,
+        route: &RouteSpec,
+        decorate: impl FnOnce(&mut HttpResponseBuilder),
+    ) -> Result<HttpResponse, ProxyError> {
+        let path = req.uri().path_and_query().map_or("/", |pq| pq.as_str());
+        let url = format!(
+            "{}{}{}",
+            route.upstream_origin, route.upstream_base_path, path
+        );
+        let mut upstream = self.client.request(req.method().clone(), url);
+        copy_end_to_end(req.headers(), upstream.headers_mut());
+        add_forwarded(req, upstream.headers_mut());
+
+        let send = match request_body_length(req.headers()) {
+            BodyLength::None => upstream.send(),
+            BodyLength::Sized(len) => upstream.send_body(SizedStream::new(len, payload)),
+            BodyLength::Chunked => upstream.send_stream(payload),
+        };
+        let response = send.await.map_err(classify)?;
+
+        let status = response.status();
+        let mut builder = HttpResponse::build(status);
+        for (name, value) in response.headers() {
+            if !is_hop_by_hop(name, response.headers()) && name != header::CONTENT_LENGTH {
+                builder.append_header((name.clone(), value.clone()));
+            }
+        }
+        decorate(&mut builder);
+        let bodiless = req.method() == Method::HEAD
+            || status.is_informational()
+            || status == StatusCode::NO_CONTENT
+            || status == StatusCode::NOT_MODIFIED;
+        Ok(match response_length(response.headers()) {
+            _ if bodiless => builder.finish(),
+            Some(len) => builder.body(SizedStream::new(len, response)),
+            None => builder.streaming(response),
+        })
+    }
+}
+
+/// How the client framed its request body.
+enum BodyLength {
+    /// No body at all.
+    None,
+    /// `Content-Length` bytes.
+    Sized(u64),
+    /// Chunked transfer encoding: length unknown.
+    Chunked,
+}
+
+fn request_body_length(headers: &HeaderMap) -> BodyLength {
+    if headers.contains_key(header::TRANSFER_ENCODING) {
+        BodyLength::Chunked
+    } else {
+        match content_length(headers) {
+            Some(len) => BodyLength::Sized(len),
+            None => BodyLength::None,
+        }
+    }
+}
+
+fn response_length(headers: &HeaderMap) -> Option<u64> {
+    if headers.contains_key(header::TRANSFER_ENCODING) {
+        None
+    } else {
+        content_length(headers)
+    }
+}
+
+fn content_length(headers: &HeaderMap) -> Option<u64> {
+    headers
+        .get(header::CONTENT_LENGTH)?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// Whether `name` applies to one hop only: a fixed hop-by-hop header or one
+/// listed in this message's `Connection` header.
+fn is_hop_by_hop(name: &HeaderName, headers: &HeaderMap) -> bool {
+    HOP_BY_HOP.contains(name)
+        || headers.get_all(header::CONNECTION).any(|v| {
+            v.to_str().is_ok_and(|list| {
+                list.split(',')
+                    .any(|t| t.trim().eq_ignore_ascii_case(name.as_str()))
+            })
+        })
+}
+
+/// Copies the client's end-to-end headers. `Host` is left to the client
+/// library (the upstream's authority) and `Content-Length` to the body.
+fn copy_end_to_end(from: &HeaderMap, to: &mut HeaderMap) {
+    for (name, value) in from {
+        if !is_hop_by_hop(name, from) && name != header::HOST && name != header::CONTENT_LENGTH {
+            to.append(name.clone(), value.clone());
+        }
+    }
+}
+
+/// Adds `X-Forwarded-For` (appending the peer), `-Proto` and `-Host`.
+fn add_forwarded(req: &HttpRequest, to: &mut HeaderMap) {
+    if let Some(peer) = req.peer_addr() {
+        let peer = peer.ip().to_string();
+        let chain = match req
+            .headers()
+            .get(&X_FORWARDED_FOR)
+            .and_then(|v| v.to_str().ok())
+        {
+            Some(prior) => format!("{prior}, {peer}"),
+            None => peer,
+        };
+        if let Ok(value) = HeaderValue::try_from(chain) {
+            to.insert(X_FORWARDED_FOR, value);
+        }
+    }
+    to.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
+    if let Some(host) = req.headers().get(header::HOST) {
+        to.insert(X_FORWARDED_HOST, host.clone());
+    }
+}
+
+/// Maps a client failure to 502 or 504.
+fn classify(e: SendRequestError) -> ProxyError {
+    match e {
+        SendRequestError::Timeout | SendRequestError::Connect(ConnectError::Timeout) => {
+            ProxyError::UpstreamTimeout
+        }
+        other => {
+            tracing::debug!(error = %other, "Upstream request failed.");
+            ProxyError::UpstreamUnreachable(other)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hop_by_hop_headers_and_connection_listed_ones_are_dropped() {
+        let mut from = HeaderMap::new();
+        from.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("keep-alive, x-secret"),
+        );
+        from.insert(
+            HeaderName::from_static("x-secret"),
+            HeaderValue::from_static("1"),
+        );
+        from.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
+        from.insert(header::HOST, HeaderValue::from_static("gateway"));
+        from.insert(
+            HeaderName::from_static("x-api-key"),
+            HeaderValue::from_static("t"),
+        );
+        from.insert(header::ACCEPT, HeaderValue::from_static("*/*"));
+        let mut to = HeaderMap::new();
+        copy_end_to_end(&from, &mut to);
+        let mut names: Vec<_> = to.keys().map(|k| k.as_str().to_owned()).collect();
+        names.sort();
+        assert_eq!(names, vec!["accept", "x-api-key"]);
+    }
+}

@@ -1,0 +1,145 @@
+//! Rate-limit response headers.
+//!
+//! Owns the header names and the arithmetic shown to clients:
+//! `X-RateLimit-Limit` / `X-RateLimit-Remaining`, the IETF
+//! draft-ietf-httpapi-ratelimit-headers pair `RateLimit-Policy` and
+//! `RateLimit`, and `Retry-After` on rejections. Seconds are always rounded
+//! up from the real wait, and a rejection never says less than 1 second.
+
+use actix_web::HttpResponseBuilder;
+use actix_web::http::header::{HeaderName, HeaderValue, RETRY_AFTER};
+
+use crate::bucket::Verdict;
+
+/// `X-RateLimit-Limit`: the capacity in force for this request.
+pub const X_RATELIMIT_LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");
+/// `X-RateLimit-Remaining`: tokens left after this request, floored.
+pub const X_RATELIMIT_REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-remaining");
+/// `RateLimit-Policy`: `"<policy>";q=<capacity>;w=<seconds to refill>`.
+pub const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+/// `RateLimit`: `"<policy>";r=<remaining>;t=<seconds until a token>`.
+pub const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+
+/// Whole seconds until `ms` have passed, rounded up, at least 1.
+pub fn retry_after_seconds(ms: u64) -> u64 {
+    ms.div_ceil(1000).max(1)
+}
+
+/// The headers of one limiter verdict, ready to attach to any response.
+pub struct RateLimitHeaders {
+    /// Header name/value pairs, in emission order.
+    pairs: Vec<(HeaderName, HeaderValue)>,
+}
+
+impl RateLimitHeaders {
+    /// Headers for `verdict` under the policy named `policy` (the route id,
+    /// already restricted to a header-safe charset).
+    pub fn new(policy: &str, verdict: &Verdict) -> Self {
+        let decision = &verdict.decision;
+        let capacity = u64::from(verdict.spec.capacity.get());
+        let wait = if decision.allowed {
+            0
+        } else {
+            retry_after_seconds(decision.retry_after_ms)
+        };
+        let mut pairs = vec![
+            (X_RATELIMIT_LIMIT, HeaderValue::from(capacity)),
+            (X_RATELIMIT_REMAINING, HeaderValue::from(decision.remaining)),
+            (
+                RATELIMIT_POLICY,
+                text(format!(
+                    "\"{policy}\";q={capacity};w={}",
+                    verdict.spec.window_seconds()
+                )),
+            ),
+            (
+                RATELIMIT,
+                text(format!("\"{policy}\";r={};t={wait}", decision.remaining)),
+            ),
+        ];
+        if !decision.allowed {
+            pairs.push((RETRY_AFTER, HeaderValue::from(wait)));
+        }
+        Self { pairs }
+    }
+
+    /// Adds the headers to a response being built.
+    pub fn apply(&self, builder: &mut HttpResponseBuilder) {
+        for (name, value) in &self.pairs {
+            builder.insert_header((name.clone(), value.clone()));
+        }
+    }
+}
+
+/// A header value from text made of safe characters only.
+fn text(s: String) -> HeaderValue {
+    // unwrap-free: ids are restricted to `A-Za-z0-9._:-` and the rest is
+    // digits and punctuation, all valid in a header value.
+    HeaderValue::try_from(s).unwrap_or_else(|_| HeaderValue::from_static(""))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bucket::{BucketSpec, Decision};
+    use crate::telemetry::DecisionSource;
+    use std::num::NonZeroU32;
+
+    fn verdict(allowed: bool, remaining: u64, retry_after_ms: u64) -> Verdict {
+        Verdict {
+            decision: Decision {
+                allowed,
+                remaining,
+                retry_after_ms,
+            },
+            spec: BucketSpec::of(NonZeroU32::new(200).unwrap(), NonZeroU32::new(100).unwrap()),
+            source: DecisionSource::Redis,
+        }
+    }
+
+    fn get(h: &RateLimitHeaders, name: &HeaderName) -> Option<String> {
+        h.pairs
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.to_str().unwrap().to_owned())
+    }
+
+    #[test]
+    fn retry_after_rounds_up_and_is_at_least_one_second() {
+        assert_eq!(retry_after_seconds(0), 1);
+        assert_eq!(retry_after_seconds(1), 1);
+        assert_eq!(retry_after_seconds(10), 1);
+        assert_eq!(retry_after_seconds(1000), 1);
+        assert_eq!(retry_after_seconds(1001), 2);
+        assert_eq!(retry_after_seconds(59_999), 60);
+    }
+
+    #[test]
+    fn allowed_requests_carry_limit_remaining_and_ietf_fields() {
+        let h = RateLimitHeaders::new("create-order", &verdict(true, 199, 0));
+        assert_eq!(get(&h, &X_RATELIMIT_LIMIT).as_deref(), Some("200"));
+        assert_eq!(get(&h, &X_RATELIMIT_REMAINING).as_deref(), Some("199"));
+        assert_eq!(
+            get(&h, &RATELIMIT_POLICY).as_deref(),
+            Some("\"create-order\";q=200;w=2")
+        );
+        assert_eq!(
+            get(&h, &RATELIMIT).as_deref(),
+            Some("\"create-order\";r=199;t=0")
+        );
+        assert_eq!(get(&h, &RETRY_AFTER), None);
+    }
+
+    #[test]
+    fn rejections_say_when_to_retry() {
+        let h = RateLimitHeaders::new("create-order", &verdict(false, 0, 10));
+        assert_eq!(get(&h, &X_RATELIMIT_REMAINING).as_deref(), Some("0"));
+        assert_eq!(get(&h, &RETRY_AFTER).as_deref(), Some("1"));
+        assert_eq!(
+            get(&h, &RATELIMIT).as_deref(),
+            Some("\"create-order\";r=0;t=1")
+        );
+        let h = RateLimitHeaders::new("p", &verdict(false, 0, 2_500));
+        assert_eq!(get(&h, &RETRY_AFTER).as_deref(), Some("3"));
+    }
+}

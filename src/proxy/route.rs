@@ -1,0 +1,129 @@
+//! The route table: method + path → route.
+//!
+//! Owns matching. The longest matching path prefix wins (on whole path
+//! segments), ties going to the route declared first; a route with no
+//! methods accepts any method.
+
+use actix_web::http::Method;
+
+use crate::config::RouteSpec;
+use crate::telemetry::RouteMetrics;
+
+/// A configured route with its metric handles.
+pub struct Route {
+    /// Id, methods, prefix, upstream and cost.
+    pub spec: RouteSpec,
+    /// Pre-registered series for this route.
+    pub metrics: RouteMetrics,
+}
+
+/// All routes, in config order.
+pub struct RouteTable {
+    /// Routes as declared.
+    routes: Vec<Route>,
+}
+
+impl RouteTable {
+    /// Builds the table and registers each route's metrics.
+    pub fn new(specs: &[RouteSpec]) -> Self {
+        Self {
+            routes: specs
+                .iter()
+                .map(|spec| Route {
+                    metrics: RouteMetrics::new(spec.id.as_str()),
+                    spec: spec.clone(),
+                })
+                .collect(),
+        }
+    }
+
+    /// The route serving `method` on `path`, if any.
+    pub fn find(&self, method: &Method, path: &str) -> Option<&Route> {
+        let mut best: Option<&Route> = None;
+        for route in &self.routes {
+            let spec = &route.spec;
+            let method_ok = spec.methods.is_empty() || spec.methods.contains(method);
+            if method_ok
+                && prefix_matches(&spec.path_prefix, path)
+                && best.is_none_or(|b| spec.path_prefix.len() > b.spec.path_prefix.len())
+            {
+                best = Some(route);
+            }
+        }
+        best
+    }
+}
+
+/// Whether `prefix` (no trailing slash, or exactly `/`) covers `path` on a
+/// segment boundary.
+fn prefix_matches(prefix: &str, path: &str) -> bool {
+    if prefix == "/" {
+        return true;
+    }
+    match path.strip_prefix(prefix) {
+        Some(rest) => rest.is_empty() || rest.starts_with('/'),
+        None => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::key::RouteId;
+    use std::num::NonZeroU32;
+
+    fn spec(id: &str, methods: &[Method], prefix: &str) -> RouteSpec {
+        RouteSpec {
+            id: RouteId::parse(id).unwrap(),
+            methods: methods.to_vec(),
+            path_prefix: prefix.to_owned(),
+            upstream_origin: "http://127.0.0.1:1".into(),
+            upstream_base_path: String::new(),
+            cost: NonZeroU32::MIN,
+        }
+    }
+
+    fn table() -> RouteTable {
+        RouteTable::new(&[
+            spec("catch-all", &[], "/"),
+            spec("create-order", &[Method::POST], "/orders"),
+            spec("read-order", &[Method::GET], "/orders"),
+            spec("order-items", &[], "/orders/items"),
+        ])
+    }
+
+    fn id(t: &RouteTable, m: Method, p: &str) -> Option<String> {
+        t.find(&m, p).map(|r| r.spec.id.to_string())
+    }
+
+    #[test]
+    fn longest_prefix_and_method_pick_the_route() {
+        let t = table();
+        assert_eq!(
+            id(&t, Method::POST, "/orders").as_deref(),
+            Some("create-order")
+        );
+        assert_eq!(
+            id(&t, Method::GET, "/orders/7").as_deref(),
+            Some("read-order")
+        );
+        assert_eq!(
+            id(&t, Method::DELETE, "/orders/items/3").as_deref(),
+            Some("order-items")
+        );
+        assert_eq!(
+            id(&t, Method::DELETE, "/orders/7").as_deref(),
+            Some("catch-all")
+        );
+    }
+
+    #[test]
+    fn prefixes_match_whole_segments_only() {
+        assert!(prefix_matches("/orders", "/orders"));
+        assert!(prefix_matches("/orders", "/orders/"));
+        assert!(!prefix_matches("/orders", "/orders7"));
+        assert!(!prefix_matches("/orders", "/order"));
+        let t = RouteTable::new(&[spec("o", &[], "/orders")]);
+        assert!(t.find(&Method::GET, "/ordersX").is_none());
+    }
+}

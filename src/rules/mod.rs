@@ -1,0 +1,11 @@
+//! Per-tenant rules: model, sources and the published cache.
+//!
+//! The request path only ever sees [`RulesHandle::snapshot`]; loading,
+//! watching and reloading happen in [`cache`], off the request path.
+
+pub mod cache;
+pub mod file;
+pub mod model;
+
+pub use cache::{RulesError, RulesHandle};
+pub use model::{Limit, Rule, RuleSet};

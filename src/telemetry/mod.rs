@@ -1,0 +1,344 @@
+//! Metric names, label sets, the Prometheus recorder and log setup.
+//!
+//! Owns every metric name tollgate exports (`tollgate_<what>_<unit>[_total]`)
+//! and every label value, all drawn from bounded sets: route ids come from
+//! the config, outcomes and error kinds are fixed words, and no raw key or
+//! error text ever becomes a label. The rest of the crate records through
+//! the pre-registered handles in [`Metrics`] and [`RouteMetrics`], so the
+//! request path only increments atomics and never builds a label set.
+//!
+//! The recorder is process-global: [`install`] sets it up once and returns
+//! the same handle on later calls (tests run several gateways per process).
+
+#![allow(clippy::disallowed_macros)] // The one module that names metrics.
+
+use std::sync::OnceLock;
+
+use metrics::{Counter, Gauge, Histogram, Unit};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+/// Requests by route and outcome (counter).
+pub const REQUESTS_TOTAL: &str = "tollgate_requests_total";
+/// Time to reach a limiter decision, by source (histogram, seconds).
+pub const DECISION_SECONDS: &str = "tollgate_decision_duration_seconds";
+/// Round-trip time of bucket script calls to Redis (histogram, seconds).
+pub const REDIS_CALL_SECONDS: &str = "tollgate_redis_call_duration_seconds";
+/// Failed Redis calls by kind (counter).
+pub const REDIS_ERRORS_TOTAL: &str = "tollgate_redis_errors_total";
+/// Decisions made by the local fallback limiter, by outcome (counter).
+pub const FALLBACK_DECISIONS_TOTAL: &str = "tollgate_fallback_decisions_total";
+/// Buckets held by the local fallback limiter (gauge).
+pub const LOCAL_BUCKETS: &str = "tollgate_local_buckets";
+/// Upstream response-head latency by route (histogram, seconds).
+pub const UPSTREAM_SECONDS: &str = "tollgate_upstream_duration_seconds";
+/// Rule reload attempts by result (counter).
+pub const RULE_RELOADS_TOTAL: &str = "tollgate_rule_reloads_total";
+/// Explicit rules in the snapshot in force (gauge).
+pub const RULES: &str = "tollgate_rules";
+
+/// Label value for requests that matched no route.
+pub const NO_ROUTE: &str = "_none";
+
+/// Bucket bounds for sub-millisecond to tens-of-ms decisions.
+const DECISION_BUCKETS: &[f64] = &[
+    0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1,
+];
+/// Bucket bounds for upstream latency.
+const UPSTREAM_BUCKETS: &[f64] = &[
+    0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+
+static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+
+/// Installs the global Prometheus recorder (once per process) and returns
+/// the handle that renders `/metrics` and runs upkeep.
+///
+/// # Panics
+/// If another metrics recorder was installed outside this function.
+pub fn install() -> PrometheusHandle {
+    HANDLE
+        .get_or_init(|| {
+            let builder = PrometheusBuilder::new()
+                .set_buckets_for_metric(Matcher::Full(DECISION_SECONDS.into()), DECISION_BUCKETS)
+                .and_then(|b| {
+                    b.set_buckets_for_metric(
+                        Matcher::Full(REDIS_CALL_SECONDS.into()),
+                        DECISION_BUCKETS,
+                    )
+                })
+                .and_then(|b| {
+                    b.set_buckets_for_metric(
+                        Matcher::Full(UPSTREAM_SECONDS.into()),
+                        UPSTREAM_BUCKETS,
+                    )
+                })
+                // unwrap: the bucket lists above are non-empty constants.
+                .expect("static histogram buckets are valid");
+            // unwrap: tollgate installs no other recorder; a second install
+            // attempt never happens because of the OnceLock.
+            let handle = builder
+                .install_recorder()
+                .expect("no other metrics recorder is installed");
+            describe();
+            handle
+        })
+        .clone()
+}
+
+/// Registers help text and units, required by `promtool check metrics`.
+fn describe() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram};
+    describe_counter!(
+        REQUESTS_TOTAL,
+        Unit::Count,
+        "Requests by route and outcome."
+    );
+    describe_histogram!(
+        DECISION_SECONDS,
+        Unit::Seconds,
+        "Time to reach a rate-limit decision, by source."
+    );
+    describe_histogram!(
+        REDIS_CALL_SECONDS,
+        Unit::Seconds,
+        "Round trip of bucket script calls to Redis."
+    );
+    describe_counter!(
+        REDIS_ERRORS_TOTAL,
+        Unit::Count,
+        "Failed Redis bucket calls by kind."
+    );
+    describe_counter!(
+        FALLBACK_DECISIONS_TOTAL,
+        Unit::Count,
+        "Decisions made by the local fallback limiter, by outcome."
+    );
+    describe_gauge!(
+        LOCAL_BUCKETS,
+        Unit::Count,
+        "Buckets held by the local fallback limiter."
+    );
+    describe_histogram!(
+        UPSTREAM_SECONDS,
+        Unit::Seconds,
+        "Upstream latency to the response head, by route."
+    );
+    describe_counter!(
+        RULE_RELOADS_TOTAL,
+        Unit::Count,
+        "Rule reload attempts by result."
+    );
+    describe_gauge!(
+        RULES,
+        Unit::Count,
+        "Explicit rules in the snapshot in force."
+    );
+}
+
+/// What happened to one proxied request, as a metric label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Admitted and answered by the upstream.
+    Allowed,
+    /// Over the limit: 429.
+    Rejected,
+    /// No `X-Api-Key`: 401.
+    Unauthorized,
+    /// Malformed `X-Api-Key`: 400.
+    BadKey,
+    /// Upstream refused or broke the connection: 502.
+    UpstreamError,
+    /// Upstream too slow: 504.
+    UpstreamTimeout,
+}
+
+impl Outcome {
+    /// Every outcome, in label order.
+    const ALL: [Self; 6] = [
+        Self::Allowed,
+        Self::Rejected,
+        Self::Unauthorized,
+        Self::BadKey,
+        Self::UpstreamError,
+        Self::UpstreamTimeout,
+    ];
+
+    /// The label value.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Allowed => "allowed",
+            Self::Rejected => "rejected",
+            Self::Unauthorized => "unauthorized",
+            Self::BadKey => "bad_key",
+            Self::UpstreamError => "upstream_error",
+            Self::UpstreamTimeout => "upstream_timeout",
+        }
+    }
+}
+
+/// Pre-registered series of one route.
+#[derive(Clone)]
+pub struct RouteMetrics {
+    /// `tollgate_requests_total{route, outcome}`, indexed like [`Outcome::ALL`].
+    requests: [Counter; 6],
+    /// `tollgate_upstream_duration_seconds{route}`.
+    upstream: Histogram,
+}
+
+impl RouteMetrics {
+    /// Registers the series of `route`.
+    pub fn new(route: &str) -> Self {
+        let route = route.to_owned();
+        Self {
+            requests: Outcome::ALL.map(|o| {
+                metrics::counter!(REQUESTS_TOTAL, "route" => route.clone(), "outcome" => o.label())
+            }),
+            upstream: metrics::histogram!(UPSTREAM_SECONDS, "route" => route.clone()),
+        }
+    }
+
+    /// Counts one request with `outcome`.
+    pub fn request(&self, outcome: Outcome) {
+        self.requests[outcome as usize].increment(1);
+    }
+
+    /// Records the time to an upstream's response head.
+    pub fn upstream_seconds(&self, seconds: f64) {
+        self.upstream.record(seconds);
+    }
+}
+
+/// Pre-registered series outside any route.
+#[derive(Clone)]
+pub struct Metrics {
+    /// `tollgate_requests_total{route="_none", outcome="no_route"}`.
+    no_route: Counter,
+    /// `tollgate_decision_duration_seconds{source="redis"}`.
+    decision_redis: Histogram,
+    /// `tollgate_decision_duration_seconds{source="local"}`.
+    decision_local: Histogram,
+    /// `tollgate_redis_call_duration_seconds`.
+    redis_call: Histogram,
+    /// `tollgate_redis_errors_total{kind}` for timeout, connection, server.
+    redis_errors: [Counter; 3],
+    /// `tollgate_fallback_decisions_total{outcome}`: allowed, rejected.
+    fallback: [Counter; 2],
+    /// `tollgate_local_buckets`.
+    local_buckets: Gauge,
+    /// `tollgate_rule_reloads_total{result}`: ok, error.
+    rule_reloads: [Counter; 2],
+    /// `tollgate_rules`.
+    rules: Gauge,
+}
+
+/// Where a decision came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecisionSource {
+    /// The shared bucket in Redis.
+    Redis,
+    /// This instance's local limiter (local-only mode or fallback).
+    Local,
+}
+
+/// Redis error kinds, as labels.
+const REDIS_ERROR_KINDS: [&str; 3] = ["timeout", "connection", "server"];
+
+impl Metrics {
+    /// Registers the series (call after [`install`]).
+    pub fn new() -> Self {
+        Self {
+            no_route: metrics::counter!(REQUESTS_TOTAL, "route" => NO_ROUTE, "outcome" => "no_route"),
+            decision_redis: metrics::histogram!(DECISION_SECONDS, "source" => "redis"),
+            decision_local: metrics::histogram!(DECISION_SECONDS, "source" => "local"),
+            redis_call: metrics::histogram!(REDIS_CALL_SECONDS),
+            redis_errors: REDIS_ERROR_KINDS
+                .map(|k| metrics::counter!(REDIS_ERRORS_TOTAL, "kind" => k)),
+            fallback: ["allowed", "rejected"]
+                .map(|o| metrics::counter!(FALLBACK_DECISIONS_TOTAL, "outcome" => o)),
+            local_buckets: metrics::gauge!(LOCAL_BUCKETS),
+            rule_reloads: ["ok", "error"]
+                .map(|r| metrics::counter!(RULE_RELOADS_TOTAL, "result" => r)),
+            rules: metrics::gauge!(RULES),
+        }
+    }
+
+    /// Counts a request that matched no route.
+    pub fn no_route(&self) {
+        self.no_route.increment(1);
+    }
+
+    /// Records how long a decision took and where it came from.
+    pub fn decision(&self, source: DecisionSource, seconds: f64) {
+        match source {
+            DecisionSource::Redis => self.decision_redis.record(seconds),
+            DecisionSource::Local => self.decision_local.record(seconds),
+        }
+    }
+
+    /// Records one successful Redis call's round trip.
+    pub fn redis_call(&self, seconds: f64) {
+        self.redis_call.record(seconds);
+    }
+
+    /// Counts a failed Redis call; `kind` is `timeout`, `connection` or `server`.
+    pub fn redis_error(&self, kind: &str) {
+        if let Some(i) = REDIS_ERROR_KINDS.iter().position(|k| *k == kind) {
+            self.redis_errors[i].increment(1);
+        }
+    }
+
+    /// Counts a decision made by the local fallback.
+    pub fn fallback(&self, allowed: bool) {
+        self.fallback[usize::from(!allowed)].increment(1);
+    }
+
+    /// Sets the number of buckets the local limiter holds.
+    pub fn local_buckets(&self, n: usize) {
+        self.local_buckets.set(n as f64);
+    }
+
+    /// Counts a rule reload; on success also sets the rule count.
+    pub fn rule_reload(&self, loaded: Option<usize>) {
+        match loaded {
+            Some(n) => {
+                self.rule_reloads[0].increment(1);
+                self.rules.set(n as f64);
+            }
+            None => self.rule_reloads[1].increment(1),
+        }
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// The filter for a configured level: a bare level (`info`, `debug`)
+/// applies to tollgate while other crates stay at `warn`; anything else is a
+/// full `tracing` filter used as written.
+pub fn log_filter(level: &str) -> String {
+    let bare = ["error", "warn", "info", "debug", "trace", "off"];
+    if bare.contains(&level.trim()) {
+        format!("warn,tollgate={}", level.trim())
+    } else {
+        level.to_owned()
+    }
+}
+
+/// Starts the log subscriber. `RUST_LOG`, when set, wins over `level`.
+///
+/// # Errors
+/// When a subscriber is already installed or the filter is invalid.
+pub fn init_tracing(level: &str) -> anyhow::Result<()> {
+    let filter = match std::env::var("RUST_LOG") {
+        Ok(from_env) if !from_env.is_empty() => tracing_subscriber::EnvFilter::try_new(from_env)?,
+        _ => tracing_subscriber::EnvFilter::try_new(log_filter(level))?,
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_target(false)
+        .try_init()
+        .map_err(|e| anyhow::anyhow!(e))
+}
