@@ -10,7 +10,7 @@
 //!    `TOLLGATE__ROUTES__<n>__<KEY>` for route entries), typed by the schema;
 //! 3. compare keys and value types with the schema (the serialized defaults),
 //!    so every unknown key and wrong type is listed;
-//! 4. validate values into typed settings ([`settings`]).
+//! 4. validate values into typed settings (`settings.rs`).
 //!
 //! Invariant: a [`Config`] that exists is valid; nothing downstream re-checks it.
 

@@ -73,7 +73,12 @@ impl Forwarder {
             "{}{}{}",
             route.upstream_origin, route.upstream_base_path, path
         );
-        let mut upstream = self.client.request(req.method().clone(), url);
+        // no_decompress: pass bodies through untouched and add no
+        // Accept-Encoding of our own.
+        let mut upstream = self
+            .client
+            .request(req.method().clone(), url)
+            .no_decompress();
         copy_end_to_end(req.headers(), upstream.headers_mut());
         add_forwarded(req, upstream.headers_mut());
 

@@ -1,6 +1,6 @@
 //! The rule cache actor and the handle the rest of the gateway uses.
 //!
-//! Owns the published rule snapshot. The [`RuleCache`] actor is the only
+//! Owns the published rule snapshot. The `RuleCache` actor is the only
 //! writer: it reloads when the rules file changes (checked every
 //! `rules.watch_interval_ms`) and when asked through [`RulesHandle::reload`]
 //! (the periodic safety-net job). Request handlers read the snapshot through

@@ -1,0 +1,93 @@
+//! The admin listener: /live, /ready and a Prometheus-valid /metrics.
+
+#![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
+
+mod common;
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+use common::{Gateway, GatewayConfig, RedisServer, TempDir, Upstream, client, get};
+
+#[actix_web::test]
+async fn live_ready_and_metrics_report_the_gateway() {
+    let redis = RedisServer::start();
+    let up = Upstream::start();
+    let dir = TempDir::new("admin");
+    let rules = dir.file(
+        "rules.toml",
+        "[[rule]]\ntenant = \"a\"\nroute = \"api\"\ncapacity = 5\nrefill_per_second = 1\n",
+    );
+    let gw = Gateway::start(&GatewayConfig::new(&redis.url(), rules, &up.url()));
+    let c = client();
+
+    let live = c.get(gw.admin_url("/live")).send().await.unwrap();
+    assert_eq!(live.status(), 200);
+
+    for _ in 0..3 {
+        get(&gw.url("/m"), Some("metrics-tenant")).await;
+    }
+    get(&gw.url("/m"), None).await;
+
+    let ready: serde_json::Value = c
+        .get(gw.admin_url("/ready"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(ready["status"], "ready");
+    assert_eq!(ready["redis"], "up");
+    assert_eq!(ready["rules"]["count"], 1);
+    assert_eq!(ready["rules"]["source"], "file");
+    assert_eq!(ready["live_instances"], 1);
+
+    let mut res = c.get(gw.admin_url("/metrics")).send().await.unwrap();
+    assert_eq!(res.status(), 200);
+    let text = String::from_utf8(res.body().await.unwrap().to_vec()).unwrap();
+    for needle in [
+        "tollgate_requests_total{route=\"api\",outcome=\"allowed\"}",
+        "tollgate_requests_total{route=\"api\",outcome=\"rejected\"}",
+        "tollgate_requests_total{route=\"api\",outcome=\"unauthorized\"}",
+        "tollgate_decision_duration_seconds_bucket{source=\"redis\"",
+        "tollgate_redis_call_duration_seconds_bucket",
+        "tollgate_redis_errors_total{kind=\"timeout\"}",
+        "tollgate_upstream_duration_seconds_bucket{route=\"api\"",
+    ] {
+        assert!(text.contains(needle), "missing {needle} in\n{text}");
+    }
+    assert!(
+        text.lines()
+            .filter(|l| !l.starts_with('#'))
+            .all(|l| l.is_empty() || l.starts_with("tollgate_")),
+        "every series is prefixed tollgate_"
+    );
+    promtool_accepts(&text);
+}
+
+/// Runs `promtool check metrics` on the exposition.
+fn promtool_accepts(text: &str) {
+    let mut child = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| {
+            panic!("cannot run promtool ({e}); install it with `apt-get install -y prometheus`")
+        });
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "promtool rejected /metrics:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

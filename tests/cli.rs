@@ -1,0 +1,101 @@
+//! The command line: check-config and serve refuse bad configuration with
+//! exit code 64 and list every problem.
+
+#![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
+
+use std::process::Command;
+
+fn tollgate() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tollgate"));
+    cmd.current_dir(env!("CARGO_MANIFEST_DIR"));
+    cmd.env_remove("RUST_LOG");
+    cmd
+}
+
+fn write_config(name: &str, contents: &str) -> std::path::PathBuf {
+    let path = std::env::temp_dir().join(format!("tollgate-cli-{}-{name}", std::process::id()));
+    std::fs::write(&path, contents).unwrap();
+    path
+}
+
+#[test]
+fn check_config_accepts_the_shipped_config() {
+    let out = tollgate()
+        .args(["check-config", "--config", "config/tollgate.toml"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("valid"));
+}
+
+#[test]
+fn check_config_lists_every_problem_and_exits_64() {
+    let path = write_config(
+        "bad.toml",
+        r#"
+[server]
+listen = "not-an-address"
+[default_rule]
+capacity = 0
+[[routes]]
+id = "r"
+path_prefix = "nope"
+upstream = "http://127.0.0.1:1"
+"#,
+    );
+    let out = tollgate()
+        .args(["check-config", "--config"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_file(&path);
+    assert_eq!(out.status.code(), Some(64));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    for key in [
+        "server.listen",
+        "default_rule.capacity",
+        "routes[0].path_prefix",
+    ] {
+        assert!(stderr.contains(key), "{key} missing from:\n{stderr}");
+    }
+}
+
+#[test]
+fn serve_refuses_a_bad_environment_override_with_64() {
+    let out = tollgate()
+        .args(["serve", "--config", "config/tollgate.toml"])
+        .env("TOLLGATE__SERVER__WORKERS", "many")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(64));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("TOLLGATE__SERVER__WORKERS"));
+}
+
+#[test]
+fn serve_refuses_an_invalid_rules_file_with_64() {
+    let rules = write_config(
+        "rules.toml",
+        "[[rule]]\ntenant = \"{x}\"\nroute = \"r\"\ncapacity = 1\nrefill_per_second = 1\n",
+    );
+    let out = tollgate()
+        .args(["serve", "--config", "config/tollgate.toml"])
+        .env("TOLLGATE__RULES__FILE", &rules)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_file(&rules);
+    assert_eq!(out.status.code(), Some(64));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("rule[0].tenant"));
+}
+
+#[test]
+fn missing_config_file_exits_64() {
+    let out = tollgate()
+        .args(["serve", "--config", "/nonexistent/tollgate.toml"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(64));
+}

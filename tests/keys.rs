@@ -1,0 +1,63 @@
+//! API keys: missing → 401, malformed → 400, and a rejected key never
+//! reaches Redis.
+
+#![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
+
+mod common;
+
+use actix_web::http::header::HeaderValue;
+use common::{Gateway, GatewayConfig, RedisServer, TempDir, Upstream, client};
+
+#[actix_web::test]
+async fn bad_keys_are_rejected_before_redis() {
+    let redis = RedisServer::start();
+    let up = Upstream::start();
+    let dir = TempDir::new("keys");
+    let gw = Gateway::start(&GatewayConfig::new(
+        &redis.url(),
+        dir.file("rules.toml", ""),
+        &up.url(),
+    ));
+    let c = client();
+
+    let missing = c.get(gw.url("/x")).send().await.unwrap();
+    assert_eq!(missing.status(), 401);
+
+    let too_long = "k".repeat(65);
+    let bad: Vec<HeaderValue> = vec![
+        HeaderValue::from_static(""),
+        HeaderValue::from_str(&too_long).unwrap(),
+        HeaderValue::from_static("{tenant}"),
+        HeaderValue::from_static("a}b"),
+        HeaderValue::from_static("has space"),
+        HeaderValue::from_static("semi;colon"),
+        HeaderValue::from_bytes(b"\xff\xfe").unwrap(),
+    ];
+    for value in bad {
+        let mut res = c
+            .get(gw.url("/x"))
+            .insert_header(("x-api-key", value.clone()))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 400, "{value:?}");
+        let body: serde_json::Value = res.json().await.unwrap();
+        assert_eq!(body["error"], "invalid_api_key", "{value:?}");
+        assert!(res.headers().get("x-ratelimit-remaining").is_none());
+    }
+
+    assert_eq!(redis.cmd(&["DBSIZE"]).trim(), ":0");
+    assert_eq!(redis.command_calls("evalsha"), 0);
+    assert_eq!(redis.command_calls("eval"), 0);
+
+    // The longest valid key passes and is counted: the checks above can fail.
+    let ok = c
+        .get(gw.url("/x"))
+        .insert_header(("x-api-key", "k".repeat(64)))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ok.status(), 200);
+    assert!(redis.command_calls("evalsha") >= 1);
+    assert_eq!(redis.cmd(&["DBSIZE"]).trim(), ":1");
+}

@@ -1,0 +1,180 @@
+//! Limits and headers end to end: gateway → real Redis → mock upstream.
+
+#![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
+
+mod common;
+
+use common::{Gateway, GatewayConfig, RedisServer, TempDir, Upstream, client, get, header};
+
+fn setup(tag: &str) -> (RedisServer, Upstream, TempDir) {
+    let dir = TempDir::new(tag);
+    dir.file("rules.toml", "");
+    (RedisServer::start(), Upstream::start(), dir)
+}
+
+#[actix_web::test]
+async fn capacity_two_admits_two_then_rejects_with_remaining_1_0_0() {
+    let (redis, up, dir) = setup("cap2");
+    let gw = Gateway::start(&GatewayConfig::new(
+        &redis.url(),
+        dir.0.join("rules.toml"),
+        &up.url(),
+    ));
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        seen.push(get(&gw.url("/orders"), Some("shop-a")).await);
+    }
+    let expected: Vec<(u16, Option<String>)> = vec![
+        (200, Some("1".into())),
+        (200, Some("0".into())),
+        (429, Some("0".into())),
+    ];
+    assert_eq!(seen, expected);
+}
+
+#[actix_web::test]
+async fn rejection_carries_retry_after_and_ietf_headers() {
+    let (redis, up, dir) = setup("headers");
+    let gw = Gateway::start(&GatewayConfig::new(
+        &redis.url(),
+        dir.0.join("rules.toml"),
+        &up.url(),
+    ));
+    let c = client();
+    let ok = c
+        .get(gw.url("/x"))
+        .insert_header(("x-api-key", "t1"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ok.status(), 200);
+    assert_eq!(header(&ok, "x-ratelimit-limit").as_deref(), Some("2"));
+    assert_eq!(
+        header(&ok, "ratelimit-policy").as_deref(),
+        Some("\"api\";q=2;w=2")
+    );
+    assert_eq!(header(&ok, "ratelimit").as_deref(), Some("\"api\";r=1;t=0"));
+    assert_eq!(header(&ok, "retry-after"), None);
+
+    c.get(gw.url("/x"))
+        .insert_header(("x-api-key", "t1"))
+        .send()
+        .await
+        .unwrap();
+    let mut rejected = c
+        .get(gw.url("/x"))
+        .insert_header(("x-api-key", "t1"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(rejected.status(), 429);
+    // 1 token/s and under a second since the bucket emptied: the real wait
+    // is below 1 s, rounded up to 1.
+    assert_eq!(header(&rejected, "retry-after").as_deref(), Some("1"));
+    assert_eq!(
+        header(&rejected, "x-ratelimit-remaining").as_deref(),
+        Some("0")
+    );
+    assert_eq!(header(&rejected, "x-ratelimit-limit").as_deref(), Some("2"));
+    assert_eq!(
+        header(&rejected, "ratelimit").as_deref(),
+        Some("\"api\";r=0;t=1")
+    );
+    let body: serde_json::Value = rejected.json().await.unwrap();
+    assert_eq!(body["error"], "rate_limited");
+}
+
+#[actix_web::test]
+async fn rules_override_the_default_and_bucket_keys_expire() {
+    let (redis, up, dir) = setup("ttl");
+    let rules = dir.file(
+        "rules.toml",
+        "[[rule]]\ntenant = \"big\"\nroute = \"api\"\ncapacity = 30\nrefill_per_second = 3\n",
+    );
+    let gw = Gateway::start(&GatewayConfig::new(&redis.url(), rules, &up.url()));
+    assert_eq!(
+        get(&gw.url("/a"), Some("big")).await,
+        (200, Some("29".into()))
+    );
+    assert_eq!(
+        get(&gw.url("/a"), Some("small")).await,
+        (200, Some("1".into()))
+    );
+
+    // TTL = 2 × time to refill from empty: 2 × 30/3 s = 20 s; 2 × 2/1 s = 4 s.
+    let big: i64 = redis
+        .cmd(&["PTTL", "rl:{big}:api"])
+        .trim_start_matches(':')
+        .trim()
+        .parse()
+        .unwrap();
+    let small: i64 = redis
+        .cmd(&["PTTL", "rl:{small}:api"])
+        .trim_start_matches(':')
+        .trim()
+        .parse()
+        .unwrap();
+    assert!((19_000..=20_000).contains(&big), "PTTL {big}");
+    assert!((3_000..=4_000).contains(&small), "PTTL {small}");
+}
+
+#[actix_web::test]
+async fn two_gateways_share_one_bucket() {
+    let (redis, up, dir) = setup("shared");
+    let config = GatewayConfig::new(&redis.url(), dir.0.join("rules.toml"), &up.url());
+    let (a, b) = (Gateway::start(&config), Gateway::start(&config));
+    assert_eq!(get(&a.url("/o"), Some("shop")).await.0, 200);
+    assert_eq!(get(&b.url("/o"), Some("shop")).await.0, 200);
+    assert_eq!(get(&a.url("/o"), Some("shop")).await.0, 429);
+    assert_eq!(get(&b.url("/o"), Some("shop")).await.0, 429);
+}
+
+#[actix_web::test]
+async fn route_cost_takes_several_tokens() {
+    let (redis, up, dir) = setup("cost");
+    let mut config = GatewayConfig::new(&redis.url(), dir.0.join("rules.toml"), &up.url());
+    config.extra = "[default_rule]\ncapacity = 10\nrefill_per_second = 1\n".into();
+    config.routes = format!(
+        "[[routes]]\nid = \"search\"\npath_prefix = \"/search\"\nupstream = \"{}\"\ncost = 4\n",
+        up.url()
+    );
+    let gw = Gateway::start(&config);
+    assert_eq!(
+        get(&gw.url("/search"), Some("t")).await,
+        (200, Some("6".into()))
+    );
+    assert_eq!(
+        get(&gw.url("/search"), Some("t")).await,
+        (200, Some("2".into()))
+    );
+    assert_eq!(
+        get(&gw.url("/search"), Some("t")).await,
+        (429, Some("2".into()))
+    );
+}
+
+#[actix_web::test]
+async fn local_only_mode_limits_without_redis() {
+    let (up, dir) = (Upstream::start(), TempDir::new("local"));
+    dir.file("rules.toml", "");
+    let gw = Gateway::start(&GatewayConfig::new("", dir.0.join("rules.toml"), &up.url()));
+    let mut statuses = Vec::new();
+    for _ in 0..3 {
+        statuses.push(get(&gw.url("/o"), Some("k")).await);
+    }
+    let expected: Vec<(u16, Option<String>)> = vec![
+        (200, Some("1".into())),
+        (200, Some("0".into())),
+        (429, Some("0".into())),
+    ];
+    assert_eq!(statuses, expected);
+    let ready: serde_json::Value = client()
+        .get(gw.admin_url("/ready"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(ready["redis"], "disabled");
+}

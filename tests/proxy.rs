@@ -1,0 +1,179 @@
+//! Reverse proxying: what reaches the upstream, what comes back, streaming,
+//! and upstream failures.
+
+#![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
+
+mod common;
+
+use std::io::{Read, Write};
+
+use actix_web::web::Bytes;
+use common::{Gateway, GatewayConfig, RedisServer, TempDir, Upstream, client, free_port, header};
+use futures_util::StreamExt;
+
+struct Setup {
+    _redis: RedisServer,
+    _dir: TempDir,
+    up: Upstream,
+    gw: Gateway,
+}
+
+fn setup(tag: &str, capacity: u32) -> Setup {
+    let redis = RedisServer::start();
+    let up = Upstream::start();
+    let dir = TempDir::new(tag);
+    let mut config = GatewayConfig::new(&redis.url(), dir.file("rules.toml", ""), &up.url());
+    config.extra = format!("[default_rule]\ncapacity = {capacity}\nrefill_per_second = 100\n");
+    config.routes = format!(
+        "[[routes]]\nid = \"orders\"\npath_prefix = \"/orders\"\nupstream = \"{up}\"\n\
+         [[routes]]\nid = \"slow\"\npath_prefix = \"/slow\"\nupstream = \"{up}\"\n\
+         [[routes]]\nid = \"files\"\npath_prefix = \"/download\"\nupstream = \"{up}\"\n\
+         [[routes]]\nid = \"down\"\npath_prefix = \"/down\"\nupstream = \"http://127.0.0.1:{}\"\n",
+        free_port(),
+        up = up.url()
+    );
+    let gw = Gateway::start(&config);
+    Setup {
+        _redis: redis,
+        _dir: dir,
+        up,
+        gw,
+    }
+}
+
+#[actix_web::test]
+async fn requests_reach_the_upstream_intact_minus_hop_by_hop_headers() {
+    let s = setup("echo", 100);
+    let mut res = client()
+        .post(s.gw.url("/orders/7?expand=items&x=1"))
+        .insert_header(("x-api-key", "shop-a"))
+        .insert_header(("x-custom", "kept"))
+        .insert_header(("x-forwarded-for", "203.0.113.9"))
+        .send_body("hello")
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 200);
+    assert!(header(&res, "x-ratelimit-remaining").is_some());
+    assert_eq!(
+        header(&res, "keep-alive"),
+        None,
+        "response hop-by-hop header leaked"
+    );
+    assert_eq!(
+        header(&res, "proxy-authenticate"),
+        None,
+        "response hop-by-hop header leaked"
+    );
+    let echo: serde_json::Value = res.json().await.unwrap();
+    assert_eq!(echo["method"], "POST");
+    assert_eq!(echo["path"], "/orders/7");
+    assert_eq!(echo["query"], "expand=items&x=1");
+    assert_eq!(echo["body_bytes"], 5);
+    let h = &echo["headers"];
+    assert_eq!(h["x-custom"], "kept");
+    assert_eq!(h["x-api-key"], "shop-a");
+    assert_eq!(h["x-forwarded-for"], "203.0.113.9, 127.0.0.1");
+    assert_eq!(h["x-forwarded-proto"], "http");
+    assert_eq!(h["host"], s.up.addr.to_string());
+}
+
+#[actix_web::test]
+async fn headers_named_in_connection_are_not_forwarded() {
+    let s = setup("conn", 100);
+    // A raw request: HTTP client libraries manage Connection themselves.
+    let request = format!(
+        "GET /orders/1 HTTP/1.1\r\nHost: {}\r\nX-Api-Key: raw\r\n\
+         Connection: close, x-secret\r\nX-Secret: dropped\r\nTE: trailers\r\n\r\n",
+        s.gw.addr
+    );
+    let mut stream = std::net::TcpStream::connect(s.gw.addr).unwrap();
+    stream.write_all(request.as_bytes()).unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    let body = response.split("\r\n\r\n").nth(1).unwrap();
+    let echo: serde_json::Value = serde_json::from_str(body).unwrap();
+    let h = &echo["headers"];
+    assert_eq!(h["x-api-key"], "raw");
+    assert!(
+        h.get("accept-encoding").is_none(),
+        "the gateway adds no headers of its own: {h}"
+    );
+    assert!(h.get("x-secret").is_none(), "x-secret leaked: {h}");
+    assert!(h.get("te").is_none(), "te leaked: {h}");
+}
+
+#[actix_web::test]
+async fn large_bodies_stream_both_ways() {
+    let s = setup("stream", 100);
+    let c = client();
+    // Upload, chunked, 8 MiB in 64 KiB pieces.
+    let chunks = (0..128).map(|_| Ok::<_, std::io::Error>(Bytes::from(vec![b'u'; 64 * 1024])));
+    let mut up = c
+        .put(s.gw.url("/orders/upload"))
+        .insert_header(("x-api-key", "bulk"))
+        .send_stream(futures_util::stream::iter(chunks))
+        .await
+        .unwrap();
+    let echo: serde_json::Value = up.json().limit(1 << 20).await.unwrap();
+    assert_eq!(echo["body_bytes"], 8 * 1024 * 1024);
+
+    // Download 16 MiB, read as a stream.
+    let mut down = c
+        .get(s.gw.url("/download?bytes=16777216"))
+        .insert_header(("x-api-key", "bulk"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(down.status(), 200);
+    let mut total = 0usize;
+    while let Some(chunk) = down.next().await {
+        total += chunk.unwrap().len();
+    }
+    assert_eq!(total, 16 * 1024 * 1024);
+}
+
+#[actix_web::test]
+async fn no_route_is_404_and_costs_no_tokens() {
+    let s = setup("noroute", 100);
+    let mut res = client()
+        .get(s.gw.url("/nothing/here"))
+        .insert_header(("x-api-key", "shop-a"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 404);
+    let body: serde_json::Value = res.json().await.unwrap();
+    assert_eq!(body["error"], "no_route");
+    assert_eq!(s._redis.cmd(&["DBSIZE"]).trim(), ":0");
+}
+
+#[actix_web::test]
+async fn unreachable_upstream_is_502_and_slow_upstream_is_504() {
+    let s = setup("fail", 100);
+    let c = client();
+    let mut down = c
+        .get(s.gw.url("/down"))
+        .insert_header(("x-api-key", "shop-a"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(down.status(), 502);
+    assert!(
+        header(&down, "x-ratelimit-remaining").is_some(),
+        "went through the limiter"
+    );
+    let body: serde_json::Value = down.json().await.unwrap();
+    assert_eq!(body["error"], "upstream_unreachable");
+
+    // The upstream timeout is 1 s in test configs.
+    let mut slow = c
+        .get(s.gw.url("/slow?ms=3000"))
+        .insert_header(("x-api-key", "shop-a"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(slow.status(), 504);
+    let body: serde_json::Value = slow.json().await.unwrap();
+    assert_eq!(body["error"], "upstream_timeout");
+}

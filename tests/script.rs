@@ -1,0 +1,139 @@
+//! `lua/token_bucket.lua` against a real Redis: refill, expiry, NOSCRIPT
+//! reload, and no replay after a timeout.
+
+#![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
+
+mod common;
+
+use std::num::NonZeroU32;
+use std::time::Duration;
+
+use common::{RedisServer, wait_until};
+use redis::AsyncCommands;
+use tollgate::bucket::{BucketError, BucketSpec, RedisBucket};
+use tollgate::clock::SystemClock;
+use tollgate::config::{RedisSettings, RedisTarget};
+use tollgate::telemetry::{self, Metrics};
+
+fn bucket(redis: &RedisServer, timeout: Duration) -> RedisBucket {
+    telemetry::install();
+    let settings = RedisSettings {
+        target: RedisTarget::Single(redis.url()),
+        timeout,
+        connect_timeout: Duration::from_secs(1),
+    };
+    RedisBucket::connect(&settings, Metrics::new(), SystemClock::shared())
+        .unwrap()
+        .unwrap()
+}
+
+fn spec(capacity: u32, refill: u32) -> BucketSpec {
+    BucketSpec::of(
+        NonZeroU32::new(capacity).unwrap(),
+        NonZeroU32::new(refill).unwrap(),
+    )
+}
+
+#[actix_web::test]
+async fn first_call_fills_then_takes_and_stores_two_fields_with_a_ttl() {
+    let redis = RedisServer::start();
+    let b = bucket(&redis, Duration::from_secs(2));
+    let d = b.take("rl:{t}:r", &spec(10, 2), 1).await.unwrap();
+    assert!(d.allowed);
+    assert_eq!((d.remaining, d.retry_after_ms), (9, 0));
+
+    let mut conn = redis.conn().await;
+    let fields: Vec<String> = conn.hkeys("rl:{t}:r").await.unwrap();
+    assert_eq!(fields.len(), 2);
+    assert!(fields.contains(&"tokens".to_owned()) && fields.contains(&"ts".to_owned()));
+    let ttl: i64 = conn.pttl("rl:{t}:r").await.unwrap();
+    assert!((9_000..=10_000).contains(&ttl), "2 × 10/2 s, got {ttl} ms");
+}
+
+#[actix_web::test]
+async fn refill_follows_redis_time_since_the_stored_timestamp() {
+    let redis = RedisServer::start();
+    let b = bucket(&redis, Duration::from_secs(2));
+    let key = "rl:{refill}:r";
+    b.take(key, &spec(10, 4), 10).await.unwrap();
+    let rejected = b.take(key, &spec(10, 4), 1).await.unwrap();
+    assert!(!rejected.allowed);
+    assert!((1..=250).contains(&rejected.retry_after_ms), "{rejected:?}");
+
+    // Pretend the bucket was emptied 1.5 s ago: 1.5 s × 4/s = 6 tokens.
+    let mut conn = redis.conn().await;
+    let ts: f64 = conn
+        .hget::<_, _, String>(key, "ts")
+        .await
+        .unwrap()
+        .parse()
+        .unwrap();
+    let _: () = conn
+        .hset(key, "ts", format!("{:.3}", ts - 1500.0))
+        .await
+        .unwrap();
+    let d = b.take(key, &spec(10, 4), 1).await.unwrap();
+    assert!(d.allowed);
+    assert_eq!(d.remaining, 5);
+}
+
+#[actix_web::test]
+async fn cost_above_capacity_waits_for_a_full_bucket() {
+    let redis = RedisServer::start();
+    let b = bucket(&redis, Duration::from_secs(2));
+    let first = b.take("rl:{c}:r", &spec(3, 1), 10).await.unwrap();
+    assert!(first.allowed);
+    assert_eq!(first.remaining, 0);
+    let second = b.take("rl:{c}:r", &spec(3, 1), 10).await.unwrap();
+    assert!(!second.allowed);
+    assert!(
+        (2_900..=3_000).contains(&second.retry_after_ms),
+        "{second:?}"
+    );
+}
+
+#[actix_web::test]
+async fn a_flushed_script_cache_is_reloaded_on_noscript() {
+    let redis = RedisServer::start();
+    let b = bucket(&redis, Duration::from_secs(2));
+    b.take("rl:{n}:r", &spec(5, 1), 1).await.unwrap();
+    let loads = redis.command_calls("script|load");
+    redis.cmd(&["SCRIPT", "FLUSH"]);
+    let d = b.take("rl:{n}:r", &spec(5, 1), 1).await.unwrap();
+    assert!(d.allowed);
+    assert_eq!(d.remaining, 3);
+    assert_eq!(redis.command_calls("script|load"), loads + 1);
+    assert_eq!(
+        redis.command_calls("eval"),
+        0,
+        "the script is never sent by body per call"
+    );
+}
+
+#[actix_web::test]
+async fn a_timed_out_call_is_not_replayed() {
+    let redis = RedisServer::start();
+    let b = bucket(&redis, Duration::from_millis(100));
+    let key = "rl:{slow}:r";
+    // A negligible refill, so only takes move the count.
+    let spec = BucketSpec {
+        capacity: NonZeroU32::new(5).unwrap(),
+        refill_per_second: 0.001,
+    };
+    b.take(key, &spec, 1).await.unwrap();
+    let calls_before = redis.command_calls("evalsha");
+
+    redis.pause();
+    let result = b.take(key, &spec, 1).await;
+    redis.resume();
+    assert!(matches!(result, Err(BucketError::Timeout)), "{result:?}");
+
+    // The command already sent runs once when Redis wakes; nothing resends it.
+    assert!(wait_until(Duration::from_secs(5), || redis
+        .command_calls("evalsha")
+        > calls_before));
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(redis.command_calls("evalsha"), calls_before + 1);
+    let d = b.take(key, &spec, 1).await.unwrap();
+    assert_eq!(d.remaining, 2, "exactly two earlier takes spent tokens");
+}
