@@ -17,7 +17,7 @@ use anyhow::Context as _;
 use tokio_cron_scheduler::{Job, JobScheduler};
 
 use crate::admin::{self, AdminState};
-use crate::bucket::{Limiter, LocalBuckets, RedisBucket};
+use crate::bucket::{Limiter, LimiterCore, LocalBuckets, RedisConnector};
 use crate::clock::SystemClock;
 use crate::config::{Config, RedisTarget, RuleSource, ServerSettings};
 use crate::proxy::forward::Forwarder;
@@ -112,8 +112,7 @@ pub async fn run(
         metrics.clone(),
     )?;
 
-    let redis = RedisBucket::connect(&config.redis, metrics.clone(), clock.clone())
-        .context("cannot set up the Redis client")?;
+    let redis = RedisConnector::new(&config.redis).context("cannot set up the Redis client")?;
     match &config.redis.target {
         RedisTarget::LocalOnly => tracing::warn!(
             instances = config.instance.expected_count.get(),
@@ -124,10 +123,10 @@ pub async fn run(
             tracing::info!(seeds = nodes.len(), "Buckets live in a Redis Cluster.")
         }
     }
-    let limiter = Arc::new(Limiter::new(
-        redis,
+    let limiter = Arc::new(LimiterCore::new(
         LocalBuckets::new(LOCAL_MAX_KEYS, clock.clone()),
         config.instance.expected_count,
+        redis.is_some(),
         clock.clone(),
         metrics.clone(),
     ));
@@ -139,18 +138,22 @@ pub async fn run(
     let proxy_state = web::Data::new(ProxyState {
         routes: RouteTable::new(&config.routes),
         rules: rules.clone(),
-        limiter: limiter.clone(),
-        metrics,
-        clock,
+        metrics: metrics.clone(),
+        clock: clock.clone(),
     });
     let upstream = config.upstream.clone();
+    let core = limiter.clone();
     let proxy = HttpServer::new(move || {
+        // Per worker: its own upstream pool and Redis connection.
+        let redis = redis.as_ref().map(|r| r.bucket(metrics.clone(), clock.clone()));
         App::new()
             .app_data(proxy_state.clone())
+            .app_data(web::Data::new(Limiter::new(redis, core.clone())))
             .app_data(web::Data::new(Forwarder::new(&upstream)))
             .configure(proxy::configure)
     })
     .workers(config.server.workers)
+    .tcp_nodelay(true)
     .shutdown_timeout(config.server.shutdown_timeout.as_secs())
     .disable_signals()
     .listen(listeners.proxy)?
@@ -204,7 +207,7 @@ pub async fn run(
 async fn schedule(
     config: &Config,
     rules: &RulesHandle,
-    limiter: &Arc<Limiter>,
+    limiter: &Arc<LimiterCore>,
     prometheus: &metrics_exporter_prometheus::PrometheusHandle,
 ) -> anyhow::Result<JobScheduler> {
     let scheduler = JobScheduler::new().await?;

@@ -9,7 +9,7 @@ use std::num::NonZeroU32;
 
 use common::{Gateway, GatewayConfig, RedisServer, TempDir, Upstream, client};
 use futures_util::future::join_all;
-use tollgate::bucket::{BucketSpec, RedisBucket};
+use tollgate::bucket::{BucketSpec, RedisBucket, RedisConnector};
 use tollgate::clock::{Clock, SharedClock, SystemClock};
 use tollgate::config::{RedisSettings, RedisTarget};
 use tollgate::key::{BucketKey, RouteId, TenantId};

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use common::{RedisServer, wait_until};
 use redis::AsyncCommands;
-use tollgate::bucket::{BucketError, BucketSpec, RedisBucket};
+use tollgate::bucket::{BucketError, BucketSpec, RedisBucket, RedisConnector};
 use tollgate::clock::SystemClock;
 use tollgate::config::{RedisSettings, RedisTarget};
 use tollgate::telemetry::{self, Metrics};
@@ -22,9 +22,10 @@ fn bucket(redis: &RedisServer, timeout: Duration) -> RedisBucket {
         timeout,
         connect_timeout: Duration::from_secs(1),
     };
-    RedisBucket::connect(&settings, Metrics::new(), SystemClock::shared())
+    RedisConnector::new(&settings)
         .unwrap()
         .unwrap()
+        .bucket(Metrics::new(), SystemClock::shared())
 }
 
 fn spec(capacity: u32, refill: u32) -> BucketSpec {

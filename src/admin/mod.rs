@@ -12,7 +12,7 @@ use actix_web::{HttpResponse, web};
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde_json::json;
 
-use crate::bucket::Limiter;
+use crate::bucket::LimiterCore;
 use crate::clock::unix_now_seconds;
 use crate::rules::RulesHandle;
 
@@ -23,7 +23,7 @@ pub struct AdminState {
     /// Rules in force.
     pub rules: RulesHandle,
     /// Redis health and instance count.
-    pub limiter: Arc<Limiter>,
+    pub limiter: Arc<LimiterCore>,
     /// This instance's id.
     pub instance_id: String,
     /// This instance's region, if any.

@@ -8,6 +8,7 @@
 //! error; this module never fails a request.
 
 use std::num::NonZeroU32;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::decision::{BucketSpec, Decision};
@@ -51,14 +52,15 @@ impl RedisState {
     }
 }
 
-/// The per-request limiter shared by all proxy workers.
-pub struct Limiter {
-    /// The shared buckets; `None` in local-only mode.
-    redis: Option<RedisBucket>,
+/// Limiter state shared by every proxy worker: the local buckets and
+/// Redis health.
+pub struct LimiterCore {
     /// Local buckets for local-only mode and fallback.
     local: LocalBuckets,
     /// Gateway instances sharing each limit (the local share is 1/N).
     instances: NonZeroU32,
+    /// Whether Redis is configured at all.
+    redis_configured: bool,
     /// Whether the last Redis call failed.
     degraded: AtomicBool,
     /// Decision timings.
@@ -67,53 +69,42 @@ pub struct Limiter {
     metrics: Metrics,
 }
 
-impl Limiter {
-    /// A limiter over `redis` (or local-only when `None`).
+impl LimiterCore {
+    /// Shared state for limiters with (`redis_configured`) or without Redis.
     pub fn new(
-        redis: Option<RedisBucket>,
         local: LocalBuckets,
         instances: NonZeroU32,
+        redis_configured: bool,
         clock: SharedClock,
         metrics: Metrics,
     ) -> Self {
         Self {
-            redis,
             local,
             instances,
+            redis_configured,
             degraded: AtomicBool::new(false),
             clock,
             metrics,
         }
     }
 
-    /// Takes `cost` tokens from `key`'s bucket under `limit`.
-    pub async fn check(&self, key: &BucketKey, limit: Limit, cost: NonZeroU32) -> Verdict {
-        let started = self.clock.now_micros();
-        let whole = BucketSpec::of(limit.capacity, limit.refill_per_second);
-        let verdict = match &self.redis {
-            Some(redis) => match redis.take(key.as_str(), &whole, cost.get()).await {
-                Ok(decision) => {
-                    self.set_degraded(false, None);
-                    Verdict {
-                        decision,
-                        spec: whole,
-                        source: DecisionSource::Redis,
-                    }
-                }
-                Err(e) => {
-                    self.metrics.redis_error(e.kind());
-                    tracing::debug!(error = %e, "Redis call failed; deciding locally.");
-                    self.set_degraded(true, Some(&e));
-                    let verdict = self.local(key, &whole, cost);
-                    self.metrics.fallback(verdict.decision.allowed);
-                    verdict
-                }
-            },
-            None => self.local(key, &whole, cost),
-        };
-        let elapsed = self.clock.now_micros().saturating_sub(started);
-        self.metrics.decision(verdict.source, elapsed as f64 / 1e6);
-        verdict
+    /// Whether Redis is configured and answering.
+    pub fn redis_state(&self) -> RedisState {
+        match (self.redis_configured, self.degraded.load(Ordering::Relaxed)) {
+            (false, _) => RedisState::Disabled,
+            (true, false) => RedisState::Up,
+            (true, true) => RedisState::Down,
+        }
+    }
+
+    /// Gateway instances each limit is divided between when deciding locally.
+    pub fn instances(&self) -> NonZeroU32 {
+        self.instances
+    }
+
+    /// Drops refilled local buckets and reports how many remain.
+    pub fn sweep_local(&self) {
+        self.metrics.local_buckets(self.local.sweep());
     }
 
     /// Decides with the local 1/N share of `whole`.
@@ -128,10 +119,9 @@ impl Limiter {
 
     /// Records Redis health, logging only the transitions.
     fn set_degraded(&self, down: bool, error: Option<&super::BucketError>) {
-        if self.degraded.load(Ordering::Relaxed) == down {
-            return;
-        }
-        if self.degraded.swap(down, Ordering::Relaxed) != down {
+        if self.degraded.load(Ordering::Relaxed) != down
+            && self.degraded.swap(down, Ordering::Relaxed) != down
+        {
             if down {
                 tracing::warn!(
                     error = error.map(ToString::to_string).unwrap_or_default(),
@@ -143,23 +133,51 @@ impl Limiter {
             }
         }
     }
+}
 
-    /// Whether Redis is configured and answering.
-    pub fn redis_state(&self) -> RedisState {
-        match (&self.redis, self.degraded.load(Ordering::Relaxed)) {
-            (None, _) => RedisState::Disabled,
-            (Some(_), false) => RedisState::Up,
-            (Some(_), true) => RedisState::Down,
-        }
+/// One proxy worker's limiter: its own Redis connection (so Redis replies
+/// wake the worker that asked, not another thread) over the shared core.
+pub struct Limiter {
+    /// This worker's Redis client; `None` in local-only mode.
+    redis: Option<RedisBucket>,
+    /// State shared with the other workers.
+    core: Arc<LimiterCore>,
+}
+
+impl Limiter {
+    /// A worker limiter over `redis` (or local-only when `None`).
+    pub fn new(redis: Option<RedisBucket>, core: Arc<LimiterCore>) -> Self {
+        Self { redis, core }
     }
 
-    /// Gateway instances each limit is divided between when deciding locally.
-    pub fn instances(&self) -> NonZeroU32 {
-        self.instances
-    }
-
-    /// Drops refilled local buckets and reports how many remain.
-    pub fn sweep_local(&self) {
-        self.metrics.local_buckets(self.local.sweep());
+    /// Takes `cost` tokens from `key`'s bucket under `limit`.
+    pub async fn check(&self, key: &BucketKey, limit: Limit, cost: NonZeroU32) -> Verdict {
+        let core = &self.core;
+        let started = core.clock.now_micros();
+        let whole = BucketSpec::of(limit.capacity, limit.refill_per_second);
+        let verdict = match &self.redis {
+            Some(redis) => match redis.take(key.as_str(), &whole, cost.get()).await {
+                Ok(decision) => {
+                    core.set_degraded(false, None);
+                    Verdict {
+                        decision,
+                        spec: whole,
+                        source: DecisionSource::Redis,
+                    }
+                }
+                Err(e) => {
+                    core.metrics.redis_error(e.kind());
+                    tracing::debug!(error = %e, "Redis call failed; deciding locally.");
+                    core.set_degraded(true, Some(&e));
+                    let verdict = core.local(key, &whole, cost);
+                    core.metrics.fallback(verdict.decision.allowed);
+                    verdict
+                }
+            },
+            None => core.local(key, &whole, cost),
+        };
+        let elapsed = core.clock.now_micros().saturating_sub(started);
+        core.metrics.decision(verdict.source, elapsed as f64 / 1e6);
+        verdict
     }
 }

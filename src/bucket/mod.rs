@@ -8,6 +8,6 @@ pub mod redis;
 pub mod tokens;
 
 pub use decision::{BucketError, BucketSpec, Decision};
-pub use limiter::{Limiter, RedisState, Verdict};
+pub use limiter::{Limiter, LimiterCore, RedisState, Verdict};
 pub use local::LocalBuckets;
-pub use redis::RedisBucket;
+pub use redis::{RedisBucket, RedisConnector};

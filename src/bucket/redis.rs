@@ -36,53 +36,74 @@ enum Conn {
     Cluster(ClusterConnection),
 }
 
-/// Client for token buckets held in Redis.
+/// A parsed Redis target that hands out per-worker bucket clients.
 #[derive(Clone)]
-pub struct RedisBucket {
-    /// The connection once established; `None` while a cluster is unreachable.
-    conn: Arc<ArcSwapOption<Conn>>,
+pub struct RedisConnector {
+    /// Which deployment, with its client.
+    target: Target,
     /// Bound on one script call.
     timeout: Duration,
-    /// Round-trip histogram.
-    metrics: Metrics,
-    /// Source of call timings.
-    clock: SharedClock,
+    /// Bound on one connection attempt and on connection-level replies.
+    connect_timeout: Duration,
 }
 
-impl RedisBucket {
-    /// Prepares a client for `settings`; `None` in local-only mode.
+/// The client of one deployment kind.
+#[derive(Clone)]
+enum Target {
+    /// One server.
+    Single(redis::Client),
+    /// A Redis Cluster.
+    Cluster(redis::cluster::ClusterClient),
+}
+
+impl RedisConnector {
+    /// Parses `settings`; `None` in local-only mode. Connects to nothing.
+    ///
+    /// # Errors
+    /// When a URL cannot be used (config validation already checked them).
+    pub fn new(settings: &RedisSettings) -> RedisResult<Option<Self>> {
+        let target = match &settings.target {
+            RedisTarget::LocalOnly => return Ok(None),
+            RedisTarget::Single(url) => Target::Single(redis::Client::open(url.as_str())?),
+            RedisTarget::Cluster(nodes) => Target::Cluster(
+                redis::cluster::ClusterClient::builder(nodes.clone())
+                    .connection_timeout(settings.connect_timeout)
+                    .response_timeout(settings.connect_timeout)
+                    .build()?,
+            ),
+        };
+        Ok(Some(Self {
+            target,
+            timeout: settings.timeout,
+            connect_timeout: settings.connect_timeout,
+        }))
+    }
+
+    /// A bucket client with its own connection, driven by the runtime of
+    /// the calling thread (call it on the worker that will use it).
     ///
     /// Never waits for Redis: a single server is connected on first use and
     /// reconnected in the background; a cluster is connected by a background
     /// task that retries until it succeeds. Until then calls fail fast with
     /// [`BucketError::NotConnected`].
-    ///
-    /// # Errors
-    /// When a URL cannot be parsed (config validation already checked them).
-    pub fn connect(
-        settings: &RedisSettings,
-        metrics: Metrics,
-        clock: SharedClock,
-    ) -> RedisResult<Option<Self>> {
+    pub fn bucket(&self, metrics: Metrics, clock: SharedClock) -> RedisBucket {
         let conn = Arc::new(ArcSwapOption::empty());
-        match &settings.target {
-            RedisTarget::LocalOnly => return Ok(None),
-            RedisTarget::Single(url) => {
+        match &self.target {
+            Target::Single(client) => {
                 let config = ConnectionManagerConfig::new()
                     .set_number_of_retries(1)
                     .set_max_delay(Duration::from_millis(200))
-                    .set_connection_timeout(Some(settings.connect_timeout))
-                    .set_response_timeout(Some(settings.connect_timeout));
-                let manager =
-                    redis::Client::open(url.as_str())?.get_connection_manager_lazy(config)?;
+                    .set_connection_timeout(Some(self.connect_timeout))
+                    .set_response_timeout(Some(self.connect_timeout));
+                // unwrap: a lazy manager only fails for push/resubscribe
+                // settings, which are never set here.
+                let manager = client
+                    .get_connection_manager_lazy(config)
+                    .expect("a lazy connection manager without push settings");
                 conn.store(Some(Arc::new(Conn::Single(manager))));
             }
-            RedisTarget::Cluster(nodes) => {
-                let client = redis::cluster::ClusterClient::builder(nodes.clone())
-                    .connection_timeout(settings.connect_timeout)
-                    .response_timeout(settings.connect_timeout)
-                    .build()?;
-                let slot = conn.clone();
+            Target::Cluster(client) => {
+                let (client, slot) = (client.clone(), conn.clone());
                 actix_web::rt::spawn(async move {
                     let mut backoff = Duration::from_millis(100);
                     loop {
@@ -102,14 +123,29 @@ impl RedisBucket {
                 });
             }
         }
-        Ok(Some(Self {
+        RedisBucket {
             conn,
-            timeout: settings.timeout,
+            timeout: self.timeout,
             metrics,
             clock,
-        }))
+        }
     }
+}
 
+/// Client for token buckets held in Redis.
+#[derive(Clone)]
+pub struct RedisBucket {
+    /// The connection once established; `None` while a cluster is unreachable.
+    conn: Arc<ArcSwapOption<Conn>>,
+    /// Bound on one script call.
+    timeout: Duration,
+    /// Round-trip histogram.
+    metrics: Metrics,
+    /// Source of call timings.
+    clock: SharedClock,
+}
+
+impl RedisBucket {
     /// Refills `key`'s bucket and tries to take `cost` tokens, atomically.
     ///
     /// # Errors

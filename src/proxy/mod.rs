@@ -16,8 +16,6 @@ pub mod forward;
 pub mod headers;
 pub mod route;
 
-use std::sync::Arc;
-
 use actix_web::http::header::HeaderName;
 use actix_web::{HttpRequest, HttpResponse, web};
 
@@ -40,8 +38,6 @@ pub struct ProxyState {
     pub routes: RouteTable,
     /// Rules in force.
     pub rules: RulesHandle,
-    /// The limiter.
-    pub limiter: Arc<Limiter>,
     /// Series outside any route.
     pub metrics: Metrics,
     /// Times upstream calls.
@@ -58,6 +54,7 @@ async fn handle(
     req: HttpRequest,
     payload: web::Payload,
     state: web::Data<ProxyState>,
+    limiter: web::Data<Limiter>,
     forwarder: web::Data<Forwarder>,
 ) -> HttpResponse {
     let Some(route) = state.routes.find(req.method(), req.path()) else {
@@ -83,7 +80,7 @@ async fn handle(
         .snapshot()
         .limit_for(tenant.as_str(), route.spec.id.as_str());
     let key = BucketKey::new(&tenant, &route.spec.id);
-    let verdict = state.limiter.check(&key, limit, route.spec.cost).await;
+    let verdict = limiter.check(&key, limit, route.spec.cost).await;
     let headers = RateLimitHeaders::new(route.spec.id.as_str(), &verdict);
     if !verdict.decision.allowed {
         route.metrics.request(Outcome::Rejected);
