@@ -145,7 +145,9 @@ pub async fn run(
     let core = limiter.clone();
     let proxy = HttpServer::new(move || {
         // Per worker: its own upstream pool and Redis connection.
-        let redis = redis.as_ref().map(|r| r.bucket(metrics.clone(), clock.clone()));
+        let redis = redis
+            .as_ref()
+            .map(|r| r.bucket(metrics.clone(), clock.clone()));
         App::new()
             .app_data(proxy_state.clone())
             .app_data(web::Data::new(Limiter::new(redis, core.clone())))

@@ -30,12 +30,9 @@ async fn parallel_script_calls_from_separate_connections_never_overspend() {
         connect_timeout: std::time::Duration::from_secs(1),
     };
     // Four clients, each with its own connection, like four gateways.
+    let connector = RedisConnector::new(&settings).unwrap().unwrap();
     let clients: Vec<RedisBucket> = (0..4)
-        .map(|_| {
-            RedisBucket::connect(&settings, Metrics::new(), clock.clone())
-                .unwrap()
-                .unwrap()
-        })
+        .map(|_| connector.bucket(Metrics::new(), clock.clone()))
         .collect();
     let key = BucketKey::new(
         &TenantId::parse("racer").unwrap(),
