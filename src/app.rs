@@ -73,21 +73,33 @@ impl Listeners {
     }
 }
 
-/// Checks what the config file only names: the rules source. Returns the
-/// number of rules found.
+/// Checks what the config file only names: the rules file, when rules come
+/// from one (a database is not contacted: the gateway serves without it).
+/// Returns a one-line summary of the rule source.
 ///
 /// # Errors
 /// One line per problem.
-pub fn check(config: &Config) -> Result<usize, Vec<String>> {
-    let RuleSource::File(path) = &config.rules.source;
+pub fn check(config: &Config) -> Result<String, Vec<String>> {
+    let path = match &config.rules.source {
+        RuleSource::File(path) => path,
+        RuleSource::Database(_) => return Ok("rules from PostgreSQL".to_owned()),
+    };
     match rules::file::load(path) {
-        Ok(rules) => Ok(rules.len()),
+        Ok(rules) => Ok(format!("{} rules in {}", rules.len(), path.display())),
         Err(rules::file::RuleFileError::Invalid { path, problems }) => Err(problems
             .into_iter()
             .map(|p| format!("{}: {p}", path.display()))
             .collect()),
         Err(e) => Err(vec![e.to_string()]),
     }
+}
+
+/// Applies the SQL migrations to the database at `url`.
+///
+/// # Errors
+/// When the database is unreachable or a migration fails.
+pub async fn migrate(url: &str) -> Result<(), rules::RuleStoreError> {
+    rules::RuleStore::connect_lazy(url)?.migrate().await
 }
 
 /// Runs one gateway until `shutdown` resolves, then drains and stops.
@@ -105,12 +117,8 @@ pub async fn run(
     let metrics = Metrics::new();
     let clock = SystemClock::shared();
 
-    let rules = rules::cache::start(
-        &config.rules.source,
-        config.default_rule.into(),
-        config.rules.watch_interval,
-        metrics.clone(),
-    )?;
+    let rules =
+        rules::cache::start(&config.rules, config.default_rule.into(), metrics.clone()).await?;
 
     let redis = RedisConnector::new(&config.redis).context("cannot set up the Redis client")?;
     match &config.redis.target {
@@ -163,10 +171,11 @@ pub async fn run(
 
     let admin_state = web::Data::new(AdminState {
         prometheus,
-        rules,
+        rules: rules.clone(),
         limiter,
         instance_id: config.instance.id.clone(),
         region: config.instance.region.clone(),
+        token: config.admin.token.clone(),
     });
     let admin = HttpServer::new(move || {
         App::new()
@@ -200,6 +209,7 @@ pub async fn run(
     if let Err(e) = scheduler.shutdown().await {
         tracing::warn!(error = %e, "Scheduled jobs did not stop cleanly.");
     }
+    rules.shutdown().await;
     tracing::info!("Stopped.");
     Ok(())
 }

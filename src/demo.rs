@@ -52,8 +52,9 @@ pub async fn run(mut config: crate::config::Config) -> anyhow::Result<()> {
     use crate::config::{RedisTarget, RuleSource};
     use anyhow::Context as _;
 
-    let RuleSource::File(path) = &config.rules.source;
-    if !path.exists() {
+    if let RuleSource::File(path) = &config.rules.source
+        && !path.exists()
+    {
         let fallback = std::env::temp_dir().join("tollgate-demo-rules.toml");
         std::fs::write(&fallback, SHIPPED_RULES)
             .with_context(|| format!("cannot write {}", fallback.display()))?;
@@ -112,6 +113,7 @@ pub async fn run(mut config: crate::config::Config) -> anyhow::Result<()> {
          Edit the rules file and the change applies within seconds. Ctrl-C stops.\n",
         rules = match &config.rules.source {
             RuleSource::File(p) => p.display().to_string(),
+            RuleSource::Database(_) => "PostgreSQL (rules.database_url)".to_owned(),
         },
     );
 

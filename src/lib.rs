@@ -25,6 +25,8 @@
 //! The binary (`src/main.rs`) only parses the command line and calls
 //! [`app::run`] or [`demo::run`].
 
+#![forbid(unsafe_code)]
+
 pub mod admin;
 pub mod app;
 pub mod bucket;

@@ -3,6 +3,8 @@
 //! Parses arguments, loads and checks configuration (exit code 64 on any
 //! problem, before a port is bound), and hands over to the library.
 
+#![forbid(unsafe_code)]
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -37,6 +39,12 @@ enum Command {
         #[arg(long)]
         config: PathBuf,
     },
+    /// Apply the SQL migrations (rate_limit_rule table and its triggers).
+    Migrate {
+        /// PostgreSQL URL, e.g. postgres://user:password@host:5432/database.
+        #[arg(long)]
+        database_url: String,
+    },
 }
 
 fn main() -> ExitCode {
@@ -47,6 +55,7 @@ fn main() -> ExitCode {
             config::load_file(config, &env)
         }
         Command::Demo => config::load(demo::DEMO_CONFIG, &env),
+        Command::Migrate { database_url } => return migrate(database_url),
     };
     let config = match loaded {
         Ok(config) => config,
@@ -56,7 +65,7 @@ fn main() -> ExitCode {
         Command::CheckConfig { config: path } => match app::check(&config) {
             Ok(rules) => {
                 println!(
-                    "{}: valid ({} routes, {rules} rules)",
+                    "{}: valid ({} routes, {rules})",
                     path.display(),
                     config.routes.len()
                 );
@@ -64,6 +73,7 @@ fn main() -> ExitCode {
             }
             Err(problems) => config_failure(&problems),
         },
+        Command::Migrate { .. } => unreachable!("handled before loading a config"),
         Command::Serve { .. } => serve(config),
         Command::Demo => {
             start_logging(&config);
@@ -90,6 +100,27 @@ fn serve(config: Config) -> ExitCode {
         listeners,
         app::shutdown_signal(),
     )))
+}
+
+/// `tollgate migrate`: applies the migrations and reports the outcome.
+fn migrate(url: &str) -> ExitCode {
+    if let Err(message) = config::database_url(url) {
+        return config_failure(&[format!("--database-url: {message}")]);
+    }
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => return finish(Err(e.into())),
+    };
+    match rt.block_on(app::migrate(url)) {
+        Ok(()) => {
+            println!("Migrations applied.");
+            ExitCode::SUCCESS
+        }
+        Err(e) => finish(Err(e.into())),
+    }
 }
 
 fn start_logging(config: &Config) {

@@ -3,6 +3,8 @@
 
 #![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
 
+mod common;
+
 use std::process::Command;
 
 fn tollgate() -> Command {
@@ -98,4 +100,33 @@ fn missing_config_file_exits_64() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(64));
+}
+
+#[test]
+fn migrate_creates_the_rules_table_and_can_run_again() {
+    let db = common::TestDatabase::create();
+    for _ in 0..2 {
+        let out = tollgate()
+            .args(["migrate", "--database-url", &db.url()])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    assert_eq!(
+        db.sql(
+            "SELECT string_agg(event_manipulation, ',' ORDER BY event_manipulation) \
+             FROM information_schema.triggers WHERE trigger_name = 'rate_limit_rule_notify'"
+        ),
+        "DELETE,INSERT,UPDATE",
+        "insert, update and delete each fire the notify trigger"
+    );
+    let bad = tollgate()
+        .args(["migrate", "--database-url", "mysql://nope"])
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(64));
 }

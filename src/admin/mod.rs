@@ -1,9 +1,13 @@
-//! The admin listener: liveness, readiness and metrics.
+//! The admin listener: liveness, readiness, metrics and the rules API.
 //!
-//! Owns `/live`, `/ready` and `/metrics` on `server.admin_listen`, a port
-//! apart from the proxy so operators and scrapers never compete with tenant
-//! traffic. Handlers only read published state (rule snapshot, limiter
-//! health); they never change it.
+//! Owns `/live`, `/ready`, `/metrics` and `/admin/rules…` ([`rules`]) on
+//! `server.admin_listen`, a port apart from the proxy so operators and
+//! scrapers never compete with tenant traffic. Health handlers only read
+//! published state (rule snapshot, limiter health); rule writes go to the
+//! database, never to the snapshot directly.
+
+pub mod error;
+pub mod rules;
 
 use std::sync::Arc;
 
@@ -28,13 +32,16 @@ pub struct AdminState {
     pub instance_id: String,
     /// This instance's region, if any.
     pub region: Option<String>,
+    /// Bearer token for writes; `None` disables writes.
+    pub token: Option<String>,
 }
 
 /// Adds the admin routes to an actix `App`.
 pub fn configure(cfg: &mut web::ServiceConfig) {
     cfg.route("/live", web::get().to(live))
         .route("/ready", web::get().to(ready))
-        .route("/metrics", web::get().to(metrics));
+        .route("/metrics", web::get().to(metrics))
+        .configure(rules::configure);
 }
 
 /// 200 whenever the process serves HTTP.
@@ -56,6 +63,7 @@ async fn ready(state: web::Data<AdminState>) -> HttpResponse {
         "live_instances": state.limiter.instances().get(),
         "rules": {
             "count": rules.len(),
+            "store": if state.rules.store().is_some() { "database" } else { "file" },
             "source": origin.source,
             "loaded_at_unix": origin.loaded_at_unix,
             "age_seconds": unix_now_seconds().saturating_sub(origin.loaded_at_unix),

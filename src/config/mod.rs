@@ -27,6 +27,7 @@ use raw::{RawConfig, RawRoute};
 pub use settings::{
     AdminSettings, Config, InstanceSettings, LimitSettings, LogSettings, RedisSettings,
     RedisTarget, RouteSpec, RuleSource, RulesSettings, ServerSettings, UpstreamSettings,
+    database_url,
 };
 
 /// Prefix of environment variables that override config keys.

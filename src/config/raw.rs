@@ -92,6 +92,8 @@ pub(crate) struct RawRules {
     pub(crate) file: String,
     pub(crate) refresh_seconds: i64,
     pub(crate) watch_interval_ms: i64,
+    pub(crate) snapshot_file: String,
+    pub(crate) migrate_on_start: bool,
 }
 
 impl Default for RawRules {
@@ -101,6 +103,8 @@ impl Default for RawRules {
             file: "config/rules.toml".into(),
             refresh_seconds: 30,
             watch_interval_ms: 1000,
+            snapshot_file: "tollgate-rules-snapshot.json".into(),
+            migrate_on_start: true,
         }
     }
 }

@@ -90,6 +90,9 @@ pub struct RedisSettings {
 pub enum RuleSource {
     /// A TOML rules file, reloaded when it changes.
     File(PathBuf),
+    /// The `rate_limit_rule` table of a PostgreSQL database, followed with
+    /// `LISTEN`.
+    Database(String),
 }
 
 /// `[rules]`.
@@ -101,6 +104,11 @@ pub struct RulesSettings {
     pub refresh: Duration,
     /// How often the rules file is checked for changes.
     pub watch_interval: Duration,
+    /// Where the last rules loaded from the database are saved, to serve
+    /// from when the database is down at start; `None` disables it.
+    pub snapshot_file: Option<PathBuf>,
+    /// Whether `serve` applies the SQL migrations before loading rules.
+    pub migrate_on_start: bool,
 }
 
 /// A capacity and refill pair, both > 0 and within `i32`.
@@ -260,23 +268,31 @@ pub(crate) fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
         ),
     };
 
-    if !raw.rules.database_url.is_empty() {
-        c.bad(
-            "rules.database_url",
-            "PostgreSQL rules are not supported by this build; leave it empty and use rules.file",
-        );
-    }
-    if raw.rules.file.trim().is_empty() {
-        c.bad("rules.file", "must name a rules file");
-    }
+    let source = if raw.rules.database_url.is_empty() {
+        if raw.rules.file.trim().is_empty() {
+            c.bad(
+                "rules.file",
+                "must name a rules file when rules.database_url is empty",
+            );
+        }
+        RuleSource::File(PathBuf::from(&raw.rules.file))
+    } else {
+        if let Err(message) = database_url(&raw.rules.database_url) {
+            c.bad("rules.database_url", message);
+        }
+        RuleSource::Database(raw.rules.database_url.clone())
+    };
     let rules = RulesSettings {
-        source: RuleSource::File(PathBuf::from(&raw.rules.file)),
+        source,
         refresh: c.seconds("rules.refresh_seconds", raw.rules.refresh_seconds, 86_400),
         watch_interval: c.millis(
             "rules.watch_interval_ms",
             raw.rules.watch_interval_ms,
             60_000,
         ),
+        snapshot_file: Some(PathBuf::from(&raw.rules.snapshot_file))
+            .filter(|p| !p.as_os_str().is_empty()),
+        migrate_on_start: raw.rules.migrate_on_start,
     };
 
     let default_rule = c.limit("default_rule", &raw.default_rule);
@@ -400,6 +416,22 @@ fn redis_target(c: &mut Check, url: &str, nodes: &[String]) -> RedisTarget {
         c.bad("redis.url", format!("not a usable Redis URL: {e}"));
     }
     RedisTarget::Single(url.to_owned())
+}
+
+/// Checks a PostgreSQL URL's form (the server is not contacted).
+///
+/// # Errors
+/// A message saying what is wrong.
+pub fn database_url(url: &str) -> Result<(), String> {
+    let rest = url
+        .strip_prefix("postgres://")
+        .or_else(|| url.strip_prefix("postgresql://"))
+        .ok_or_else(|| format!("expected postgres://user@host:port/database, found {url:?}"))?;
+    let host = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
+    if host.split(['/', '?']).next().unwrap_or("").is_empty() {
+        return Err(format!("no host in {url:?}"));
+    }
+    Ok(())
 }
 
 /// Validates one route entry; `None` when it is unusable.

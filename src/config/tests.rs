@@ -216,3 +216,29 @@ fn path_prefixes_are_normalised() {
     .unwrap();
     assert_eq!(config.routes[0].path_prefix, "/orders");
 }
+
+#[test]
+fn a_database_url_switches_rules_to_postgresql() {
+    let config = load(
+        MINIMAL,
+        &env(&[
+            (
+                "TOLLGATE__RULES__DATABASE_URL",
+                "postgres://gw@127.0.0.1:5432/gw",
+            ),
+            ("TOLLGATE__RULES__MIGRATE_ON_START", "false"),
+            ("TOLLGATE__RULES__SNAPSHOT_FILE", ""),
+        ]),
+    )
+    .unwrap();
+    assert_eq!(
+        config.rules.source,
+        RuleSource::Database("postgres://gw@127.0.0.1:5432/gw".into())
+    );
+    assert!(!config.rules.migrate_on_start);
+    assert!(config.rules.snapshot_file.is_none());
+
+    let bad = problems(MINIMAL, &[("TOLLGATE__RULES__DATABASE_URL", "mysql://x/y")]);
+    assert_eq!(bad.len(), 1);
+    assert!(bad[0].starts_with("rules.database_url:"), "{bad:?}");
+}

@@ -1,28 +1,53 @@
 //! The rule cache actor and the handle the rest of the gateway uses.
 //!
 //! Owns the published rule snapshot. The `RuleCache` actor is the only
-//! writer: it reloads when the rules file changes (checked every
-//! `rules.watch_interval_ms`) and when asked through [`RulesHandle::reload`]
-//! (the periodic safety-net job). Request handlers read the snapshot through
+//! writer. Request handlers read the snapshot through
 //! [`RulesHandle::snapshot`], an atomic pointer load: no lock, no mailbox.
+//!
+//! Sources:
+//! - **file**: the file is checked every `rules.watch_interval_ms` and
+//!   reloaded when it changed;
+//! - **database**: a listener task follows `NOTIFY tollgate_rules` and hands
+//!   each change to the actor, which batches changes arriving within
+//!   [`BATCH_WINDOW`] into one new snapshot. Every time the listener
+//!   (re)connects it asks for a full reload, so changes made while it was
+//!   away are never lost. Each snapshot loaded from the database is saved to
+//!   `rules.snapshot_file`; a gateway that starts while the database is down
+//!   serves that copy (or only the default rule when there is none) and
+//!   keeps retrying.
+//!
+//! Both sources are also reloaded in full by [`RulesHandle::reload`], which
+//! the periodic safety-net job calls.
 //!
 //! Invariant: a failed reload never replaces the snapshot in force.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use actix::{Actor, Addr, AsyncContext, Context, Handler, Message};
+use actix::fut::{ActorFutureExt, WrapFuture};
+use actix::{
+    Actor, Addr, AsyncContext, AtomicResponse, Context, Handler, Message, ResponseActFuture,
+};
 use arc_swap::{ArcSwap, Guard};
+use sqlx::postgres::PgListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
 
 use super::file::{self, FileFingerprint, RuleFileError};
-use super::model::{Limit, RuleSet, SnapshotOrigin};
+use super::model::{Limit, Rule, RuleSet, SnapshotOrigin};
+use super::pg::{CHANNEL, Change, RuleStore, RuleStoreError};
+use super::snapshot;
 use crate::clock::unix_now_seconds;
-use crate::config::RuleSource;
+use crate::config::{RuleSource, RulesSettings};
 use crate::telemetry::Metrics;
 
 /// How long a caller waits for the cache to answer a reload request.
 const RELOAD_TIMEOUT: Duration = Duration::from_secs(10);
+/// Changes arriving within this window are applied as one new snapshot.
+pub const BATCH_WINDOW: Duration = Duration::from_millis(20);
+/// First and longest pause between attempts to re-subscribe to changes.
+const LISTEN_BACKOFF: (Duration, Duration) = (Duration::from_millis(100), Duration::from_secs(5));
 
 /// Why rules could not be (re)loaded.
 #[derive(Debug, thiserror::Error)]
@@ -30,6 +55,9 @@ pub enum RulesError {
     /// The rules file is unreadable or invalid.
     #[error(transparent)]
     File(#[from] RuleFileError),
+    /// The database failed.
+    #[error(transparent)]
+    Store(#[from] RuleStoreError),
     /// The cache actor did not answer.
     #[error("rule cache is not answering")]
     Unavailable,
@@ -42,12 +70,44 @@ pub struct RulesHandle {
     snapshot: Arc<ArcSwap<RuleSet>>,
     /// The writer.
     cache: Addr<RuleCache>,
+    /// The database, when rules come from one.
+    store: Option<RuleStore>,
+    /// Tells the change listener to stop.
+    stop: Arc<watch::Sender<bool>>,
+    /// The change listener task, until it is stopped.
+    follower: Arc<Mutex<Option<JoinHandle<()>>>>,
 }
 
 impl RulesHandle {
     /// The rules in force now; cheap enough for every request.
     pub fn snapshot(&self) -> Guard<Arc<RuleSet>> {
         self.snapshot.load()
+    }
+
+    /// The database the rules come from; `None` in file mode.
+    pub fn store(&self) -> Option<&RuleStore> {
+        self.store.as_ref()
+    }
+
+    /// Stops following database changes and closes the database pool, so
+    /// no connection outlives the runtime.
+    pub async fn shutdown(&self) {
+        let _ = self.stop.send(true);
+        let task = self
+            .follower
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(task) = task {
+            let _ = task.await;
+        }
+        if let Some(store) = &self.store
+            && tokio::time::timeout(Duration::from_secs(2), store.close())
+                .await
+                .is_err()
+        {
+            tracing::warn!("Database connections did not close within 2 s.");
+        }
     }
 
     /// Reloads every rule from the source now.
@@ -64,89 +124,313 @@ impl RulesHandle {
 
 /// Loads the rules once and starts the cache actor on the current arbiter.
 ///
+/// In database mode this never fails for an unreachable database: it falls
+/// back to the saved snapshot or the default rule and keeps retrying.
+///
 /// # Errors
-/// [`RulesError`] when the initial load fails; nothing is started then.
-pub fn start(
-    source: &RuleSource,
+/// [`RulesError`] when the rules file is invalid, or the database URL cannot
+/// be used; nothing is started then.
+pub async fn start(
+    settings: &RulesSettings,
     default: Limit,
-    watch_interval: Duration,
     metrics: Metrics,
 ) -> Result<RulesHandle, RulesError> {
-    let RuleSource::File(path) = source;
-    let fingerprint = FileFingerprint::of(path);
-    let first = read(path, default)?;
-    metrics.rule_reload(Some(first.len()));
-    tracing::info!(rules = first.len(), file = %path.display(), "Rules loaded.");
+    let (source, first, store) = match &settings.source {
+        RuleSource::File(path) => {
+            let fingerprint = FileFingerprint::of(path);
+            let first = read_file(path, default)?;
+            metrics.rule_reload(Some(first.len()));
+            tracing::info!(rules = first.len(), file = %path.display(), "Rules loaded.");
+            let source = Source::File {
+                path: path.clone(),
+                fingerprint,
+            };
+            (source, first, None)
+        }
+        RuleSource::Database(url) => {
+            let store = RuleStore::connect_lazy(url)?;
+            let mut migrate_pending = settings.migrate_on_start;
+            let first = first_database_load(
+                &store,
+                &mut migrate_pending,
+                settings.snapshot_file.as_deref(),
+                default,
+                &metrics,
+            )
+            .await;
+            let source = Source::Database {
+                store: store.clone(),
+                migrate_pending,
+                saver: SnapshotSaver::new(settings.snapshot_file.clone()),
+            };
+            (source, first, Some(store))
+        }
+    };
     let snapshot = Arc::new(ArcSwap::from_pointee(first));
     let cache = RuleCache {
-        path: path.clone(),
-        fingerprint,
+        source,
         default,
         snapshot: snapshot.clone(),
-        watch_interval,
+        watch_interval: settings.watch_interval,
         metrics,
+        pending: Vec::new(),
     }
     .start();
-    Ok(RulesHandle { snapshot, cache })
+    let (stop, stopped) = watch::channel(false);
+    let follower = store
+        .as_ref()
+        .map(|s| actix::spawn(follow_changes(s.url().to_owned(), cache.clone(), stopped)));
+    Ok(RulesHandle {
+        snapshot,
+        cache,
+        store,
+        stop: Arc::new(stop),
+        follower: Arc::new(Mutex::new(follower)),
+    })
 }
 
-/// Reads the file into a snapshot.
-fn read(path: &Path, default: Limit) -> Result<RuleSet, RuleFileError> {
-    let rules = file::load(path)?;
-    let origin = SnapshotOrigin {
-        source: "file",
+/// The first load in database mode: the database, else the saved snapshot,
+/// else nothing but the default rule.
+async fn first_database_load(
+    store: &RuleStore,
+    migrate_pending: &mut bool,
+    snapshot_file: Option<&Path>,
+    default: Limit,
+    metrics: &Metrics,
+) -> RuleSet {
+    match load_database(store, *migrate_pending).await {
+        Ok(rules) => {
+            *migrate_pending = false;
+            let set = RuleSet::new(rules, default, origin("database"));
+            metrics.rule_reload(Some(set.len()));
+            tracing::info!(rules = set.len(), "Rules loaded from PostgreSQL.");
+            SnapshotSaver::new(snapshot_file.map(Path::to_path_buf)).save(Arc::new(set.clone()));
+            set
+        }
+        Err(e) => {
+            metrics.rule_reload(None);
+            let saved = snapshot_file.map(snapshot::load);
+            match saved {
+                Some(Ok((rules, loaded_at_unix))) => {
+                    let origin = SnapshotOrigin {
+                        source: "snapshot",
+                        loaded_at_unix,
+                    };
+                    let set = RuleSet::new(rules, default, origin);
+                    tracing::warn!(
+                        error = %e,
+                        rules = set.len(),
+                        "PostgreSQL is unreachable; serving the saved rule snapshot and retrying."
+                    );
+                    set
+                }
+                other => {
+                    let reason = match other {
+                        Some(Err(snap)) => snap.to_string(),
+                        _ => "no snapshot file is configured".to_owned(),
+                    };
+                    tracing::error!(
+                        error = %e,
+                        snapshot = %reason,
+                        "PostgreSQL is unreachable and no saved rules exist; every tenant gets the default rule until it answers."
+                    );
+                    RuleSet::new(Vec::new(), default, origin("default"))
+                }
+            }
+        }
+    }
+}
+
+/// Migrates when asked, then reads every rule.
+async fn load_database(store: &RuleStore, migrate: bool) -> Result<Vec<Rule>, RuleStoreError> {
+    if migrate {
+        store.migrate().await?;
+    }
+    store.load_all().await
+}
+
+/// Reads the rules file into a snapshot.
+fn read_file(path: &Path, default: Limit) -> Result<RuleSet, RuleFileError> {
+    Ok(RuleSet::new(file::load(path)?, default, origin("file")))
+}
+
+/// Provenance stamped now.
+fn origin(source: &'static str) -> SnapshotOrigin {
+    SnapshotOrigin {
+        source,
         loaded_at_unix: unix_now_seconds(),
-    };
-    Ok(RuleSet::new(rules, default, origin))
+    }
+}
+
+/// Where the actor reads rules from.
+enum Source {
+    /// A TOML file.
+    File {
+        /// The file.
+        path: PathBuf,
+        /// Its fingerprint at the last read attempt.
+        fingerprint: Option<FileFingerprint>,
+    },
+    /// The `rate_limit_rule` table.
+    Database {
+        /// Queries.
+        store: RuleStore,
+        /// Migrations still to apply before the next load.
+        migrate_pending: bool,
+        /// Writes the on-disk copy.
+        saver: SnapshotSaver,
+    },
+}
+
+/// Saves snapshots off the actor's thread, never letting an older one
+/// overwrite a newer one.
+#[derive(Clone)]
+struct SnapshotSaver {
+    /// Target file; `None` disables saving.
+    path: Option<PathBuf>,
+    /// Generation of the last save started, and of the last one written.
+    generations: Arc<Mutex<(u64, u64)>>,
+}
+
+impl SnapshotSaver {
+    fn new(path: Option<PathBuf>) -> Self {
+        Self {
+            path,
+            generations: Arc::new(Mutex::new((0, 0))),
+        }
+    }
+
+    /// Writes `set` in the background.
+    fn save(&self, set: Arc<RuleSet>) {
+        let Some(path) = self.path.clone() else {
+            return;
+        };
+        let generations = self.generations.clone();
+        let generation = {
+            let mut g = generations.lock().unwrap_or_else(PoisonError::into_inner);
+            g.0 += 1;
+            g.0
+        };
+        tokio::task::spawn_blocking(move || {
+            let mut g = generations.lock().unwrap_or_else(PoisonError::into_inner);
+            if generation < g.1 {
+                return;
+            }
+            match snapshot::save(&path, &set) {
+                Ok(()) => g.1 = generation,
+                Err(e) => {
+                    tracing::warn!(error = %e, file = %path.display(), "Cannot save the rule snapshot.")
+                }
+            }
+        });
+    }
 }
 
 /// The actor that owns rule reloading.
 struct RuleCache {
-    /// The rules file.
-    path: PathBuf,
-    /// The file's fingerprint at the last read attempt.
-    fingerprint: Option<FileFingerprint>,
+    /// Where rules come from.
+    source: Source,
     /// Limit for pairs without a rule.
     default: Limit,
     /// Where snapshots are published.
     snapshot: Arc<ArcSwap<RuleSet>>,
-    /// How often to look at the file.
+    /// How often to look at the rules file.
     watch_interval: Duration,
     /// Reload counters.
     metrics: Metrics,
+    /// Database changes not yet applied.
+    pending: Vec<Change>,
 }
 
 impl RuleCache {
-    /// Reads the file and publishes it; keeps the old snapshot on failure.
-    fn reload(&mut self) -> Result<usize, RuleFileError> {
-        self.fingerprint = FileFingerprint::of(&self.path);
-        match read(&self.path, self.default) {
-            Ok(set) => {
-                let n = set.len();
-                self.snapshot.store(Arc::new(set));
-                self.metrics.rule_reload(Some(n));
-                Ok(n)
+    /// Replaces the snapshot with `set` and records the reload.
+    fn publish(&mut self, set: RuleSet) -> usize {
+        let n = set.len();
+        let set = Arc::new(set);
+        self.snapshot.store(set.clone());
+        self.metrics.rule_reload(Some(n));
+        if let Source::Database { saver, .. } = &self.source {
+            saver.save(set);
+        }
+        n
+    }
+
+    /// A full reload from the source, published when it succeeds.
+    fn full_reload(&mut self) -> ResponseActFuture<Self, Result<usize, RulesError>> {
+        let default = self.default;
+        match &mut self.source {
+            Source::File { path, fingerprint } => {
+                *fingerprint = FileFingerprint::of(path);
+                let result = read_file(path, default);
+                let result = match result {
+                    Ok(set) => Ok(self.publish(set)),
+                    Err(e) => {
+                        self.metrics.rule_reload(None);
+                        Err(e.into())
+                    }
+                };
+                Box::pin(actix::fut::ready(result))
             }
-            Err(e) => {
-                self.metrics.rule_reload(None);
-                Err(e)
+            Source::Database {
+                store,
+                migrate_pending,
+                ..
+            } => {
+                let (store, migrate) = (store.clone(), *migrate_pending);
+                Box::pin(
+                    async move { load_database(&store, migrate).await }
+                        .into_actor(self)
+                        .map(move |result, cache, _| match result {
+                            Ok(rules) => {
+                                if let Source::Database {
+                                    migrate_pending, ..
+                                } = &mut cache.source
+                                {
+                                    *migrate_pending = false;
+                                }
+                                Ok(cache.publish(RuleSet::new(rules, default, origin("database"))))
+                            }
+                            Err(e) => {
+                                cache.metrics.rule_reload(None);
+                                Err(e.into())
+                            }
+                        }),
+                )
             }
         }
     }
 
-    /// Reloads when the file's fingerprint changed since the last attempt.
-    fn poll_file(&mut self) {
-        if FileFingerprint::of(&self.path) == self.fingerprint {
+    /// Reloads the file when its fingerprint changed since the last attempt.
+    fn poll_file(&mut self, ctx: &mut Context<Self>) {
+        let Source::File { path, fingerprint } = &self.source else {
+            return;
+        };
+        if FileFingerprint::of(path) == *fingerprint {
             return;
         }
-        match self.reload() {
-            Ok(n) => {
-                tracing::info!(rules = n, file = %self.path.display(), "Rules file changed; rules reloaded.")
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "Rules file changed but is invalid; the previous rules stay in force.")
+        let file = path.display().to_string();
+        ctx.wait(self.full_reload().map(move |result, _, _| match result {
+            Ok(n) => tracing::info!(rules = n, file, "Rules file changed; rules reloaded."),
+            Err(e) => tracing::error!(error = %e, "Rules file changed but is invalid; the previous rules stay in force."),
+        }));
+    }
+
+    /// Applies every pending database change as one new snapshot.
+    fn flush(&mut self) {
+        if self.pending.is_empty() {
+            return;
+        }
+        let mut next = RuleSet::clone(&self.snapshot.load());
+        for change in self.pending.drain(..) {
+            match change {
+                Change::Upsert(rule) => next.upsert(&rule),
+                Change::Delete(tenant, route) => next.remove(&tenant, &route),
+                Change::Reload => {}
             }
         }
+        next.set_origin(origin("database"));
+        let n = self.publish(next);
+        tracing::debug!(rules = n, "Rule changes applied.");
     }
 }
 
@@ -154,7 +438,9 @@ impl Actor for RuleCache {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Self::Context) {
-        ctx.run_interval(self.watch_interval, |cache, _| cache.poll_file());
+        if let Source::File { .. } = &self.source {
+            ctx.run_interval(self.watch_interval, Self::poll_file);
+        }
     }
 }
 
@@ -164,9 +450,117 @@ impl Actor for RuleCache {
 struct Reload;
 
 impl Handler<Reload> for RuleCache {
-    type Result = Result<usize, RulesError>;
+    type Result = AtomicResponse<Self, Result<usize, RulesError>>;
 
     fn handle(&mut self, _: Reload, _: &mut Context<Self>) -> Self::Result {
-        self.reload().map_err(RulesError::from)
+        AtomicResponse::new(self.full_reload())
     }
+}
+
+/// The change listener (re)subscribed: reload everything, since changes
+/// made while it was away were not announced to it.
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Resync;
+
+impl Handler<Resync> for RuleCache {
+    type Result = AtomicResponse<Self, ()>;
+
+    fn handle(&mut self, _: Resync, _: &mut Context<Self>) -> Self::Result {
+        AtomicResponse::new(Box::pin(self.full_reload().map(|result, _, _| match result {
+            Ok(n) => tracing::info!(rules = n, "Following rule changes in PostgreSQL; all rules reloaded."),
+            Err(e) => tracing::warn!(error = %e, "Rule resync failed; the previous rules stay in force."),
+        })))
+    }
+}
+
+/// One announced database change.
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Notified(Change);
+
+impl Handler<Notified> for RuleCache {
+    type Result = ();
+
+    fn handle(&mut self, Notified(change): Notified, ctx: &mut Context<Self>) {
+        if change == Change::Reload {
+            ctx.notify(Resync);
+            return;
+        }
+        if self.pending.is_empty() {
+            ctx.run_later(BATCH_WINDOW, |cache, _| cache.flush());
+        }
+        self.pending.push(change);
+    }
+}
+
+/// Follows `NOTIFY tollgate_rules` until `stop` says so, re-subscribing
+/// with backoff whenever the connection is lost.
+async fn follow_changes(url: String, cache: Addr<RuleCache>, mut stop: watch::Receiver<bool>) {
+    let (min, max) = LISTEN_BACKOFF;
+    let mut backoff = min;
+    let mut announced_down = false;
+    loop {
+        let subscribed = tokio::select! {
+            _ = stop.changed() => return,
+            s = subscribe(&url) => s,
+        };
+        match subscribed {
+            Ok(mut listener) => {
+                backoff = min;
+                announced_down = false;
+                if cache.send(Resync).await.is_err() {
+                    return;
+                }
+                loop {
+                    let received = tokio::select! {
+                        _ = stop.changed() => return,
+                        r = listener.try_recv() => r,
+                    };
+                    match received {
+                        Ok(Some(note)) => match Change::parse(note.payload()) {
+                            Some(change) => {
+                                if cache.send(Notified(change)).await.is_err() {
+                                    return;
+                                }
+                            }
+                            None => tracing::warn!(
+                                payload = note.payload(),
+                                "Ignoring an unknown rule notification."
+                            ),
+                        },
+                        Ok(None) => {
+                            tracing::warn!("Lost the PostgreSQL change feed; re-subscribing.");
+                            break;
+                        }
+                        Err(e) => {
+                            tracing::warn!(error = %e, "PostgreSQL change feed failed; re-subscribing.");
+                            break;
+                        }
+                    }
+                }
+            }
+            Err(e) => {
+                if !announced_down {
+                    tracing::warn!(error = %e, "Cannot follow rule changes: PostgreSQL unreachable; retrying.");
+                    announced_down = true;
+                }
+            }
+        }
+        if !cache.connected() {
+            return;
+        }
+        tokio::select! {
+            _ = stop.changed() => return,
+            () = tokio::time::sleep(backoff) => {}
+        }
+        backoff = (backoff * 2).min(max);
+    }
+}
+
+/// A listener subscribed to [`CHANNEL`].
+async fn subscribe(url: &str) -> Result<PgListener, sqlx::Error> {
+    let mut listener = PgListener::connect(url).await?;
+    listener.listen(CHANNEL).await?;
+    Ok(listener)
 }

@@ -1,11 +1,15 @@
 //! Per-tenant rules: model, sources and the published cache.
 //!
 //! The request path only ever sees [`RulesHandle::snapshot`]; loading,
-//! watching and reloading happen in [`cache`], off the request path.
+//! watching, following PostgreSQL and reloading happen in [`cache`], off
+//! the request path.
 
 pub mod cache;
 pub mod file;
 pub mod model;
+pub mod pg;
+pub mod snapshot;
 
 pub use cache::{RulesError, RulesHandle};
 pub use model::{Limit, Rule, RuleSet};
+pub use pg::{RuleStore, RuleStoreError, StoredRule};

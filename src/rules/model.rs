@@ -1,14 +1,19 @@
 //! Rules and the immutable snapshot the request path reads.
 //!
-//! Owns [`Limit`], [`Rule`] and [`RuleSet`]. A `RuleSet` is built once per
-//! load and never mutated; the cache swaps whole snapshots, so a lookup is a
-//! pair of hash probes with no lock and no allocation.
+//! Owns [`Limit`], [`Rule`] and [`RuleSet`]. A `RuleSet` is built per load
+//! and never changed once published; the cache swaps whole snapshots, so a
+//! lookup is one hash probe with no lock and no allocation (the composite
+//! key is assembled in a stack buffer).
+//!
+//! Memory: one map entry per rule, keyed `tenant/route` (`/` never occurs in
+//! an id), so 100,000 rules stay in the low tens of MB.
 
 use std::collections::HashMap;
 use std::num::NonZeroU32;
+use std::sync::Arc;
 
 use crate::config::LimitSettings;
-use crate::key::{RouteId, TenantId};
+use crate::key::{MAX_ID_LEN, RouteId, TenantId};
 
 /// A rate limit: bucket size and refill rate, both > 0.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,23 +45,25 @@ pub struct Rule {
 }
 
 /// Where a snapshot came from, for `/ready`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SnapshotOrigin {
-    /// Source kind, e.g. `file`.
+    /// Source kind: `file`, `database`, `snapshot` (saved copy) or
+    /// `default` (nothing loaded yet).
     pub source: &'static str,
-    /// Unix seconds when the rules were read.
+    /// Unix seconds when the rules were read from that source.
     pub loaded_at_unix: u64,
 }
+
+/// Separator of the composite key; not in the id charset.
+const SEP: u8 = b'/';
 
 /// All rules in force, plus the default for pairs without one.
 #[derive(Debug, Clone)]
 pub struct RuleSet {
-    /// tenant → route → limit.
-    by_tenant: HashMap<TenantId, HashMap<RouteId, Limit>>,
+    /// `tenant/route` → limit.
+    rules: HashMap<Arc<str>, Limit>,
     /// Limit for pairs without a rule.
     default: Limit,
-    /// Number of explicit rules.
-    len: usize,
     /// Provenance.
     origin: SnapshotOrigin,
 }
@@ -68,20 +75,33 @@ impl RuleSet {
         default: Limit,
         origin: SnapshotOrigin,
     ) -> Self {
-        let mut by_tenant: HashMap<TenantId, HashMap<RouteId, Limit>> = HashMap::new();
-        for rule in rules {
-            by_tenant
-                .entry(rule.tenant)
-                .or_default()
-                .insert(rule.route, rule.limit);
-        }
-        let len = by_tenant.values().map(HashMap::len).sum();
-        Self {
-            by_tenant,
+        let mut set = Self {
+            rules: HashMap::new(),
             default,
-            len,
             origin,
+        };
+        for rule in rules {
+            set.upsert(&rule);
         }
+        set
+    }
+
+    /// Sets the rule of `rule.tenant` on `rule.route`.
+    pub fn upsert(&mut self, rule: &Rule) {
+        let key = format!("{}/{}", rule.tenant, rule.route);
+        self.rules.insert(Arc::from(key), rule.limit);
+    }
+
+    /// Removes the rule of `tenant` on `route`, if any.
+    pub fn remove(&mut self, tenant: &TenantId, route: &RouteId) {
+        if let Some(key) = compose(&mut [0; KEY_BUF], tenant.as_str(), route.as_str()) {
+            self.rules.remove(key);
+        }
+    }
+
+    /// Replaces the provenance (after an incremental change).
+    pub fn set_origin(&mut self, origin: SnapshotOrigin) {
+        self.origin = origin;
     }
 
     /// The limit for `tenant` on `route`: its rule, or the default.
@@ -91,17 +111,31 @@ impl RuleSet {
 
     /// The explicit rule for `tenant` on `route`, if there is one.
     pub fn rule_for(&self, tenant: &str, route: &str) -> Option<Limit> {
-        self.by_tenant.get(tenant)?.get(route).copied()
+        let mut buf = [0; KEY_BUF];
+        let key = compose(&mut buf, tenant, route)?;
+        self.rules.get(key).copied()
+    }
+
+    /// Every rule, in no particular order.
+    pub fn rules(&self) -> impl Iterator<Item = Rule> + '_ {
+        self.rules.iter().filter_map(|(key, limit)| {
+            let (tenant, route) = key.split_once(char::from(SEP))?;
+            Some(Rule {
+                tenant: TenantId::parse(tenant).ok()?,
+                route: RouteId::parse(route).ok()?,
+                limit: *limit,
+            })
+        })
     }
 
     /// Number of explicit rules.
     pub fn len(&self) -> usize {
-        self.len
+        self.rules.len()
     }
 
     /// Whether there are no explicit rules.
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.rules.is_empty()
     }
 
     /// The default limit.
@@ -110,9 +144,25 @@ impl RuleSet {
     }
 
     /// Where and when these rules were read.
-    pub fn origin(&self) -> &SnapshotOrigin {
-        &self.origin
+    pub fn origin(&self) -> SnapshotOrigin {
+        self.origin
     }
+}
+
+/// Room for `tenant/route` with both ids at their longest.
+const KEY_BUF: usize = 2 * MAX_ID_LEN + 1;
+
+/// Writes `tenant/route` into `buf`; `None` when either id is too long (no
+/// rule can exist for it then).
+fn compose<'a>(buf: &'a mut [u8; KEY_BUF], tenant: &str, route: &str) -> Option<&'a str> {
+    let (t, r) = (tenant.as_bytes(), route.as_bytes());
+    if t.len() > MAX_ID_LEN || r.len() > MAX_ID_LEN {
+        return None;
+    }
+    buf[..t.len()].copy_from_slice(t);
+    buf[t.len()] = SEP;
+    buf[t.len() + 1..t.len() + 1 + r.len()].copy_from_slice(r);
+    std::str::from_utf8(&buf[..t.len() + 1 + r.len()]).ok()
 }
 
 #[cfg(test)]
@@ -126,21 +176,60 @@ mod tests {
         }
     }
 
+    fn rule(t: &str, r: &str, l: Limit) -> Rule {
+        Rule {
+            tenant: TenantId::parse(t).unwrap(),
+            route: RouteId::parse(r).unwrap(),
+            limit: l,
+        }
+    }
+
+    const ORIGIN: SnapshotOrigin = SnapshotOrigin {
+        source: "file",
+        loaded_at_unix: 0,
+    };
+
     #[test]
     fn explicit_rules_win_and_the_default_covers_the_rest() {
-        let rules = vec![Rule {
-            tenant: TenantId::parse("shop-a").unwrap(),
-            route: RouteId::parse("create-order").unwrap(),
-            limit: limit(200, 100),
-        }];
-        let origin = SnapshotOrigin {
-            source: "file",
-            loaded_at_unix: 0,
-        };
-        let set = RuleSet::new(rules, limit(20, 10), origin);
+        let set = RuleSet::new(
+            vec![rule("shop-a", "create-order", limit(200, 100))],
+            limit(20, 10),
+            ORIGIN,
+        );
         assert_eq!(set.limit_for("shop-a", "create-order"), limit(200, 100));
         assert_eq!(set.limit_for("shop-a", "other"), limit(20, 10));
         assert_eq!(set.limit_for("shop-b", "create-order"), limit(20, 10));
+        assert_eq!(
+            set.limit_for(&"x".repeat(200), "create-order"),
+            limit(20, 10)
+        );
         assert_eq!(set.len(), 1);
+    }
+
+    #[test]
+    fn tenant_and_route_boundaries_do_not_collide() {
+        let set = RuleSet::new(
+            vec![rule("a", "b.c", limit(1, 1)), rule("a.b", "c", limit(2, 2))],
+            limit(9, 9),
+            ORIGIN,
+        );
+        assert_eq!(set.limit_for("a", "b.c"), limit(1, 1));
+        assert_eq!(set.limit_for("a.b", "c"), limit(2, 2));
+    }
+
+    #[test]
+    fn upsert_and_remove_change_single_rules() {
+        let mut set = RuleSet::new(vec![rule("t", "r", limit(5, 1))], limit(20, 10), ORIGIN);
+        set.upsert(&rule("t", "r", limit(7, 2)));
+        set.upsert(&rule("u", "r", limit(3, 3)));
+        assert_eq!(set.limit_for("t", "r"), limit(7, 2));
+        set.remove(
+            &TenantId::parse("t").unwrap(),
+            &RouteId::parse("r").unwrap(),
+        );
+        assert_eq!(set.limit_for("t", "r"), limit(20, 10));
+        let mut all: Vec<_> = set.rules().map(|r| r.tenant.to_string()).collect();
+        all.sort();
+        assert_eq!(all, vec!["u"]);
     }
 }

@@ -279,6 +279,13 @@ async fn mock(req: HttpRequest, mut body: web::Payload) -> HttpResponse {
 pub struct GatewayConfig {
     pub redis_url: String,
     pub rules_file: PathBuf,
+    /// `rules.database_url`; empty = file mode.
+    pub database_url: String,
+    /// More `[rules]` keys, one per line.
+    pub rules_extra: String,
+    /// `admin.token`.
+    pub admin_token: String,
+    /// More sections (e.g. `[default_rule]`).
     pub extra: String,
     pub routes: String,
 }
@@ -289,6 +296,9 @@ impl GatewayConfig {
         Self {
             redis_url: redis_url.to_owned(),
             rules_file,
+            database_url: String::new(),
+            rules_extra: String::new(),
+            admin_token: String::new(),
             extra: "[default_rule]\ncapacity = 2\nrefill_per_second = 1\n".to_owned(),
             routes: format!(
                 "[[routes]]\nid = \"api\"\npath_prefix = \"/\"\nupstream = \"{upstream}\"\n"
@@ -301,11 +311,15 @@ impl GatewayConfig {
             "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nworkers = 2\n\
              shutdown_timeout_seconds = 1\n\
              [redis]\nurl = \"{}\"\ntimeout_ms = 1000\n\
-             [rules]\nfile = \"{}\"\n\
+             [rules]\nfile = \"{}\"\ndatabase_url = \"{}\"\n{}\n\
+             [admin]\ntoken = \"{}\"\n\
              [upstream]\nconnect_timeout_ms = 500\ntimeout_ms = 1000\n\
              {}\n{}",
             self.redis_url,
             self.rules_file.display(),
+            self.database_url,
+            self.rules_extra,
+            self.admin_token,
             self.extra,
             self.routes
         )
@@ -394,4 +408,291 @@ pub async fn get(url: &str, key: Option<&str>) -> (u16, Option<String>) {
     }
     let res = req.send().await.expect("gateway answers");
     (res.status().as_u16(), header(&res, "x-ratelimit-remaining"))
+}
+
+/// Runs a PostgreSQL client command (`psql`), failing with an install hint
+/// when it is missing. Returns trimmed stdout of an unaligned, tuples-only
+/// query.
+pub fn psql(url: &str, sql: &str) -> String {
+    let out = Command::new("psql")
+        .args([
+            "-X",
+            "-q",
+            "-A",
+            "-t",
+            "-v",
+            "ON_ERROR_STOP=1",
+            "-d",
+            url,
+            "-c",
+            sql,
+        ])
+        .output()
+        .unwrap_or_else(|e| {
+            panic!("cannot run psql ({e}); install it with `apt-get install -y postgresql-client`")
+        });
+    assert!(
+        out.status.success(),
+        "psql {sql:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+/// The PostgreSQL server tests create throwaway databases on
+/// (`TOLLGATE_TEST_POSTGRES`, default the local server with trust auth).
+pub fn test_postgres() -> String {
+    std::env::var("TOLLGATE_TEST_POSTGRES")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".to_owned())
+}
+
+/// A throwaway database on the shared test server, dropped on drop.
+pub struct TestDatabase {
+    pub name: String,
+    server: String,
+}
+
+impl TestDatabase {
+    pub fn create() -> Self {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let name = format!(
+            "tollgate_test_{}_{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        );
+        let server = test_postgres();
+        psql(
+            &format!("{server}/postgres"),
+            &format!("CREATE DATABASE {name}"),
+        );
+        Self { name, server }
+    }
+
+    pub fn url(&self) -> String {
+        format!("{}/{}", self.server, self.name)
+    }
+
+    pub fn sql(&self, sql: &str) -> String {
+        psql(&self.url(), sql)
+    }
+}
+
+impl Drop for TestDatabase {
+    fn drop(&mut self) {
+        let _ = Command::new("psql")
+            .args(["-X", "-q", "-d", &format!("{}/postgres", self.server), "-c"])
+            .arg(format!(
+                "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+                self.name
+            ))
+            .output();
+    }
+}
+
+/// A throwaway PostgreSQL cluster (initdb) on a free port that tests may
+/// stop and start; removed on drop.
+pub struct PgCluster {
+    pub port: u16,
+    dir: TempDir,
+    bin: PathBuf,
+}
+
+impl PgCluster {
+    /// Initialises and starts a cluster with trust auth for `postgres`.
+    pub fn start() -> Self {
+        let bin = std::fs::read_dir("/usr/lib/postgresql")
+            .ok()
+            .and_then(|versions| {
+                versions
+                    .filter_map(Result::ok)
+                    .map(|v| v.path().join("bin"))
+                    .filter(|b| b.join("initdb").exists())
+                    .max()
+            })
+            .unwrap_or_else(|| {
+                panic!("no PostgreSQL server binaries under /usr/lib/postgresql; install them with `apt-get install -y postgresql`")
+            });
+        let dir = TempDir::new("pg");
+        if running_as_root() {
+            let status = Command::new("chown")
+                .args(["-R", "postgres:postgres"])
+                .arg(&dir.0)
+                .status()
+                .expect("chown is available");
+            assert!(
+                status.success(),
+                "cannot hand the cluster directory to postgres"
+            );
+        }
+        let cluster = Self {
+            port: free_port(),
+            dir,
+            bin,
+        };
+        cluster.run(
+            "initdb",
+            &[
+                "-D",
+                &cluster.data(),
+                "-A",
+                "trust",
+                "-U",
+                "postgres",
+                "--no-sync",
+                "-E",
+                "UTF8",
+            ],
+        );
+        cluster.resume();
+        cluster
+    }
+
+    fn data(&self) -> String {
+        self.dir.0.join("data").display().to_string()
+    }
+
+    /// A server binary, run as the postgres user when we are root
+    /// (PostgreSQL refuses to run as root).
+    fn command(&self, tool: &str) -> Command {
+        let exe = self.bin.join(tool);
+        if running_as_root() {
+            let mut c = Command::new("runuser");
+            c.args(["-u", "postgres", "--"]).arg(exe);
+            c
+        } else {
+            Command::new(exe)
+        }
+    }
+
+    fn run(&self, tool: &str, args: &[&str]) {
+        let out = self
+            .command(tool)
+            .args(args)
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run {tool}: {e}"));
+        assert!(
+            out.status.success(),
+            "{tool} {args:?} failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// Starts (or restarts) the server and waits until it accepts connections.
+    pub fn resume(&self) {
+        let options = format!(
+            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off",
+            self.port,
+            self.dir.0.display()
+        );
+        let log = self.dir.0.join("server.log").display().to_string();
+        self.run(
+            "pg_ctl",
+            &[
+                "-D",
+                &self.data(),
+                "-o",
+                &options,
+                "-l",
+                &log,
+                "-w",
+                "start",
+            ],
+        );
+    }
+
+    /// Stops the server (fast shutdown: open connections are cut).
+    pub fn stop(&self) {
+        self.run("pg_ctl", &["-D", &self.data(), "-m", "fast", "-w", "stop"]);
+    }
+
+    pub fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    pub fn sql(&self, sql: &str) -> String {
+        psql(&self.url(), sql)
+    }
+}
+
+impl Drop for PgCluster {
+    fn drop(&mut self) {
+        let _ = self
+            .command("pg_ctl")
+            .args(["-D", &self.data(), "-m", "immediate", "-w", "stop"])
+            .output();
+    }
+}
+
+fn running_as_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false)
+}
+
+/// The `X-RateLimit-Limit` a tenant gets on `path`.
+pub async fn limit_of(gw: &Gateway, tenant: &str) -> Option<String> {
+    let res = client()
+        .get(gw.url("/limit"))
+        .insert_header(("x-api-key", tenant))
+        .send()
+        .await
+        .expect("gateway answers");
+    header(&res, "x-ratelimit-limit")
+}
+
+/// Polls until `tenant`'s limit on `gw` is `expected`; returns the wait in
+/// ms, or `None` after `within`.
+pub async fn wait_for_limit(
+    gw: &Gateway,
+    tenant: &str,
+    expected: &str,
+    within: Duration,
+) -> Option<u64> {
+    let clock = SystemClock::new();
+    let start = clock.now_ms();
+    loop {
+        if limit_of(gw, tenant).await.as_deref() == Some(expected) {
+            return Some(clock.now_ms() - start);
+        }
+        if clock.now_ms() - start > within.as_millis() as u64 {
+            return None;
+        }
+        actix_web::rt::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Sends an admin request; returns status and JSON body (`Null` when empty).
+pub async fn admin(
+    gw: &Gateway,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    body: Option<&str>,
+) -> (u16, serde_json::Value) {
+    let method = actix_web::http::Method::from_bytes(method.as_bytes()).unwrap();
+    let mut req = client().request(method, gw.admin_url(path));
+    if let Some(token) = token {
+        req = req.insert_header(("authorization", format!("Bearer {token}")));
+    }
+    let mut res = match body {
+        Some(b) => {
+            req.insert_header(("content-type", "application/json"))
+                .send_body(b.to_owned())
+                .await
+        }
+        None => req.send().await,
+    }
+    .expect("admin listener answers");
+    let bytes = res.body().await.unwrap();
+    let json = if bytes.is_empty() {
+        serde_json::Value::Null
+    } else {
+        serde_json::from_slice(&bytes).unwrap_or_else(|_| {
+            serde_json::Value::String(String::from_utf8_lossy(&bytes).into_owned())
+        })
+    };
+    (res.status().as_u16(), json)
 }

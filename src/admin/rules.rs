@@ -1,0 +1,306 @@
+//! `/admin/rules`: read and change per-tenant rules.
+//!
+//! Reads are open on the admin listener; writes need
+//! `Authorization: Bearer <admin.token>` (compared in constant time) and are
+//! refused when the token is empty. Writes go to PostgreSQL in one
+//! transaction and answer with what the database now holds; the table's
+//! trigger then announces the change to every gateway. In file mode the
+//! rules can be read here, and writes answer 409.
+
+use std::collections::HashMap;
+use std::num::NonZeroU32;
+
+use actix_web::http::header::AUTHORIZATION;
+use actix_web::{HttpRequest, HttpResponse, web};
+use serde_json::{Value, json};
+
+use super::AdminState;
+use super::error::AdminError;
+use crate::key::{RouteId, TenantId};
+use crate::rules::{Limit, RuleStore, StoredRule};
+
+/// Page size when `limit` is not given.
+const DEFAULT_PAGE: u32 = 100;
+/// Largest accepted `limit`.
+const MAX_PAGE: u32 = 1000;
+
+/// Adds the rule routes to an actix `App`.
+pub fn configure(cfg: &mut web::ServiceConfig) {
+    cfg.route("/admin/rules", web::get().to(list))
+        .route("/admin/rules/{tenant}/{route}", web::get().to(get_one))
+        .route("/admin/rules/{tenant}/{route}", web::put().to(put))
+        .route("/admin/rules/{tenant}/{route}", web::delete().to(delete));
+}
+
+/// `GET /admin/rules?tenant=&after=<tenant>/<route>&limit=`: one page of
+/// rules ordered by (tenant, route), and the cursor of the next page.
+async fn list(
+    state: web::Data<AdminState>,
+    query: web::Query<HashMap<String, String>>,
+) -> Result<HttpResponse, AdminError> {
+    let mut tenant = None;
+    let mut after = None;
+    let mut limit = DEFAULT_PAGE;
+    for (key, value) in query.iter() {
+        match key.as_str() {
+            "tenant" => tenant = Some(id::<TenantId>("tenant", value, TenantId::parse)?),
+            "after" => {
+                let (t, r) = value
+                    .split_once('/')
+                    .ok_or_else(|| AdminError::invalid("after", "expected <tenant>/<route>"))?;
+                after = Some((
+                    id("after", t, TenantId::parse)?,
+                    id("after", r, RouteId::parse)?,
+                ));
+            }
+            "limit" => {
+                limit = value
+                    .parse()
+                    .ok()
+                    .filter(|n| (1..=MAX_PAGE).contains(n))
+                    .ok_or_else(|| {
+                        AdminError::invalid("limit", format!("must be between 1 and {MAX_PAGE}"))
+                    })?;
+            }
+            other => return Err(AdminError::invalid(other, "unknown query parameter")),
+        }
+    }
+    let after_ref = after.as_ref().map(|(t, r)| (t, r));
+    let mut rules = match state.rules.store() {
+        Some(store) => store.list(tenant.as_ref(), after_ref, limit + 1).await?,
+        None => page_from_snapshot(&state, tenant.as_ref(), after_ref, limit + 1),
+    };
+    let next_after = if rules.len() > limit as usize {
+        rules.truncate(limit as usize);
+        rules.last().map(|r| format!("{}/{}", r.tenant, r.route))
+    } else {
+        None
+    };
+    Ok(HttpResponse::Ok().json(json!({ "rules": rules, "next_after": next_after })))
+}
+
+/// A page of the rules in force, for file mode.
+fn page_from_snapshot(
+    state: &AdminState,
+    tenant: Option<&TenantId>,
+    after: Option<(&TenantId, &RouteId)>,
+    limit: u32,
+) -> Vec<StoredRule> {
+    let snapshot = state.rules.snapshot();
+    let mut rules: Vec<_> = snapshot
+        .rules()
+        .filter(|r| tenant.is_none_or(|t| &r.tenant == t))
+        .filter(|r| after.is_none_or(|(t, rt)| (&r.tenant, &r.route) > (t, rt)))
+        .collect();
+    rules.sort_by(|a, b| (&a.tenant, &a.route).cmp(&(&b.tenant, &b.route)));
+    rules
+        .into_iter()
+        .take(limit as usize)
+        .map(|r| stored(&r.tenant, &r.route, r.limit))
+        .collect()
+}
+
+/// A rule in force, shown like a database row (without `updated_at`).
+fn stored(tenant: &TenantId, route: &RouteId, limit: Limit) -> StoredRule {
+    StoredRule {
+        tenant: tenant.to_string(),
+        route: route.to_string(),
+        capacity: i32::try_from(limit.capacity.get()).unwrap_or(i32::MAX),
+        refill_per_second: i32::try_from(limit.refill_per_second.get()).unwrap_or(i32::MAX),
+        updated_at: None,
+    }
+}
+
+/// `GET /admin/rules/{tenant}/{route}`.
+async fn get_one(
+    state: web::Data<AdminState>,
+    path: web::Path<(String, String)>,
+) -> Result<HttpResponse, AdminError> {
+    let (tenant, route) = ids(&path)?;
+    let rule = match state.rules.store() {
+        Some(store) => store.get(&tenant, &route).await?,
+        None => state
+            .rules
+            .snapshot()
+            .rule_for(tenant.as_str(), route.as_str())
+            .map(|limit| stored(&tenant, &route, limit)),
+    };
+    rule.map(|r| HttpResponse::Ok().json(r))
+        .ok_or(AdminError::NotFound)
+}
+
+/// `PUT /admin/rules/{tenant}/{route}` with `{"capacity":…,"refill_per_second":…}`:
+/// 201 when created, 200 when replaced, with the stored row.
+async fn put(
+    req: HttpRequest,
+    state: web::Data<AdminState>,
+    path: web::Path<(String, String)>,
+    body: web::Bytes,
+) -> Result<HttpResponse, AdminError> {
+    let store = writable(&req, &state)?;
+    let (tenant, route) = ids(&path)?;
+    let limit = parse_limit(&body)?;
+    let (row, created) = store.put(&tenant, &route, limit).await?;
+    tracing::info!(tenant = %tenant, route = %route, created, "Rule written through the admin API.");
+    Ok(if created {
+        HttpResponse::Created().json(row)
+    } else {
+        HttpResponse::Ok().json(row)
+    })
+}
+
+/// `DELETE /admin/rules/{tenant}/{route}`: 204, or 404 when there was none.
+async fn delete(
+    req: HttpRequest,
+    state: web::Data<AdminState>,
+    path: web::Path<(String, String)>,
+) -> Result<HttpResponse, AdminError> {
+    let store = writable(&req, &state)?;
+    let (tenant, route) = ids(&path)?;
+    if store.delete(&tenant, &route).await? {
+        tracing::info!(tenant = %tenant, route = %route, "Rule deleted through the admin API.");
+        Ok(HttpResponse::NoContent().finish())
+    } else {
+        Err(AdminError::NotFound)
+    }
+}
+
+/// Checks the bearer token, then that rules live in a database.
+fn writable<'a>(req: &HttpRequest, state: &'a AdminState) -> Result<&'a RuleStore, AdminError> {
+    let token = state.token.as_deref().ok_or(AdminError::WritesDisabled)?;
+    let presented = req
+        .headers()
+        .get(AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .ok_or(AdminError::Unauthorized)?;
+    if !constant_time_eq(presented.trim().as_bytes(), token.as_bytes()) {
+        return Err(AdminError::Unauthorized);
+    }
+    state.rules.store().ok_or(AdminError::FileMode)
+}
+
+/// Compares two secrets in time that depends only on the longer length.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    let mut diff = u8::from(a.len() != b.len());
+    for i in 0..a.len().max(b.len()) {
+        diff |= a.get(i).copied().unwrap_or(0) ^ b.get(i).copied().unwrap_or(0);
+    }
+    diff == 0
+}
+
+/// Validates an id from the path or query.
+fn id<T>(
+    field: &str,
+    raw: &str,
+    parse: fn(&str) -> Result<T, crate::key::IdError>,
+) -> Result<T, AdminError> {
+    parse(raw).map_err(|e| AdminError::invalid(field, format!("{raw:?} {e}")))
+}
+
+/// The (tenant, route) pair of a rule path.
+fn ids(path: &(String, String)) -> Result<(TenantId, RouteId), AdminError> {
+    Ok((
+        id("tenant", &path.0, TenantId::parse)?,
+        id("route", &path.1, RouteId::parse)?,
+    ))
+}
+
+/// Parses `{"capacity":…,"refill_per_second":…}`, naming the first bad field.
+fn parse_limit(body: &[u8]) -> Result<Limit, AdminError> {
+    let example = "expected a JSON object such as {\"capacity\": 200, \"refill_per_second\": 100}";
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| AdminError::invalid("body", format!("not valid JSON ({e}); {example}")))?;
+    let object = value
+        .as_object()
+        .ok_or_else(|| AdminError::invalid("body", example))?;
+    if let Some(unknown) = object
+        .keys()
+        .find(|k| *k != "capacity" && *k != "refill_per_second")
+    {
+        return Err(AdminError::invalid(unknown.as_str(), "unknown field"));
+    }
+    let positive = |field: &'static str| -> Result<NonZeroU32, AdminError> {
+        let value = object
+            .get(field)
+            .ok_or_else(|| AdminError::invalid(field, "is required"))?;
+        value
+            .as_i64()
+            .and_then(|n| i32::try_from(n).ok())
+            .and_then(|n| u32::try_from(n).ok())
+            .and_then(NonZeroU32::new)
+            .ok_or_else(|| {
+                AdminError::invalid(
+                    field,
+                    format!(
+                        "must be a whole number from 1 to {}, found {value}",
+                        i32::MAX
+                    ),
+                )
+            })
+    };
+    Ok(Limit {
+        capacity: positive("capacity")?,
+        refill_per_second: positive("refill_per_second")?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn field_of(body: &str) -> String {
+        match parse_limit(body.as_bytes()) {
+            Err(AdminError::Invalid { field, .. }) => field,
+            other => panic!("{body}: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_valid_body_parses() {
+        let limit = parse_limit(br#"{"capacity": 200, "refill_per_second": 100}"#).unwrap();
+        assert_eq!(
+            (limit.capacity.get(), limit.refill_per_second.get()),
+            (200, 100)
+        );
+    }
+
+    #[test]
+    fn each_bad_body_names_its_field() {
+        assert_eq!(field_of("nope"), "body");
+        assert_eq!(field_of("[1]"), "body");
+        assert_eq!(field_of(r#"{"refill_per_second": 1}"#), "capacity");
+        assert_eq!(
+            field_of(r#"{"capacity": 0, "refill_per_second": 1}"#),
+            "capacity"
+        );
+        assert_eq!(
+            field_of(r#"{"capacity": -5, "refill_per_second": 1}"#),
+            "capacity"
+        );
+        assert_eq!(
+            field_of(r#"{"capacity": 2.5, "refill_per_second": 1}"#),
+            "capacity"
+        );
+        assert_eq!(
+            field_of(r#"{"capacity": "5", "refill_per_second": 1}"#),
+            "capacity"
+        );
+        assert_eq!(
+            field_of(r#"{"capacity": 5, "refill_per_second": 2147483648}"#),
+            "refill_per_second"
+        );
+        assert_eq!(
+            field_of(r#"{"capacity": 5, "refill_per_second": 1, "burst": 3}"#),
+            "burst"
+        );
+    }
+
+    #[test]
+    fn tokens_compare_equal_only_when_identical() {
+        assert!(constant_time_eq(b"secret", b"secret"));
+        assert!(!constant_time_eq(b"secret", b"secreT"));
+        assert!(!constant_time_eq(b"secret", b"secret2"));
+        assert!(!constant_time_eq(b"", b"x"));
+    }
+}

@@ -1,0 +1,340 @@
+//! Rules in PostgreSQL: migrations, queries and change events.
+//!
+//! Owns every SQL statement tollgate runs and the `tollgate_rules`
+//! notification format written by the triggers in `migrations/`. Nothing
+//! here is on the request path: the cache loads through [`RuleStore`] and
+//! the admin API writes through it.
+//!
+//! Invariant: every write is one transaction, and the trigger announces it
+//! to every gateway (including the writer) through `NOTIFY`.
+
+use std::num::NonZeroU32;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use sqlx::postgres::{PgPool, PgPoolOptions};
+
+use super::model::{Limit, Rule};
+use crate::key::{RouteId, TenantId};
+
+/// The `NOTIFY` channel the triggers write to.
+pub const CHANNEL: &str = "tollgate_rules";
+
+/// The SQL migrations, compiled in.
+static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+
+/// Longest wait for a pooled connection before a query gives up.
+const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Why a database operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RuleStoreError {
+    /// The database could not be reached or the query failed.
+    #[error("database error: {0}")]
+    Database(#[from] sqlx::Error),
+    /// A migration could not be applied.
+    #[error("migration failed: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+}
+
+/// One row of `rate_limit_rule`, as the admin API shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow)]
+pub struct StoredRule {
+    /// Tenant id.
+    pub tenant: String,
+    /// Route id.
+    pub route: String,
+    /// Burst size.
+    pub capacity: i32,
+    /// Tokens per second.
+    pub refill_per_second: i32,
+    /// Last change, RFC 3339 in UTC.
+    pub updated_at: Option<String>,
+}
+
+/// Columns of [`StoredRule`], in order.
+const COLUMNS: &str = "tenant_id AS tenant, route_id AS route, capacity, refill_per_second, \
+     to_char(updated_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') AS updated_at";
+
+/// Access to the rules table.
+#[derive(Clone)]
+pub struct RuleStore {
+    /// A small pool; connections are opened on demand.
+    pool: PgPool,
+    /// The URL, for the listener's own connection.
+    url: String,
+}
+
+impl RuleStore {
+    /// A store for `url`. Connects to nothing until first used.
+    ///
+    /// # Errors
+    /// When the URL cannot be parsed.
+    pub fn connect_lazy(url: &str) -> Result<Self, RuleStoreError> {
+        let pool = PgPoolOptions::new()
+            .max_connections(4)
+            .acquire_timeout(ACQUIRE_TIMEOUT)
+            .connect_lazy(url)?;
+        Ok(Self {
+            pool,
+            url: url.to_owned(),
+        })
+    }
+
+    /// The database URL (for `LISTEN`).
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// Closes every pooled connection.
+    pub async fn close(&self) {
+        self.pool.close().await;
+    }
+
+    /// Applies every pending migration; already applied ones are skipped.
+    ///
+    /// # Errors
+    /// When the database is unreachable or a migration fails.
+    pub async fn migrate(&self) -> Result<(), RuleStoreError> {
+        MIGRATOR.run(&self.pool).await?;
+        Ok(())
+    }
+
+    /// Every rule. Rows that fail validation are skipped with a warning
+    /// (the table's checks make that impossible short of manual DDL).
+    ///
+    /// # Errors
+    /// When the database is unreachable or the query fails.
+    pub async fn load_all(&self) -> Result<Vec<Rule>, RuleStoreError> {
+        let rows: Vec<(String, String, i32, i32)> = sqlx::query_as(
+            "SELECT tenant_id, route_id, capacity, refill_per_second FROM rate_limit_rule",
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows
+            .into_iter()
+            .filter_map(|(tenant, route, capacity, refill)| {
+                let rule = to_rule(&tenant, &route, i64::from(capacity), i64::from(refill));
+                if rule.is_none() {
+                    tracing::warn!(tenant, route, "Skipping an invalid rule row.");
+                }
+                rule
+            })
+            .collect())
+    }
+
+    /// The rule of `tenant` on `route`, if any.
+    ///
+    /// # Errors
+    /// When the database is unreachable or the query fails.
+    pub async fn get(
+        &self,
+        tenant: &TenantId,
+        route: &RouteId,
+    ) -> Result<Option<StoredRule>, RuleStoreError> {
+        let sql = sqlx::AssertSqlSafe(format!(
+            "SELECT {COLUMNS} FROM rate_limit_rule WHERE tenant_id = $1 AND route_id = $2"
+        ));
+        Ok(sqlx::query_as(sql)
+            .bind(tenant.as_str())
+            .bind(route.as_str())
+            .fetch_optional(&self.pool)
+            .await?)
+    }
+
+    /// Up to `limit` rules ordered by (tenant, route), after the pair
+    /// `after` when given, of one tenant when `tenant` is given.
+    ///
+    /// # Errors
+    /// When the database is unreachable or the query fails.
+    pub async fn list(
+        &self,
+        tenant: Option<&TenantId>,
+        after: Option<(&TenantId, &RouteId)>,
+        limit: u32,
+    ) -> Result<Vec<StoredRule>, RuleStoreError> {
+        let sql = sqlx::AssertSqlSafe(format!(
+            "SELECT {COLUMNS} FROM rate_limit_rule \
+             WHERE ($1::text IS NULL OR tenant_id = $1) \
+               AND ($2::text IS NULL OR (tenant_id, route_id) > ($2, $3)) \
+             ORDER BY tenant_id, route_id LIMIT $4"
+        ));
+        Ok(sqlx::query_as(sql)
+            .bind(tenant.map(TenantId::as_str))
+            .bind(after.map(|(t, _)| t.as_str()))
+            .bind(after.map(|(_, r)| r.as_str()).unwrap_or(""))
+            .bind(i64::from(limit))
+            .fetch_all(&self.pool)
+            .await?)
+    }
+
+    /// Creates or replaces a rule in one transaction; returns the row as
+    /// stored and whether it was created.
+    ///
+    /// # Errors
+    /// When the database is unreachable or the statement fails.
+    pub async fn put(
+        &self,
+        tenant: &TenantId,
+        route: &RouteId,
+        limit: Limit,
+    ) -> Result<(StoredRule, bool), RuleStoreError> {
+        let sql = sqlx::AssertSqlSafe(format!(
+            "INSERT INTO rate_limit_rule (tenant_id, route_id, capacity, refill_per_second) \
+             VALUES ($1, $2, $3, $4) \
+             ON CONFLICT (tenant_id, route_id) DO UPDATE \
+               SET capacity = EXCLUDED.capacity, refill_per_second = EXCLUDED.refill_per_second \
+             RETURNING {COLUMNS}, (xmax = 0) AS created"
+        ));
+        let mut tx = self.pool.begin().await?;
+        let (row, created): (StoredRule, bool) = sqlx::query_as::<_, StoredRuleCreated>(sql)
+            .bind(tenant.as_str())
+            .bind(route.as_str())
+            .bind(to_i32(limit.capacity))
+            .bind(to_i32(limit.refill_per_second))
+            .fetch_one(&mut *tx)
+            .await
+            .map(StoredRuleCreated::split)?;
+        tx.commit().await?;
+        Ok((row, created))
+    }
+
+    /// Deletes a rule in one transaction; returns whether one existed.
+    ///
+    /// # Errors
+    /// When the database is unreachable or the statement fails.
+    pub async fn delete(&self, tenant: &TenantId, route: &RouteId) -> Result<bool, RuleStoreError> {
+        let mut tx = self.pool.begin().await?;
+        let done =
+            sqlx::query("DELETE FROM rate_limit_rule WHERE tenant_id = $1 AND route_id = $2")
+                .bind(tenant.as_str())
+                .bind(route.as_str())
+                .execute(&mut *tx)
+                .await?;
+        tx.commit().await?;
+        Ok(done.rows_affected() > 0)
+    }
+}
+
+/// A row from `RETURNING …, (xmax = 0) AS created`.
+#[derive(sqlx::FromRow)]
+struct StoredRuleCreated {
+    #[sqlx(flatten)]
+    rule: StoredRule,
+    created: bool,
+}
+
+impl StoredRuleCreated {
+    fn split(self) -> (StoredRule, bool) {
+        (self.rule, self.created)
+    }
+}
+
+/// A limit value as the `integer` column holds it (limits never exceed
+/// `i32::MAX`: config, rules file and admin API all check it).
+fn to_i32(v: NonZeroU32) -> i32 {
+    i32::try_from(v.get()).unwrap_or(i32::MAX)
+}
+
+/// Builds a rule from raw values; `None` when any is out of range.
+fn to_rule(tenant: &str, route: &str, capacity: i64, refill: i64) -> Option<Rule> {
+    let positive = |v: i64| {
+        i32::try_from(v)
+            .ok()
+            .and_then(|v| u32::try_from(v).ok())
+            .and_then(NonZeroU32::new)
+    };
+    Some(Rule {
+        tenant: TenantId::parse(tenant).ok()?,
+        route: RouteId::parse(route).ok()?,
+        limit: Limit {
+            capacity: positive(capacity)?,
+            refill_per_second: positive(refill)?,
+        },
+    })
+}
+
+/// A change announced on [`CHANNEL`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Change {
+    /// A rule was created or changed.
+    Upsert(Rule),
+    /// A rule was deleted.
+    Delete(TenantId, RouteId),
+    /// Many rules changed (`TRUNCATE`): reload everything.
+    Reload,
+}
+
+/// The JSON written by the triggers.
+#[derive(Deserialize)]
+#[serde(tag = "op", rename_all = "lowercase")]
+enum Payload {
+    Upsert {
+        tenant: String,
+        route: String,
+        capacity: i64,
+        refill_per_second: i64,
+    },
+    Delete {
+        tenant: String,
+        route: String,
+    },
+    Reload,
+}
+
+impl Change {
+    /// Parses a notification payload; `None` when it is not one of ours.
+    pub fn parse(payload: &str) -> Option<Self> {
+        match serde_json::from_str(payload).ok()? {
+            Payload::Upsert {
+                tenant,
+                route,
+                capacity,
+                refill_per_second,
+            } => to_rule(&tenant, &route, capacity, refill_per_second).map(Change::Upsert),
+            Payload::Delete { tenant, route } => Some(Change::Delete(
+                TenantId::parse(&tenant).ok()?,
+                RouteId::parse(&route).ok()?,
+            )),
+            Payload::Reload => Some(Change::Reload),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn trigger_payloads_parse_into_changes() {
+        let up = Change::parse(
+            r#"{"op":"upsert","tenant":"shop-a","route":"r","capacity":5,"refill_per_second":2}"#,
+        );
+        let Some(Change::Upsert(rule)) = up else {
+            panic!("{up:?}");
+        };
+        assert_eq!(
+            (rule.tenant.as_str(), rule.limit.capacity.get()),
+            ("shop-a", 5)
+        );
+        assert!(matches!(
+            Change::parse(r#"{"op":"delete","tenant":"a","route":"b"}"#),
+            Some(Change::Delete(..))
+        ));
+        assert_eq!(Change::parse(r#"{"op":"reload"}"#), Some(Change::Reload));
+    }
+
+    #[test]
+    fn malformed_payloads_are_ignored() {
+        for bad in [
+            "",
+            "{}",
+            r#"{"op":"upsert","tenant":"{x}","route":"r","capacity":5,"refill_per_second":2}"#,
+            r#"{"op":"upsert","tenant":"t","route":"r","capacity":0,"refill_per_second":2}"#,
+            r#"{"op":"upsert","tenant":"t","route":"r","capacity":5,"refill_per_second":3000000000}"#,
+            r#"{"op":"explode"}"#,
+        ] {
+            assert_eq!(Change::parse(bad), None, "{bad}");
+        }
+    }
+}

@@ -1,0 +1,145 @@
+//! The last good rule set, saved on local disk.
+//!
+//! Owns the snapshot file format. A gateway that starts while PostgreSQL is
+//! down serves the rules it last saw instead of only the default rule. The
+//! file is replaced atomically (write to a temporary file, then rename), so
+//! a crash mid-write never leaves a torn snapshot.
+
+use std::io;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::model::{Limit, Rule, RuleSet};
+use crate::key::{RouteId, TenantId};
+
+/// Why a snapshot could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotError {
+    /// The file could not be read (or does not exist).
+    #[error("cannot read rule snapshot {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The I/O failure.
+        #[source]
+        source: io::Error,
+    },
+    /// The file is not a snapshot.
+    #[error("rule snapshot {path} is corrupt: {message}")]
+    Corrupt {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+/// The file as stored.
+#[derive(Serialize, Deserialize)]
+struct SnapshotFile {
+    /// Unix seconds when the rules were read from the database.
+    loaded_at_unix: u64,
+    /// Every rule.
+    rules: Vec<SnapshotRule>,
+}
+
+/// One stored rule.
+#[derive(Serialize, Deserialize)]
+struct SnapshotRule {
+    tenant: String,
+    route: String,
+    capacity: u32,
+    refill_per_second: u32,
+}
+
+/// Writes `set` to `path` atomically, creating parent directories.
+///
+/// # Errors
+/// When the file cannot be written.
+pub fn save(path: &Path, set: &RuleSet) -> io::Result<()> {
+    let file = SnapshotFile {
+        loaded_at_unix: set.origin().loaded_at_unix,
+        rules: set
+            .rules()
+            .map(|r| SnapshotRule {
+                tenant: r.tenant.to_string(),
+                route: r.route.to_string(),
+                capacity: r.limit.capacity.get(),
+                refill_per_second: r.limit.refill_per_second.get(),
+            })
+            .collect(),
+    };
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)?;
+    }
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, serde_json::to_vec(&file).map_err(io::Error::other)?)?;
+    std::fs::rename(&tmp, path)
+}
+
+/// Reads the rules saved at `path` and when they were loaded.
+///
+/// # Errors
+/// [`SnapshotError`] when the file is missing, unreadable or corrupt.
+pub fn load(path: &Path) -> Result<(Vec<Rule>, u64), SnapshotError> {
+    let bytes = std::fs::read(path).map_err(|source| SnapshotError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let corrupt = |message: String| SnapshotError::Corrupt {
+        path: path.to_path_buf(),
+        message,
+    };
+    let file: SnapshotFile = serde_json::from_slice(&bytes).map_err(|e| corrupt(e.to_string()))?;
+    let rules = file
+        .rules
+        .into_iter()
+        .map(|r| {
+            let limit = Limit {
+                capacity: std::num::NonZeroU32::new(r.capacity)
+                    .ok_or_else(|| corrupt("a capacity of 0".into()))?,
+                refill_per_second: std::num::NonZeroU32::new(r.refill_per_second)
+                    .ok_or_else(|| corrupt("a refill of 0".into()))?,
+            };
+            Ok(Rule {
+                tenant: TenantId::parse(&r.tenant).map_err(|e| corrupt(format!("tenant {e}")))?,
+                route: RouteId::parse(&r.route).map_err(|e| corrupt(format!("route {e}")))?,
+                limit,
+            })
+        })
+        .collect::<Result<_, SnapshotError>>()?;
+    Ok((rules, file.loaded_at_unix))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rules::model::SnapshotOrigin;
+
+    #[test]
+    fn a_saved_snapshot_loads_back() {
+        let dir = std::env::temp_dir().join(format!("tollgate-snap-{}", std::process::id()));
+        let path = dir.join("nested/rules.json");
+        let limit = Limit {
+            capacity: std::num::NonZeroU32::new(7).unwrap(),
+            refill_per_second: std::num::NonZeroU32::new(3).unwrap(),
+        };
+        let rule = Rule {
+            tenant: TenantId::parse("t").unwrap(),
+            route: RouteId::parse("r").unwrap(),
+            limit,
+        };
+        let origin = SnapshotOrigin {
+            source: "database",
+            loaded_at_unix: 1234,
+        };
+        save(&path, &RuleSet::new(vec![rule.clone()], limit, origin)).unwrap();
+        let (rules, at) = load(&path).unwrap();
+        assert_eq!((rules, at), (vec![rule], 1234));
+        std::fs::write(&path, b"{not json").unwrap();
+        assert!(matches!(load(&path), Err(SnapshotError::Corrupt { .. })));
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(matches!(load(&path), Err(SnapshotError::Read { .. })));
+    }
+}

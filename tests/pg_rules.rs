@@ -1,0 +1,343 @@
+//! Rules in PostgreSQL: propagation to every gateway, the admin API, and
+//! its validation and auth.
+
+#![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{
+    Gateway, GatewayConfig, RedisServer, TempDir, TestDatabase, Upstream, admin, limit_of,
+    wait_for_limit,
+};
+
+const TOKEN: &str = "s3cret-token";
+
+struct Fleet {
+    db: TestDatabase,
+    gateways: Vec<Gateway>,
+    _redis: RedisServer,
+    _up: Upstream,
+    _dir: TempDir,
+}
+
+/// `n` gateways on one database and one Redis, admin token [`TOKEN`].
+fn fleet(n: usize) -> Fleet {
+    let db = TestDatabase::create();
+    let redis = RedisServer::start();
+    let up = Upstream::start();
+    let dir = TempDir::new("pg");
+    let gateways = (0..n)
+        .map(|i| {
+            let mut config = GatewayConfig::new(&redis.url(), dir.0.join("unused.toml"), &up.url());
+            config.database_url = db.url();
+            config.admin_token = TOKEN.to_owned();
+            config.rules_extra = format!(
+                "snapshot_file = \"{}\"",
+                dir.0.join(format!("snap-{i}.json")).display()
+            );
+            Gateway::start(&config)
+        })
+        .collect();
+    Fleet {
+        db,
+        gateways,
+        _redis: redis,
+        _up: up,
+        _dir: dir,
+    }
+}
+
+async fn all_reach(fleet: &Fleet, tenant: &str, limit: &str) {
+    for (i, gw) in fleet.gateways.iter().enumerate() {
+        let waited = wait_for_limit(gw, tenant, limit, Duration::from_secs(1)).await;
+        assert!(
+            waited.is_some(),
+            "gateway {i} did not apply limit {limit} for {tenant} within 1 s"
+        );
+    }
+}
+
+#[actix_web::test]
+async fn an_admin_put_through_one_gateway_is_enforced_by_both_within_one_second() {
+    let fleet = fleet(2);
+    let (a, b) = (&fleet.gateways[0], &fleet.gateways[1]);
+    assert_eq!(
+        limit_of(b, "acme").await.as_deref(),
+        Some("2"),
+        "default rule before"
+    );
+
+    let (status, row) = admin(
+        a,
+        "PUT",
+        "/admin/rules/acme/api",
+        Some(TOKEN),
+        Some(r#"{"capacity": 40, "refill_per_second": 7}"#),
+    )
+    .await;
+    assert_eq!(status, 201, "{row}");
+    assert_eq!(
+        (
+            row["tenant"].as_str(),
+            row["capacity"].as_i64(),
+            row["refill_per_second"].as_i64()
+        ),
+        (Some("acme"), Some(40), Some(7))
+    );
+    assert!(
+        row["updated_at"].as_str().is_some_and(|t| t.ends_with('Z')),
+        "{row}"
+    );
+    all_reach(&fleet, "acme", "40").await;
+
+    let (status, row) = admin(
+        b,
+        "PUT",
+        "/admin/rules/acme/api",
+        Some(TOKEN),
+        Some(r#"{"capacity": 41, "refill_per_second": 7}"#),
+    )
+    .await;
+    assert_eq!((status, row["capacity"].as_i64()), (200, Some(41)));
+    all_reach(&fleet, "acme", "41").await;
+
+    let (status, row) = admin(a, "GET", "/admin/rules/acme/api", None, None).await;
+    assert_eq!((status, row["capacity"].as_i64()), (200, Some(41)));
+
+    let (status, _) = admin(a, "DELETE", "/admin/rules/acme/api", Some(TOKEN), None).await;
+    assert_eq!(status, 204);
+    all_reach(&fleet, "acme", "2").await;
+    assert_eq!(
+        admin(a, "GET", "/admin/rules/acme/api", None, None).await.0,
+        404
+    );
+    assert_eq!(
+        admin(a, "DELETE", "/admin/rules/acme/api", Some(TOKEN), None)
+            .await
+            .0,
+        404
+    );
+}
+
+#[actix_web::test]
+async fn plain_sql_changes_propagate_like_api_writes() {
+    let fleet = fleet(2);
+    fleet.db.sql("INSERT INTO rate_limit_rule (tenant_id, route_id, capacity, refill_per_second) VALUES ('sql-t', 'api', 11, 1)");
+    all_reach(&fleet, "sql-t", "11").await;
+    fleet
+        .db
+        .sql("UPDATE rate_limit_rule SET capacity = 12 WHERE tenant_id = 'sql-t'");
+    all_reach(&fleet, "sql-t", "12").await;
+    fleet
+        .db
+        .sql("UPDATE rate_limit_rule SET tenant_id = 'sql-u' WHERE tenant_id = 'sql-t'");
+    all_reach(&fleet, "sql-t", "2").await;
+    all_reach(&fleet, "sql-u", "12").await;
+    fleet.db.sql("TRUNCATE rate_limit_rule");
+    all_reach(&fleet, "sql-u", "2").await;
+}
+
+#[actix_web::test]
+async fn invalid_writes_are_refused_with_the_field_and_change_nothing() {
+    let fleet = fleet(1);
+    let gw = &fleet.gateways[0];
+    let ok = r#"{"capacity": 5, "refill_per_second": 1}"#;
+    assert_eq!(
+        admin(gw, "PUT", "/admin/rules/keep/api", Some(TOKEN), Some(ok))
+            .await
+            .0,
+        201
+    );
+
+    let cases = [
+        (
+            "/admin/rules/keep/api",
+            r#"{"capacity": 0, "refill_per_second": 1}"#,
+            "capacity",
+        ),
+        (
+            "/admin/rules/keep/api",
+            r#"{"capacity": 2147483648, "refill_per_second": 1}"#,
+            "capacity",
+        ),
+        (
+            "/admin/rules/keep/api",
+            r#"{"capacity": 5, "refill_per_second": -1}"#,
+            "refill_per_second",
+        ),
+        (
+            "/admin/rules/keep/api",
+            r#"{"capacity": 5}"#,
+            "refill_per_second",
+        ),
+        (
+            "/admin/rules/keep/api",
+            r#"{"capacity": "9", "refill_per_second": 1}"#,
+            "capacity",
+        ),
+        (
+            "/admin/rules/keep/api",
+            r#"{"capacity": 5, "refill_per_second": 1, "shards": 2}"#,
+            "shards",
+        ),
+        ("/admin/rules/keep/api", "not json", "body"),
+        ("/admin/rules/ke%7Bep/api", ok, "tenant"),
+        (
+            &format!("/admin/rules/{}/api", "t".repeat(65)),
+            ok,
+            "tenant",
+        ),
+        ("/admin/rules/keep/a%20pi", ok, "route"),
+    ];
+    for (path, body, field) in cases {
+        let (status, error) = admin(gw, "PUT", path, Some(TOKEN), Some(body)).await;
+        assert_eq!(status, 400, "{path} {body}: {error}");
+        assert_eq!(error["field"], field, "{path} {body}: {error}");
+        assert_eq!(error["error"], "invalid_request");
+    }
+    let (_, row) = admin(gw, "GET", "/admin/rules/keep/api", None, None).await;
+    assert_eq!(row["capacity"], 5, "nothing changed");
+    assert_eq!(fleet.db.sql("SELECT count(*) FROM rate_limit_rule"), "1");
+}
+
+#[actix_web::test]
+async fn writes_need_the_bearer_token() {
+    let fleet = fleet(1);
+    let gw = &fleet.gateways[0];
+    let body = Some(r#"{"capacity": 5, "refill_per_second": 1}"#);
+    assert_eq!(
+        admin(gw, "PUT", "/admin/rules/t/api", None, body).await.0,
+        401
+    );
+    assert_eq!(
+        admin(gw, "PUT", "/admin/rules/t/api", Some("wrong"), body)
+            .await
+            .0,
+        401
+    );
+    assert_eq!(
+        admin(gw, "PUT", "/admin/rules/t/api", Some(&TOKEN[..4]), body)
+            .await
+            .0,
+        401
+    );
+    assert_eq!(
+        admin(gw, "DELETE", "/admin/rules/t/api", None, None)
+            .await
+            .0,
+        401
+    );
+    assert_eq!(fleet.db.sql("SELECT count(*) FROM rate_limit_rule"), "0");
+    assert_eq!(
+        admin(gw, "PUT", "/admin/rules/t/api", Some(TOKEN), body)
+            .await
+            .0,
+        201
+    );
+}
+
+#[actix_web::test]
+async fn rules_are_listed_in_pages_and_by_tenant() {
+    let fleet = fleet(1);
+    let gw = &fleet.gateways[0];
+    fleet.db.sql(
+        "INSERT INTO rate_limit_rule (tenant_id, route_id, capacity, refill_per_second) VALUES \
+         ('a', 'r1', 1, 1), ('a', 'r2', 2, 1), ('b', 'r1', 3, 1), ('b', 'r2', 4, 1), ('c', 'r1', 5, 1)",
+    );
+    let mut seen = Vec::new();
+    let mut path = "/admin/rules?limit=2".to_owned();
+    loop {
+        let (status, page) = admin(gw, "GET", &path, None, None).await;
+        assert_eq!(status, 200, "{page}");
+        let rules = page["rules"].as_array().unwrap();
+        assert!(rules.len() <= 2);
+        seen.extend(rules.iter().map(|r| {
+            format!(
+                "{}/{}",
+                r["tenant"].as_str().unwrap(),
+                r["route"].as_str().unwrap()
+            )
+        }));
+        match page["next_after"].as_str() {
+            Some(next) => path = format!("/admin/rules?limit=2&after={next}"),
+            None => break,
+        }
+    }
+    assert_eq!(seen, vec!["a/r1", "a/r2", "b/r1", "b/r2", "c/r1"]);
+
+    let (_, page) = admin(gw, "GET", "/admin/rules?tenant=b", None, None).await;
+    let caps: Vec<i64> = page["rules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["capacity"].as_i64().unwrap())
+        .collect();
+    assert_eq!(caps, vec![3, 4]);
+    assert_eq!(
+        admin(gw, "GET", "/admin/rules?limit=0", None, None).await.1["field"],
+        "limit"
+    );
+    assert_eq!(
+        admin(gw, "GET", "/admin/rules?page=2", None, None).await.1["field"],
+        "page"
+    );
+}
+
+#[actix_web::test]
+async fn file_mode_lists_rules_but_refuses_writes_with_409() {
+    let redis = RedisServer::start();
+    let up = Upstream::start();
+    let dir = TempDir::new("filemode");
+    let rules = dir.file(
+        "rules.toml",
+        "[[rule]]\ntenant = \"f\"\nroute = \"api\"\ncapacity = 9\nrefill_per_second = 1\n",
+    );
+    let mut config = GatewayConfig::new(&redis.url(), rules, &up.url());
+    config.admin_token = TOKEN.to_owned();
+    let gw = Gateway::start(&config);
+    let (status, error) = admin(
+        &gw,
+        "PUT",
+        "/admin/rules/f/api",
+        Some(TOKEN),
+        Some(r#"{"capacity": 5, "refill_per_second": 1}"#),
+    )
+    .await;
+    assert_eq!(
+        (status, error["error"].as_str()),
+        (409, Some("rules_from_file"))
+    );
+    let (status, page) = admin(&gw, "GET", "/admin/rules", None, None).await;
+    assert_eq!(status, 200);
+    assert_eq!(page["rules"][0]["capacity"], 9);
+    assert_eq!(
+        admin(&gw, "GET", "/admin/rules/f/api", None, None).await.1["capacity"],
+        9
+    );
+}
+
+#[actix_web::test]
+async fn writes_are_disabled_when_no_token_is_configured() {
+    let redis = RedisServer::start();
+    let up = Upstream::start();
+    let db = TestDatabase::create();
+    let dir = TempDir::new("notoken");
+    let mut config = GatewayConfig::new(&redis.url(), dir.0.join("unused.toml"), &up.url());
+    config.database_url = db.url();
+    config.rules_extra = "snapshot_file = \"\"".into();
+    let gw = Gateway::start(&config);
+    let (status, error) = admin(
+        &gw,
+        "PUT",
+        "/admin/rules/t/api",
+        Some(""),
+        Some(r#"{"capacity": 5, "refill_per_second": 1}"#),
+    )
+    .await;
+    assert_eq!(
+        (status, error["error"].as_str()),
+        (403, Some("writes_disabled"))
+    );
+}
