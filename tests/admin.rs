@@ -7,7 +7,7 @@ mod common;
 use std::io::Write;
 use std::process::{Command, Stdio};
 
-use common::{Gateway, GatewayConfig, RedisServer, TempDir, Upstream, client, get};
+use common::{Gateway, GatewayConfig, RedisServer, TempDir, Upstream, client, get, ready};
 
 #[actix_web::test]
 async fn live_ready_and_metrics_report_the_gateway() {
@@ -29,14 +29,7 @@ async fn live_ready_and_metrics_report_the_gateway() {
     }
     get(&gw.url("/m"), None).await;
 
-    let ready: serde_json::Value = c
-        .get(gw.admin_url("/ready"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let ready = ready(&gw).await;
     assert_eq!(ready["status"], "ready");
     assert_eq!(ready["redis"], "up");
     assert_eq!(ready["rules"]["count"], 1);

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{Gateway, GatewayConfig, RedisServer, TempDir, Upstream, client, get, header};
+use common::{Gateway, GatewayConfig, RedisServer, TempDir, Upstream, client, get, header, ready};
 
 fn setup(tag: &str) -> (RedisServer, Upstream, TempDir) {
     let dir = TempDir::new(tag);
@@ -168,13 +168,5 @@ async fn local_only_mode_limits_without_redis() {
         (429, Some("0".into())),
     ];
     assert_eq!(statuses, expected);
-    let ready: serde_json::Value = client()
-        .get(gw.admin_url("/ready"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    assert_eq!(ready["redis"], "disabled");
+    assert_eq!(ready(&gw).await["redis"], "disabled");
 }

@@ -10,8 +10,8 @@ mod common;
 use std::time::Duration;
 
 use common::{
-    Gateway, GatewayConfig, PgCluster, RedisServer, TempDir, Upstream, admin, get, limit_of,
-    wait_for_limit, wait_until,
+    Gateway, GatewayConfig, PgCluster, RedisServer, TempDir, Upstream, get, limit_of, metric,
+    ready, wait_for_limit, wait_until,
 };
 
 fn config(
@@ -30,8 +30,10 @@ fn config(
 }
 
 async fn rule_source(gw: &Gateway) -> String {
-    let (_, ready) = admin(gw, "GET", "/ready", None, None).await;
-    ready["rules"]["source"].as_str().unwrap_or("").to_owned()
+    ready(gw).await["rules"]["source"]
+        .as_str()
+        .unwrap_or("")
+        .to_owned()
 }
 
 #[actix_web::test]
@@ -64,14 +66,7 @@ async fn postgres_stopped_and_restarted_keeps_traffic_flowing_and_resyncs() {
         Some("50"),
         "the last rules stay in force"
     );
-    let (_, metrics) = admin(&gw, "GET", "/metrics", None, None).await;
-    let failures = metrics
-        .as_str()
-        .unwrap()
-        .lines()
-        .find(|l| l.starts_with("tollgate_rule_reloads_total{result=\"error\"}"))
-        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .unwrap_or(0.0);
+    let failures = metric(&gw, "tollgate_rule_reloads_total{result=\"error\"}").await;
     assert!(
         failures >= 1.0,
         "the periodic reload failed while PostgreSQL was down and was counted"

@@ -7,7 +7,9 @@ mod common;
 
 use std::time::Duration;
 
-use common::{Gateway, GatewayConfig, RedisServer, TempDir, Upstream, client, header};
+use common::{
+    Gateway, GatewayConfig, RedisServer, TempDir, Upstream, client, header, metric, ready,
+};
 
 fn rules(capacity: u32) -> String {
     format!(
@@ -23,17 +25,6 @@ async fn limit_header(gw: &Gateway) -> Option<String> {
         .await
         .unwrap();
     header(&res, "x-ratelimit-limit")
-}
-
-async fn ready(gw: &Gateway) -> serde_json::Value {
-    client()
-        .get(gw.admin_url("/ready"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
 }
 
 #[actix_web::test]
@@ -71,20 +62,6 @@ async fn a_changed_rules_file_applies_within_two_seconds_and_a_broken_one_is_ref
         Some("12"),
         "a broken file must not apply"
     );
-    let metrics = client()
-        .get(gw.admin_url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .body()
-        .await
-        .unwrap();
-    let text = String::from_utf8_lossy(&metrics);
-    let failures = text
-        .lines()
-        .find(|l| l.starts_with("tollgate_rule_reloads_total{result=\"error\"}"))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|n| n.parse::<f64>().ok())
-        .unwrap_or(0.0);
-    assert!(failures >= 1.0, "reload failures are counted:\n{text}");
+    let failures = metric(&gw, "tollgate_rule_reloads_total{result=\"error\"}").await;
+    assert!(failures >= 1.0, "reload failures are counted");
 }

@@ -356,12 +356,20 @@ impl Gateway {
                 .expect("gateway runs");
             });
         });
-        Self {
+        let gateway = Self {
             addr,
             admin,
             stop: Some(stop),
             thread: Some(thread),
-        }
+        };
+        // The sockets accept at once; /live answers only once startup
+        // (migrations, first rule load) is done and the servers run.
+        assert!(
+            wait_until(Duration::from_secs(15), || http_status(admin, "/live")
+                == Some(200)),
+            "the gateway did not start serving within 15 s"
+        );
+        gateway
     }
 
     pub fn url(&self, path: &str) -> String {
@@ -371,6 +379,23 @@ impl Gateway {
     pub fn admin_url(&self, path: &str) -> String {
         format!("http://{}{path}", self.admin)
     }
+}
+
+/// Status of a plain blocking `GET path` (no client library, for use
+/// outside a runtime).
+fn http_status(addr: SocketAddr, path: &str) -> Option<u16> {
+    let mut stream = TcpStream::connect(addr).ok()?;
+    stream
+        .set_read_timeout(Some(Duration::from_millis(200)))
+        .ok()?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut head = [0u8; 12];
+    stream.read_exact(&mut head).ok()?;
+    std::str::from_utf8(&head[9..12]).ok()?.parse().ok()
 }
 
 impl Drop for Gateway {
@@ -695,4 +720,20 @@ pub async fn admin(
         })
     };
     (res.status().as_u16(), json)
+}
+
+/// `GET /ready` as JSON.
+pub async fn ready(gw: &Gateway) -> serde_json::Value {
+    admin(gw, "GET", "/ready", None, None).await.1
+}
+
+/// The value of one series in `/metrics` (0 when absent), e.g.
+/// `tollgate_rule_reloads_total{result="error"}`.
+pub async fn metric(gw: &Gateway, series: &str) -> f64 {
+    let (_, text) = admin(gw, "GET", "/metrics", None, None).await;
+    text.as_str()
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or(0.0)
 }
