@@ -1,7 +1,8 @@
 //! Composition root: builds every part, starts them in order, serves, and
 //! shuts down gracefully.
 //!
-//! Owns startup order (telemetry → rules → Redis client → limiter →
+//! Owns startup order (telemetry → rules → Redis client → membership and
+//! breaker actors → limiter →
 //! scheduled jobs → proxy and admin listeners) and shutdown order (stop
 //! accepting, drain in-flight requests, stop jobs). [`run`] takes its
 //! listeners and shutdown signal as arguments, so tests bind port 0 and stop
@@ -17,17 +18,18 @@ use anyhow::Context as _;
 use tokio_cron_scheduler::{Job, JobScheduler};
 
 use crate::admin::{self, AdminState};
-use crate::bucket::{Limiter, LimiterCore, LocalBuckets, RedisConnector};
+use crate::breaker::{self, BreakerGate};
+use crate::bucket::{Limiter, LimiterCore, LocalBuckets, RedisBucket};
 use crate::clock::SystemClock;
+use crate::cluster::{LiveInstances, Membership};
 use crate::config::{Config, RedisTarget, RuleSource, ServerSettings};
 use crate::proxy::forward::Forwarder;
 use crate::proxy::route::RouteTable;
 use crate::proxy::{self, ProxyState};
+use crate::redis_client::RedisConnector;
 use crate::rules::{self, RulesHandle};
 use crate::telemetry::{self, Metrics};
 
-/// Most buckets the local limiter tracks before it evicts.
-const LOCAL_MAX_KEYS: usize = 100_000;
 /// Period of metric upkeep and local-bucket eviction.
 const HOUSEKEEPING_PERIOD: Duration = Duration::from_secs(5);
 
@@ -131,10 +133,36 @@ pub async fn run(
             tracing::info!(seeds = nodes.len(), "Buckets live in a Redis Cluster.")
         }
     }
+    // Control-plane calls (membership, probes) may wait a little longer
+    // than request-path calls.
+    let control_timeout = config.redis.timeout.max(config.redis.connect_timeout);
+    let live = Arc::new(LiveInstances::new(config.instance.expected_count));
+    let membership = Membership::start(
+        redis.as_ref().map(RedisConnector::connect),
+        live.clone(),
+        &config.instance.id,
+        config.instance.region.as_deref(),
+        config.instance.heartbeat,
+        control_timeout,
+        metrics.clone(),
+    );
+    let breaker = redis.as_ref().map(|connector| {
+        let gate = Arc::new(BreakerGate::new());
+        breaker::prober::start(
+            gate.clone(),
+            config.breaker,
+            connector.connect(),
+            format!("tollgate:{{probe}}:{}", config.instance.id),
+            control_timeout,
+            clock.clone(),
+            metrics.clone(),
+        );
+        gate
+    });
     let limiter = Arc::new(LimiterCore::new(
-        LocalBuckets::new(LOCAL_MAX_KEYS, clock.clone()),
-        config.instance.expected_count,
-        redis.is_some(),
+        LocalBuckets::new(config.fallback.max_keys, clock.clone()),
+        live,
+        breaker,
         clock.clone(),
         metrics.clone(),
     ));
@@ -150,12 +178,13 @@ pub async fn run(
         clock: clock.clone(),
     });
     let upstream = config.upstream.clone();
+    let request_timeout = config.redis.timeout;
     let core = limiter.clone();
     let proxy = HttpServer::new(move || {
         // Per worker: its own upstream pool and Redis connection.
-        let redis = redis
-            .as_ref()
-            .map(|r| r.bucket(metrics.clone(), clock.clone()));
+        let redis = redis.as_ref().map(|r| {
+            RedisBucket::new(r.connect(), request_timeout, metrics.clone(), clock.clone())
+        });
         App::new()
             .app_data(proxy_state.clone())
             .app_data(web::Data::new(Limiter::new(redis, core.clone())))
@@ -209,6 +238,7 @@ pub async fn run(
     if let Err(e) = scheduler.shutdown().await {
         tracing::warn!(error = %e, "Scheduled jobs did not stop cleanly.");
     }
+    membership.leave().await;
     rules.shutdown().await;
     tracing::info!("Stopped.");
     Ok(())

@@ -16,8 +16,8 @@
 //! ```
 //!
 //! Layers, lowest first; a module uses only its own layer or lower ones:
-//! 1. [`config`], [`clock`], [`key`], [`telemetry`]
-//! 2. [`rules`]
+//! 1. [`config`], [`clock`], [`key`], [`telemetry`], [`redis_client`]
+//! 2. [`rules`], [`breaker`], [`cluster`]
 //! 3. [`bucket`]
 //! 4. [`proxy`], [`admin`]
 //! 5. [`app`], [`demo`]
@@ -29,11 +29,14 @@
 
 pub mod admin;
 pub mod app;
+pub mod breaker;
 pub mod bucket;
 pub mod clock;
+pub mod cluster;
 pub mod config;
 pub mod demo;
 pub mod key;
 pub mod proxy;
+pub mod redis_client;
 pub mod rules;
 pub mod telemetry;

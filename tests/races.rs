@@ -9,10 +9,11 @@ use std::num::NonZeroU32;
 
 use common::{Gateway, GatewayConfig, RedisServer, TempDir, Upstream, client};
 use futures_util::future::join_all;
-use tollgate::bucket::{BucketSpec, RedisBucket, RedisConnector};
+use tollgate::bucket::{BucketSpec, RedisBucket};
 use tollgate::clock::{Clock, SharedClock, SystemClock};
 use tollgate::config::{RedisSettings, RedisTarget};
 use tollgate::key::{BucketKey, RouteId, TenantId};
+use tollgate::redis_client::RedisConnector;
 use tollgate::telemetry::{self, Metrics};
 
 fn bound(capacity: u32, refill_per_second: f64, elapsed_ms: u64) -> f64 {
@@ -32,7 +33,14 @@ async fn parallel_script_calls_from_separate_connections_never_overspend() {
     // Four clients, each with its own connection, like four gateways.
     let connector = RedisConnector::new(&settings).unwrap().unwrap();
     let clients: Vec<RedisBucket> = (0..4)
-        .map(|_| connector.bucket(Metrics::new(), clock.clone()))
+        .map(|_| {
+            RedisBucket::new(
+                connector.connect(),
+                settings.timeout,
+                Metrics::new(),
+                clock.clone(),
+            )
+        })
         .collect();
     let key = BucketKey::new(
         &TenantId::parse("racer").unwrap(),

@@ -10,9 +10,10 @@ use std::time::Duration;
 
 use common::{RedisServer, wait_until};
 use redis::AsyncCommands;
-use tollgate::bucket::{BucketError, BucketSpec, RedisBucket, RedisConnector};
+use tollgate::bucket::{BucketSpec, RedisBucket};
 use tollgate::clock::SystemClock;
 use tollgate::config::{RedisSettings, RedisTarget};
+use tollgate::redis_client::{RedisCallError, RedisConnector};
 use tollgate::telemetry::{self, Metrics};
 
 fn bucket(redis: &RedisServer, timeout: Duration) -> RedisBucket {
@@ -22,10 +23,8 @@ fn bucket(redis: &RedisServer, timeout: Duration) -> RedisBucket {
         timeout,
         connect_timeout: Duration::from_secs(1),
     };
-    RedisConnector::new(&settings)
-        .unwrap()
-        .unwrap()
-        .bucket(Metrics::new(), SystemClock::shared())
+    let conn = RedisConnector::new(&settings).unwrap().unwrap().connect();
+    RedisBucket::new(conn, timeout, Metrics::new(), SystemClock::shared())
 }
 
 fn spec(capacity: u32, refill: u32) -> BucketSpec {
@@ -127,7 +126,7 @@ async fn a_timed_out_call_is_not_replayed() {
     redis.pause();
     let result = b.take(key, &spec, 1).await;
     redis.resume();
-    assert!(matches!(result, Err(BucketError::Timeout)), "{result:?}");
+    assert!(matches!(result, Err(RedisCallError::Timeout)), "{result:?}");
 
     // The command already sent runs once when Redis wakes; nothing resends it.
     assert!(wait_until(Duration::from_secs(5), || redis

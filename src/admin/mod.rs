@@ -60,6 +60,7 @@ async fn ready(state: web::Data<AdminState>) -> HttpResponse {
         "instance": state.instance_id,
         "region": state.region,
         "redis": state.limiter.redis_state().as_str(),
+        "breaker": state.limiter.breaker_state().map(|b| b.as_str()),
         "live_instances": state.limiter.instances().get(),
         "rules": {
             "count": rules.len(),

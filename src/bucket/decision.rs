@@ -1,8 +1,8 @@
-//! The outcome of asking a bucket for tokens, and why asking can fail.
+//! The outcome of asking a bucket for tokens.
 //!
 //! A rejection is a [`Decision`] with `allowed == false`, never an error.
-//! [`BucketError`] means "could not decide": the caller falls back to the
-//! local limiter instead of failing the request.
+//! An error from Redis means "could not decide": the caller falls back to
+//! the local limiter instead of failing the request.
 
 use std::num::NonZeroU32;
 
@@ -52,32 +52,6 @@ pub struct Decision {
     pub remaining: u64,
     /// Milliseconds until enough tokens exist; 0 when allowed.
     pub retry_after_ms: u64,
-}
-
-/// Why a bucket could not decide.
-#[derive(Debug, thiserror::Error)]
-pub enum BucketError {
-    /// Redis did not answer within the configured timeout.
-    #[error("redis call timed out")]
-    Timeout,
-    /// No connection to Redis exists yet (a cluster still being reached).
-    #[error("not connected to redis")]
-    NotConnected,
-    /// Redis answered with an error or the connection failed.
-    #[error("redis call failed")]
-    Redis(#[source] redis::RedisError),
-}
-
-impl BucketError {
-    /// A short, stable label for metrics (`timeout`, `connection`, `server`).
-    pub fn kind(&self) -> &'static str {
-        match self {
-            Self::Timeout => "timeout",
-            Self::NotConnected => "connection",
-            Self::Redis(e) if e.is_io_error() || e.is_connection_dropped() => "connection",
-            Self::Redis(_) => "server",
-        }
-    }
 }
 
 #[cfg(test)]

@@ -1,20 +1,23 @@
 //! The hot-path decision: Redis first, the local limiter when Redis fails.
 //!
 //! Owns the order in which a request's tokens are sought and the bucket in
-//! force for the answer. With Redis configured, the shared bucket decides;
-//! a timeout or error sends the request to the local limiter, which holds
-//! 1/N of the limit (N = gateway instances), so the cluster total stays
+//! force for the answer. With Redis configured and the breaker closed, the
+//! shared bucket decides; a timeout or error (reported to the breaker), or
+//! an open breaker, sends the request to the local limiter, which holds 1/N
+//! of the limit (N = live gateway instances), so the cluster total stays
 //! about right while Redis is away. A rejection is a [`Decision`], never an
 //! error; this module never fails a request.
 
-use std::num::NonZeroU32;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+
+use std::num::NonZeroU32;
 
 use super::decision::{BucketSpec, Decision};
 use super::local::LocalBuckets;
 use super::redis::RedisBucket;
+use crate::breaker::{BreakerGate, State};
 use crate::clock::SharedClock;
+use crate::cluster::LiveInstances;
 use crate::key::BucketKey;
 use crate::rules::Limit;
 use crate::telemetry::{DecisionSource, Metrics};
@@ -35,9 +38,9 @@ pub struct Verdict {
 pub enum RedisState {
     /// No Redis configured: local-only limiting.
     Disabled,
-    /// The last call succeeded.
+    /// The breaker is closed: decisions are shared.
     Up,
-    /// The last call failed; decisions are local.
+    /// The breaker is open or probing: decisions are local.
     Down,
 }
 
@@ -52,17 +55,15 @@ impl RedisState {
     }
 }
 
-/// Limiter state shared by every proxy worker: the local buckets and
-/// Redis health.
+/// Limiter state shared by every proxy worker: the local buckets, the
+/// breaker gate and the live instance count.
 pub struct LimiterCore {
     /// Local buckets for local-only mode and fallback.
     local: LocalBuckets,
-    /// Gateway instances sharing each limit (the local share is 1/N).
-    instances: NonZeroU32,
-    /// Whether Redis is configured at all.
-    redis_configured: bool,
-    /// Whether the last Redis call failed.
-    degraded: AtomicBool,
+    /// N, the divisor of the local share.
+    live: Arc<LiveInstances>,
+    /// The breaker in front of Redis; `None` without Redis.
+    breaker: Option<Arc<BreakerGate>>,
     /// Decision timings.
     clock: SharedClock,
     /// Decision, error and fallback counters.
@@ -70,36 +71,40 @@ pub struct LimiterCore {
 }
 
 impl LimiterCore {
-    /// Shared state for limiters with (`redis_configured`) or without Redis.
+    /// Shared state; `breaker` is `None` in local-only mode.
     pub fn new(
         local: LocalBuckets,
-        instances: NonZeroU32,
-        redis_configured: bool,
+        live: Arc<LiveInstances>,
+        breaker: Option<Arc<BreakerGate>>,
         clock: SharedClock,
         metrics: Metrics,
     ) -> Self {
         Self {
             local,
-            instances,
-            redis_configured,
-            degraded: AtomicBool::new(false),
+            live,
+            breaker,
             clock,
             metrics,
         }
     }
 
-    /// Whether Redis is configured and answering.
+    /// Whether Redis is configured and in use.
     pub fn redis_state(&self) -> RedisState {
-        match (self.redis_configured, self.degraded.load(Ordering::Relaxed)) {
-            (false, _) => RedisState::Disabled,
-            (true, false) => RedisState::Up,
-            (true, true) => RedisState::Down,
+        match self.breaker_state() {
+            None => RedisState::Disabled,
+            Some(State::Closed) => RedisState::Up,
+            Some(_) => RedisState::Down,
         }
     }
 
-    /// Gateway instances each limit is divided between when deciding locally.
+    /// The breaker's state; `None` without Redis.
+    pub fn breaker_state(&self) -> Option<State> {
+        self.breaker.as_ref().map(|b| b.state())
+    }
+
+    /// Live gateway instances (N of the 1/N local share).
     pub fn instances(&self) -> NonZeroU32 {
-        self.instances
+        self.live.get()
     }
 
     /// Drops refilled local buckets and reports how many remain.
@@ -109,7 +114,7 @@ impl LimiterCore {
 
     /// Decides with the local 1/N share of `whole`.
     fn local(&self, key: &BucketKey, whole: &BucketSpec, cost: NonZeroU32) -> Verdict {
-        let spec = whole.divided(self.instances);
+        let spec = whole.divided(self.live.get());
         Verdict {
             decision: self.local.take(key.as_str(), &spec, cost.get()),
             spec,
@@ -117,21 +122,11 @@ impl LimiterCore {
         }
     }
 
-    /// Records Redis health, logging only the transitions.
-    fn set_degraded(&self, down: bool, error: Option<&super::BucketError>) {
-        if self.degraded.load(Ordering::Relaxed) != down
-            && self.degraded.swap(down, Ordering::Relaxed) != down
-        {
-            if down {
-                tracing::warn!(
-                    error = error.map(ToString::to_string).unwrap_or_default(),
-                    instances = self.instances.get(),
-                    "Redis is not answering; deciding locally at 1/N of every limit."
-                );
-            } else {
-                tracing::info!("Redis is answering again; limits are shared cluster-wide.");
-            }
-        }
+    /// A local decision standing in for Redis, counted as a fallback.
+    fn fallback(&self, key: &BucketKey, whole: &BucketSpec, cost: NonZeroU32) -> Verdict {
+        let verdict = self.local(key, whole, cost);
+        self.metrics.fallback(verdict.decision.allowed);
+        verdict
     }
 }
 
@@ -155,26 +150,27 @@ impl Limiter {
         let core = &self.core;
         let started = core.clock.now_micros();
         let whole = BucketSpec::of(limit.capacity, limit.refill_per_second);
-        let verdict = match &self.redis {
-            Some(redis) => match redis.take(key.as_str(), &whole, cost.get()).await {
-                Ok(decision) => {
-                    core.set_degraded(false, None);
-                    Verdict {
-                        decision,
-                        spec: whole,
-                        source: DecisionSource::Redis,
+        let verdict = match (&self.redis, &core.breaker) {
+            (Some(redis), Some(gate)) if gate.allows() => {
+                match redis.take(key.as_str(), &whole, cost.get()).await {
+                    Ok(decision) => {
+                        gate.success();
+                        Verdict {
+                            decision,
+                            spec: whole,
+                            source: DecisionSource::Redis,
+                        }
+                    }
+                    Err(e) => {
+                        gate.failure();
+                        core.metrics.redis_error(e.kind());
+                        tracing::debug!(error = %e, "Redis call failed; deciding locally.");
+                        core.fallback(key, &whole, cost)
                     }
                 }
-                Err(e) => {
-                    core.metrics.redis_error(e.kind());
-                    tracing::debug!(error = %e, "Redis call failed; deciding locally.");
-                    core.set_degraded(true, Some(&e));
-                    let verdict = core.local(key, &whole, cost);
-                    core.metrics.fallback(verdict.decision.allowed);
-                    verdict
-                }
-            },
-            None => core.local(key, &whole, cost),
+            }
+            (Some(_), _) => core.fallback(key, &whole, cost),
+            (None, _) => core.local(key, &whole, cost),
         };
         let elapsed = core.clock.now_micros().saturating_sub(started);
         core.metrics.decision(verdict.source, elapsed as f64 / 1e6);

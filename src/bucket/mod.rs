@@ -7,7 +7,7 @@ pub mod local;
 pub mod redis;
 pub mod tokens;
 
-pub use decision::{BucketError, BucketSpec, Decision};
+pub use decision::{BucketSpec, Decision};
 pub use limiter::{Limiter, LimiterCore, RedisState, Verdict};
 pub use local::LocalBuckets;
-pub use redis::{RedisBucket, RedisConnector};
+pub use redis::RedisBucket;

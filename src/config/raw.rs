@@ -18,6 +18,8 @@ pub(crate) struct RawConfig {
     pub(crate) rules: RawRules,
     pub(crate) default_rule: RawLimit,
     pub(crate) admin: RawAdmin,
+    pub(crate) breaker: RawBreaker,
+    pub(crate) fallback: RawFallback,
     pub(crate) upstream: RawUpstream,
     pub(crate) log: RawLog,
     pub(crate) routes: Vec<RawRoute>,
@@ -51,6 +53,7 @@ pub(crate) struct RawInstance {
     pub(crate) id: String,
     pub(crate) region: String,
     pub(crate) expected_count: i64,
+    pub(crate) heartbeat_ms: i64,
 }
 
 impl Default for RawInstance {
@@ -59,6 +62,7 @@ impl Default for RawInstance {
             id: String::new(),
             region: String::new(),
             expected_count: 1,
+            heartbeat_ms: 2000,
         }
     }
 }
@@ -131,6 +135,42 @@ impl Default for RawLimit {
 #[serde(deny_unknown_fields, default)]
 pub(crate) struct RawAdmin {
     pub(crate) token: String,
+}
+
+/// `[breaker]`: when to stop calling a failing Redis.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(crate) struct RawBreaker {
+    pub(crate) failure_threshold: i64,
+    pub(crate) failure_ratio_percent: i64,
+    pub(crate) min_calls: i64,
+    pub(crate) window_ms: i64,
+    pub(crate) cooldown_ms: i64,
+}
+
+impl Default for RawBreaker {
+    fn default() -> Self {
+        Self {
+            failure_threshold: 5,
+            failure_ratio_percent: 50,
+            min_calls: 20,
+            window_ms: 10_000,
+            cooldown_ms: 1000,
+        }
+    }
+}
+
+/// `[fallback]`: the local limiter used without Redis.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(crate) struct RawFallback {
+    pub(crate) max_keys: i64,
+}
+
+impl Default for RawFallback {
+    fn default() -> Self {
+        Self { max_keys: 100_000 }
+    }
 }
 
 /// `[upstream]`: how the proxy talks to upstreams.

@@ -30,6 +30,10 @@ pub struct Config {
     pub default_rule: LimitSettings,
     /// Admin API protection.
     pub admin: AdminSettings,
+    /// When to stop calling a failing Redis.
+    pub breaker: BreakerSettings,
+    /// The local limiter.
+    pub fallback: FallbackSettings,
     /// Upstream connection behaviour.
     pub upstream: UpstreamSettings,
     /// Log verbosity.
@@ -59,8 +63,11 @@ pub struct InstanceSettings {
     /// Region this instance serves, when regions are used.
     pub region: Option<String>,
     /// Gateway instances assumed live before the first membership reading;
-    /// the local fallback divides every limit by it.
+    /// the local fallback divides every limit by the live count.
     pub expected_count: NonZeroU32,
+    /// Period of the membership heartbeat; an instance silent for three
+    /// periods no longer counts as live.
+    pub heartbeat: Duration,
 }
 
 /// Which Redis deployment holds bucket state.
@@ -118,6 +125,28 @@ pub struct LimitSettings {
     pub capacity: NonZeroU32,
     /// Tokens per second.
     pub refill_per_second: NonZeroU32,
+}
+
+/// `[breaker]`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BreakerSettings {
+    /// Consecutive failed calls that open the breaker.
+    pub failure_threshold: u32,
+    /// Failure ratio over the window (0 < r ≤ 1) that opens the breaker…
+    pub failure_ratio: f64,
+    /// …once the window holds at least this many calls.
+    pub min_calls: u32,
+    /// Length of the failure-ratio window.
+    pub window: Duration,
+    /// Time open before a probe is sent (half-open).
+    pub cooldown: Duration,
+}
+
+/// `[fallback]`.
+#[derive(Debug, Clone, Copy)]
+pub struct FallbackSettings {
+    /// Most buckets the local limiter tracks before it evicts.
+    pub max_keys: usize,
 }
 
 /// `[admin]`.
@@ -256,6 +285,7 @@ pub(crate) fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
         id: instance_id(&mut c, &raw.instance.id),
         region: optional_id(&mut c, "instance.region", &raw.instance.region),
         expected_count: c.positive_i32("instance.expected_count", raw.instance.expected_count),
+        heartbeat: c.millis("instance.heartbeat_ms", raw.instance.heartbeat_ms, 60_000),
     };
 
     let redis = RedisSettings {
@@ -296,6 +326,37 @@ pub(crate) fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
     };
 
     let default_rule = c.limit("default_rule", &raw.default_rule);
+
+    let b = &raw.breaker;
+    let breaker = BreakerSettings {
+        failure_threshold: c
+            .range(
+                "breaker.failure_threshold",
+                b.failure_threshold,
+                1,
+                1_000_000,
+            )
+            .map_or(1, |n| u32::try_from(n).unwrap_or(1)),
+        failure_ratio: c
+            .range(
+                "breaker.failure_ratio_percent",
+                b.failure_ratio_percent,
+                1,
+                100,
+            )
+            .map_or(1.0, |p| p as f64 / 100.0),
+        min_calls: c
+            .range("breaker.min_calls", b.min_calls, 1, 1_000_000)
+            .map_or(1, |n| u32::try_from(n).unwrap_or(1)),
+        window: c.millis("breaker.window_ms", b.window_ms, 3_600_000),
+        cooldown: c.millis("breaker.cooldown_ms", b.cooldown_ms, 3_600_000),
+    };
+    let fallback = FallbackSettings {
+        max_keys: c
+            .range("fallback.max_keys", raw.fallback.max_keys, 16, 100_000_000)
+            .and_then(|n| usize::try_from(n).ok())
+            .unwrap_or(16),
+    };
 
     let admin = AdminSettings {
         token: Some(raw.admin.token).filter(|t| !t.is_empty()),
@@ -345,6 +406,8 @@ pub(crate) fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
             rules,
             default_rule,
             admin,
+            breaker,
+            fallback,
             upstream,
             log,
             routes,

@@ -36,6 +36,13 @@ pub const RULE_RELOADS_TOTAL: &str = "tollgate_rule_reloads_total";
 /// Explicit rules in the snapshot in force (gauge).
 pub const RULES: &str = "tollgate_rules";
 
+/// Circuit breaker state: 0 closed, 1 open, 2 half-open (gauge).
+pub const BREAKER_STATE: &str = "tollgate_breaker_state";
+/// Circuit breaker transitions by target state (counter).
+pub const BREAKER_TRANSITIONS_TOTAL: &str = "tollgate_breaker_transitions_total";
+/// Live gateway instances seen by the membership heartbeat (gauge).
+pub const LIVE_INSTANCES: &str = "tollgate_live_instances";
+
 /// Label value for requests that matched no route.
 pub const NO_ROUTE: &str = "_none";
 
@@ -133,6 +140,21 @@ fn describe() {
         Unit::Count,
         "Explicit rules in the snapshot in force."
     );
+    describe_gauge!(
+        BREAKER_STATE,
+        Unit::Count,
+        "Redis circuit breaker state: 0 closed, 1 open, 2 half-open."
+    );
+    describe_counter!(
+        BREAKER_TRANSITIONS_TOTAL,
+        Unit::Count,
+        "Redis circuit breaker transitions by target state."
+    );
+    describe_gauge!(
+        LIVE_INSTANCES,
+        Unit::Count,
+        "Live gateway instances sharing each limit (N of the 1/N fallback)."
+    );
 }
 
 /// What happened to one proxied request, as a metric label.
@@ -229,7 +251,16 @@ pub struct Metrics {
     rule_reloads: [Counter; 2],
     /// `tollgate_rules`.
     rules: Gauge,
+    /// `tollgate_breaker_state`.
+    breaker_state: Gauge,
+    /// `tollgate_breaker_transitions_total{to}`: closed, open, half_open.
+    breaker_transitions: [Counter; 3],
+    /// `tollgate_live_instances`.
+    live_instances: Gauge,
 }
+
+/// Breaker states, as labels, in discriminant order.
+const BREAKER_STATES: [&str; 3] = ["closed", "open", "half_open"];
 
 /// Where a decision came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -259,6 +290,10 @@ impl Metrics {
             rule_reloads: ["ok", "error"]
                 .map(|r| metrics::counter!(RULE_RELOADS_TOTAL, "result" => r)),
             rules: metrics::gauge!(RULES),
+            breaker_state: metrics::gauge!(BREAKER_STATE),
+            breaker_transitions: BREAKER_STATES
+                .map(|s| metrics::counter!(BREAKER_TRANSITIONS_TOTAL, "to" => s)),
+            live_instances: metrics::gauge!(LIVE_INSTANCES),
         }
     }
 
@@ -306,6 +341,25 @@ impl Metrics {
             }
             None => self.rule_reloads[1].increment(1),
         }
+    }
+}
+
+impl Metrics {
+    /// Sets the breaker state gauge (0 closed, 1 open, 2 half-open).
+    pub fn breaker_state(&self, state: u8) {
+        self.breaker_state.set(f64::from(state));
+    }
+
+    /// Counts a breaker transition to `to` (`closed`, `open`, `half_open`).
+    pub fn breaker_transition(&self, to: &str) {
+        if let Some(i) = BREAKER_STATES.iter().position(|s| *s == to) {
+            self.breaker_transitions[i].increment(1);
+        }
+    }
+
+    /// Sets the live instance count.
+    pub fn live_instances(&self, n: u32) {
+        self.live_instances.set(f64::from(n));
     }
 }
 

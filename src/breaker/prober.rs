@@ -1,0 +1,126 @@
+//! The actor that drives the breaker off the request path.
+//!
+//! Every [`TICK`] it drains the gate's counters into the state machine and
+//! publishes the result. While half-open it sends one probe at a time: a
+//! bounded `SET` of a short-lived key on its own connection (a keyed write,
+//! so a cluster that refuses keys or a server that refuses writes does not
+//! pass). A successful probe closes the breaker; a failed one re-opens it
+//! for another cool-down.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::fut::{ActorFutureExt, WrapFuture};
+use actix::{Actor, AsyncContext, Context};
+
+use super::BreakerGate;
+use super::state::{Machine, State, Transition};
+use crate::clock::SharedClock;
+use crate::config::BreakerSettings;
+use crate::redis_client::RedisConn;
+use crate::telemetry::Metrics;
+
+/// How often the state machine is advanced.
+pub const TICK: Duration = Duration::from_millis(50);
+
+/// Starts the breaker actor on the current arbiter.
+///
+/// `probe` is a connection of its own; `probe_key` names the key the probe
+/// writes (one per instance).
+pub fn start(
+    gate: Arc<BreakerGate>,
+    settings: BreakerSettings,
+    probe: RedisConn,
+    probe_key: String,
+    probe_timeout: Duration,
+    clock: SharedClock,
+    metrics: Metrics,
+) {
+    let machine = Machine::new(settings, clock.now_ms());
+    metrics.breaker_state(State::Closed as u8);
+    BreakerActor {
+        gate,
+        machine,
+        probe,
+        probe_key,
+        probe_timeout,
+        probing: false,
+        clock,
+        metrics,
+    }
+    .start();
+}
+
+/// Owns the state machine.
+struct BreakerActor {
+    /// Published state and outcome counters.
+    gate: Arc<BreakerGate>,
+    /// Transitions.
+    machine: Machine,
+    /// Connection for probes.
+    probe: RedisConn,
+    /// Key the probe writes.
+    probe_key: String,
+    /// Bound on one probe.
+    probe_timeout: Duration,
+    /// Whether a probe is in flight.
+    probing: bool,
+    /// Time.
+    clock: SharedClock,
+    /// State gauge and transition counter.
+    metrics: Metrics,
+}
+
+impl BreakerActor {
+    fn tick(&mut self, ctx: &mut Context<Self>) {
+        let seen = self.gate.drain();
+        if let Some(t) = self.machine.observe(seen, self.clock.now_ms()) {
+            self.apply(t);
+        }
+        if self.machine.state() == State::HalfOpen && !self.probing {
+            self.probing = true;
+            let (conn, timeout) = (self.probe.clone(), self.probe_timeout);
+            let mut cmd = redis::cmd("SET");
+            cmd.arg(&self.probe_key).arg(1).arg("PX").arg(10_000);
+            ctx.spawn(
+                async move { conn.query::<()>(&cmd, timeout).await }
+                    .into_actor(self)
+                    .map(|result, actor, _| {
+                        actor.probing = false;
+                        if let Err(e) = &result {
+                            tracing::debug!(error = %e, "Redis probe failed.");
+                        }
+                        let now = actor.clock.now_ms();
+                        if let Some(t) = actor.machine.probe_result(result.is_ok(), now) {
+                            actor.apply(t);
+                        }
+                    }),
+            );
+        }
+    }
+
+    /// Publishes a transition, counts and logs it.
+    fn apply(&mut self, (from, to): Transition) {
+        self.gate.publish(to);
+        self.metrics.breaker_state(to as u8);
+        self.metrics.breaker_transition(to.as_str());
+        match to {
+            State::Open if from == State::Closed => tracing::warn!(
+                "Redis circuit breaker opened: requests are decided locally at 1/N of each limit."
+            ),
+            State::Open => tracing::warn!("Redis is still unavailable; the breaker stays open."),
+            State::HalfOpen => tracing::warn!("Redis circuit breaker half-open: probing Redis."),
+            State::Closed => tracing::warn!(
+                "Redis circuit breaker closed: limits are shared cluster-wide again."
+            ),
+        }
+    }
+}
+
+impl Actor for BreakerActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        ctx.run_interval(TICK, Self::tick);
+    }
+}

@@ -1,0 +1,204 @@
+//! Connections to Redis (one server or a Redis Cluster) and bounded calls.
+//!
+//! Owns how tollgate reaches Redis: [`RedisConnector`] parses the target
+//! once; [`RedisConnector::connect`] hands out a [`RedisConn`] whose driver
+//! runs on the calling thread's runtime (each proxy worker gets its own, so
+//! a reply wakes the worker that asked). Every call is bounded by a timeout
+//! and abandoned, never replayed, when it expires. Scripts are sent by SHA
+//! (`EVALSHA`); a `NOSCRIPT` reply loads the script and repeats the call
+//! once.
+//!
+//! Invariant: nothing here waits for Redis to come up; calls fail fast with
+//! [`RedisCallError::NotConnected`] until a connection exists.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwapOption;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::cluster_async::ClusterConnection;
+use redis::{Cmd, FromRedisValue, RedisResult, ScriptInvocation};
+
+use crate::config::{RedisSettings, RedisTarget};
+
+/// Longest pause between attempts to reach a Redis Cluster.
+const MAX_CONNECT_BACKOFF: Duration = Duration::from_secs(5);
+
+/// Why a Redis call produced no answer.
+#[derive(Debug, thiserror::Error)]
+pub enum RedisCallError {
+    /// Redis did not answer within the timeout; the call was abandoned.
+    #[error("redis call timed out")]
+    Timeout,
+    /// No connection exists yet (a cluster still being reached).
+    #[error("not connected to redis")]
+    NotConnected,
+    /// Redis answered with an error or the connection failed.
+    #[error("redis call failed: {0}")]
+    Redis(#[source] redis::RedisError),
+}
+
+impl RedisCallError {
+    /// A short, stable label for metrics (`timeout`, `connection`, `server`).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Timeout => "timeout",
+            Self::NotConnected => "connection",
+            Self::Redis(e) if e.is_io_error() || e.is_connection_dropped() => "connection",
+            Self::Redis(_) => "server",
+        }
+    }
+}
+
+/// A live connection of either kind; both clone cheaply.
+#[derive(Clone)]
+enum Conn {
+    /// One server, reconnected in the background after failures.
+    Single(ConnectionManager),
+    /// A Redis Cluster; follows MOVED/ASK and topology changes.
+    Cluster(ClusterConnection),
+}
+
+/// The client of one deployment kind.
+#[derive(Clone)]
+enum Target {
+    /// One server.
+    Single(redis::Client),
+    /// A Redis Cluster (boxed: its client is more than twice the size).
+    Cluster(Box<redis::cluster::ClusterClient>),
+}
+
+/// A parsed Redis target that hands out connections.
+#[derive(Clone)]
+pub struct RedisConnector {
+    /// Which deployment, with its client.
+    target: Target,
+    /// Bound on one connection attempt and on connection-level replies.
+    connect_timeout: Duration,
+}
+
+impl RedisConnector {
+    /// Parses `settings`; `None` in local-only mode. Connects to nothing.
+    ///
+    /// # Errors
+    /// When a URL cannot be used (config validation already checked them).
+    pub fn new(settings: &RedisSettings) -> RedisResult<Option<Self>> {
+        let target = match &settings.target {
+            RedisTarget::LocalOnly => return Ok(None),
+            RedisTarget::Single(url) => Target::Single(redis::Client::open(url.as_str())?),
+            RedisTarget::Cluster(nodes) => Target::Cluster(Box::new(
+                redis::cluster::ClusterClient::builder(nodes.clone())
+                    .connection_timeout(settings.connect_timeout)
+                    .response_timeout(settings.connect_timeout)
+                    .build()?,
+            )),
+        };
+        Ok(Some(Self {
+            target,
+            connect_timeout: settings.connect_timeout,
+        }))
+    }
+
+    /// A connection driven by the runtime of the calling thread.
+    ///
+    /// A single server is connected on first use and reconnected in the
+    /// background after failures; a cluster is connected by a background
+    /// task that retries until it succeeds.
+    pub fn connect(&self) -> RedisConn {
+        let slot = Arc::new(ArcSwapOption::empty());
+        match &self.target {
+            Target::Single(client) => {
+                let config = ConnectionManagerConfig::new()
+                    .set_number_of_retries(1)
+                    .set_max_delay(Duration::from_millis(200))
+                    .set_connection_timeout(Some(self.connect_timeout))
+                    .set_response_timeout(Some(self.connect_timeout));
+                // unwrap: a lazy manager only fails for push/resubscribe
+                // settings, which are never set here.
+                let manager = client
+                    .get_connection_manager_lazy(config)
+                    .expect("a lazy connection manager without push settings");
+                slot.store(Some(Arc::new(Conn::Single(manager))));
+            }
+            Target::Cluster(client) => {
+                let (client, slot) = ((**client).clone(), slot.clone());
+                actix_web::rt::spawn(async move {
+                    let mut backoff = Duration::from_millis(100);
+                    loop {
+                        match client.get_async_connection().await {
+                            Ok(c) => {
+                                tracing::info!("Connected to the Redis Cluster.");
+                                slot.store(Some(Arc::new(Conn::Cluster(c))));
+                                return;
+                            }
+                            Err(e) => {
+                                tracing::warn!(error = %e, "Redis Cluster unreachable; retrying.");
+                                tokio::time::sleep(backoff).await;
+                                backoff = (backoff * 2).min(MAX_CONNECT_BACKOFF);
+                            }
+                        }
+                    }
+                });
+            }
+        }
+        RedisConn { slot }
+    }
+}
+
+/// One connection (shared by clones), usable for bounded calls.
+#[derive(Clone)]
+pub struct RedisConn {
+    /// The connection once established.
+    slot: Arc<ArcSwapOption<Conn>>,
+}
+
+impl RedisConn {
+    /// Runs a script invocation, bounded by `timeout`.
+    ///
+    /// # Errors
+    /// [`RedisCallError`] on timeout, connection or server failure.
+    pub async fn invoke<T: FromRedisValue>(
+        &self,
+        invocation: &ScriptInvocation<'_>,
+        timeout: Duration,
+    ) -> Result<T, RedisCallError> {
+        let conn = self.slot.load_full().ok_or(RedisCallError::NotConnected)?;
+        let call = async {
+            match &*conn {
+                Conn::Single(c) => invocation.invoke_async(&mut c.clone()).await,
+                Conn::Cluster(c) => invocation.invoke_async(&mut c.clone()).await,
+            }
+        };
+        bounded(timeout, call).await
+    }
+
+    /// Runs one command, bounded by `timeout`.
+    ///
+    /// # Errors
+    /// [`RedisCallError`] on timeout, connection or server failure.
+    pub async fn query<T: FromRedisValue>(
+        &self,
+        cmd: &Cmd,
+        timeout: Duration,
+    ) -> Result<T, RedisCallError> {
+        let conn = self.slot.load_full().ok_or(RedisCallError::NotConnected)?;
+        let call = async {
+            match &*conn {
+                Conn::Single(c) => cmd.query_async(&mut c.clone()).await,
+                Conn::Cluster(c) => cmd.query_async(&mut c.clone()).await,
+            }
+        };
+        bounded(timeout, call).await
+    }
+}
+
+/// Awaits `call` for at most `timeout`.
+async fn bounded<T>(
+    timeout: Duration,
+    call: impl Future<Output = RedisResult<T>>,
+) -> Result<T, RedisCallError> {
+    tokio::time::timeout(timeout, call)
+        .await
+        .map_err(|_| RedisCallError::Timeout)?
+        .map_err(RedisCallError::Redis)
+}
