@@ -73,6 +73,8 @@ pub fn wait_until(limit: Duration, mut check: impl FnMut() -> bool) -> bool {
 /// A `redis-server` on a free port, killed on drop.
 pub struct RedisServer {
     pub port: u16,
+    /// Extra server arguments (cluster mode, data directory).
+    args: Vec<String>,
     child: Child,
 }
 
@@ -82,26 +84,42 @@ impl RedisServer {
     /// # Panics
     /// When `redis-server` is not installed or does not come up.
     pub fn start() -> Self {
+        Self::start_with(Vec::new())
+    }
+
+    /// Starts a server on a free port with extra arguments.
+    pub fn start_with(args: Vec<String>) -> Self {
         for _ in 0..3 {
             let port = free_port();
-            let child = Command::new("redis-server")
-                .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-                .args(["--save", "", "--appendonly", "no"])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .unwrap_or_else(|e| {
-                    panic!(
-                        "cannot run redis-server ({e}); install it with `apt-get install -y redis-server`"
-                    )
-                });
-            let mut server = Self { port, child };
+            let child = spawn_redis(port, &args);
+            let mut server = Self {
+                port,
+                args: args.clone(),
+                child,
+            };
             if wait_until(Duration::from_secs(5), || server.ping()) {
                 return server;
             }
             let _ = server.child.kill();
         }
         panic!("redis-server did not answer PING on a free port after 3 attempts");
+    }
+
+    /// Kills the server (SIGKILL): connections drop, state is lost.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Starts the server again on the same port (empty, unless its
+    /// arguments name a data directory).
+    pub fn restart(&mut self) {
+        self.child = spawn_redis(self.port, &self.args);
+        assert!(
+            wait_until(Duration::from_secs(5), || self.ping()),
+            "redis-server did not come back on port {}",
+            self.port
+        );
     }
 
     pub fn url(&self) -> String {
@@ -154,6 +172,90 @@ impl Drop for RedisServer {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// Spawns `redis-server` on `port`, keeping nothing on disk.
+fn spawn_redis(port: u16, args: &[String]) -> Child {
+    Command::new("redis-server")
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+        .args(["--save", "", "--appendonly", "no"])
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| {
+            panic!(
+                "cannot run redis-server ({e}); install it with `apt-get install -y redis-server`"
+            )
+        })
+}
+
+/// A Redis Cluster of three masters (no replicas) on free ports, with a
+/// 1 s node timeout so failures are noticed quickly.
+pub struct RedisCluster {
+    pub nodes: Vec<RedisServer>,
+    _dir: TempDir,
+}
+
+impl RedisCluster {
+    pub fn start() -> Self {
+        let dir = TempDir::new("cluster");
+        let nodes: Vec<RedisServer> = (0..3)
+            .map(|i| {
+                let node_dir = dir.0.join(format!("node-{i}"));
+                std::fs::create_dir_all(&node_dir).unwrap();
+                RedisServer::start_with(vec![
+                    "--cluster-enabled".into(),
+                    "yes".into(),
+                    "--cluster-node-timeout".into(),
+                    "1000".into(),
+                    "--dir".into(),
+                    node_dir.display().to_string(),
+                ])
+            })
+            .collect();
+        let mut create = Command::new("redis-cli");
+        create.arg("--cluster").arg("create");
+        for node in &nodes {
+            create.arg(format!("127.0.0.1:{}", node.port));
+        }
+        let out = create
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .output()
+            .unwrap_or_else(|e| {
+                panic!(
+                    "cannot run redis-cli ({e}); install it with `apt-get install -y redis-tools`"
+                )
+            });
+        assert!(
+            out.status.success(),
+            "cluster create failed: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let cluster = Self { nodes, _dir: dir };
+        cluster.wait_healthy();
+        cluster
+    }
+
+    /// Seeds for `redis.cluster_nodes`.
+    pub fn seeds(&self) -> Vec<String> {
+        self.nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect()
+    }
+
+    /// Waits until every running node reports `cluster_state:ok`.
+    pub fn wait_healthy(&self) {
+        assert!(
+            wait_until(Duration::from_secs(20), || self
+                .nodes
+                .iter()
+                .all(|n| redis_cli(n.port, &["CLUSTER", "INFO"])
+                    .is_some_and(|i| i.contains("cluster_state:ok")))),
+            "the cluster did not become healthy"
+        );
     }
 }
 
@@ -278,6 +380,10 @@ async fn mock(req: HttpRequest, mut body: web::Payload) -> HttpResponse {
 /// Builds gateway configs for tests; both listeners bind port 0.
 pub struct GatewayConfig {
     pub redis_url: String,
+    /// `redis.cluster_nodes`; non-empty switches to Redis Cluster.
+    pub cluster_nodes: Vec<String>,
+    /// `redis.timeout_ms`.
+    pub redis_timeout_ms: u64,
     pub rules_file: PathBuf,
     /// `rules.database_url`; empty = file mode.
     pub database_url: String,
@@ -295,6 +401,8 @@ impl GatewayConfig {
     pub fn new(redis_url: &str, rules_file: PathBuf, upstream: &str) -> Self {
         Self {
             redis_url: redis_url.to_owned(),
+            cluster_nodes: Vec::new(),
+            redis_timeout_ms: 1000,
             rules_file,
             database_url: String::new(),
             rules_extra: String::new(),
@@ -310,12 +418,14 @@ impl GatewayConfig {
         format!(
             "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nworkers = 2\n\
              shutdown_timeout_seconds = 1\n\
-             [redis]\nurl = \"{}\"\ntimeout_ms = 1000\n\
+             [redis]\nurl = \"{}\"\ncluster_nodes = {:?}\ntimeout_ms = {}\n\
              [rules]\nfile = \"{}\"\ndatabase_url = \"{}\"\n{}\n\
              [admin]\ntoken = \"{}\"\n\
              [upstream]\nconnect_timeout_ms = 500\ntimeout_ms = 1000\n\
              {}\n{}",
             self.redis_url,
+            self.cluster_nodes,
+            self.redis_timeout_ms,
             self.rules_file.display(),
             self.database_url,
             self.rules_extra,
@@ -340,7 +450,16 @@ impl Gateway {
     }
 
     pub fn start_toml(toml: &str) -> Self {
-        let config = config::load(toml, &BTreeMap::new())
+        // Gateways in one test process would share the default
+        // <hostname>-<pid> id; give each its own, as separate hosts have.
+        static N: AtomicU32 = AtomicU32::new(0);
+        let id = format!(
+            "test-gw-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        );
+        let env = BTreeMap::from([("TOLLGATE__INSTANCE__ID".to_owned(), id)]);
+        let config = config::load(toml, &env)
             .unwrap_or_else(|e| panic!("test config is invalid: {e}\n{toml}"));
         app::check(&config).unwrap_or_else(|p| panic!("test rules are invalid: {p:?}"));
         let listeners = Listeners::bind(&config.server).expect("ports for the gateway");

@@ -1,0 +1,213 @@
+//! Redis failures with real processes: a server paused with SIGSTOP, killed
+//! and restarted empty, and a Redis Cluster losing a master. In every case
+//! clients get only 200/429, the fallback enforces about 1/N of the limit
+//! per instance, the breaker opens and closes, and limits are Redis-backed
+//! again after recovery.
+
+#![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{
+    Gateway, GatewayConfig, RedisCluster, RedisServer, TempDir, Upstream, client, get, limit_of,
+    metric, ready, wait_for_limit,
+};
+
+/// Limit of every tenant: 20 tokens, refilled slowly so counts are exact.
+const CAPACITY: u32 = 20;
+
+struct Setup {
+    gateways: Vec<Gateway>,
+    _up: Upstream,
+    _dir: TempDir,
+}
+
+/// Two gateways on `redis_url` (or a cluster), with fast failure detection.
+fn gateways(redis_url: &str, cluster_nodes: Vec<String>) -> Setup {
+    let up = Upstream::start();
+    let dir = TempDir::new("faults");
+    let mut config = GatewayConfig::new(redis_url, dir.file("rules.toml", ""), &up.url());
+    config.cluster_nodes = cluster_nodes;
+    config.redis_timeout_ms = 100;
+    config.extra = format!(
+        "[default_rule]\ncapacity = {CAPACITY}\nrefill_per_second = 1\n\
+         [breaker]\nfailure_threshold = 3\ncooldown_ms = 300\n\
+         [instance]\nheartbeat_ms = 200\n"
+    );
+    let gateways = vec![Gateway::start(&config), Gateway::start(&config)];
+    Setup {
+        gateways,
+        _up: up,
+        _dir: dir,
+    }
+}
+
+/// Waits until `field` of `/ready` equals `value` on every gateway.
+async fn all_ready(setup: &Setup, field: &str, value: serde_json::Value, within: Duration) {
+    let clock = tollgate::clock::SystemClock::new();
+    let start = tollgate::clock::Clock::now_ms(&clock);
+    for (i, gw) in setup.gateways.iter().enumerate() {
+        loop {
+            // Traffic feeds the breaker: it only learns from real calls.
+            get(&gw.url("/probe"), Some("prober")).await;
+            if ready(gw).await[field] == value {
+                break;
+            }
+            let waited = tollgate::clock::Clock::now_ms(&clock) - start;
+            assert!(
+                waited < within.as_millis() as u64,
+                "gateway {i}: /ready {field} never became {value}: {}",
+                ready(gw).await
+            );
+            actix_web::rt::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+}
+
+/// Sends `n` requests for `tenant`; every answer must be 200 or 429.
+/// Returns how many were admitted.
+async fn burst(gw: &Gateway, tenant: &str, n: usize) -> usize {
+    let mut admitted = 0;
+    for _ in 0..n {
+        let (status, _) = get(&gw.url("/burst"), Some(tenant)).await;
+        assert!(
+            status == 200 || status == 429,
+            "status {status} during a Redis fault"
+        );
+        admitted += usize::from(status == 200);
+    }
+    admitted
+}
+
+/// Healthy start: both instances see each other and limits are shared.
+async fn healthy(setup: &Setup) {
+    all_ready(setup, "live_instances", 2.into(), Duration::from_secs(5)).await;
+    all_ready(setup, "breaker", "closed".into(), Duration::from_secs(5)).await;
+    let shared = burst(&setup.gateways[0], "before", 15).await
+        + burst(&setup.gateways[1], "before", 15).await;
+    assert_eq!(
+        shared, CAPACITY as usize,
+        "one shared bucket across both gateways"
+    );
+}
+
+/// During the fault: the breaker opens, each instance holds 1/N, and no
+/// request waits on Redis any more.
+async fn degraded(setup: &Setup, tenant: &str) {
+    all_ready(setup, "breaker", "open".into(), Duration::from_secs(5)).await;
+    for gw in &setup.gateways {
+        assert_eq!(ready(gw).await["redis"], "down");
+        assert_eq!(
+            limit_of(gw, tenant).await.as_deref(),
+            Some("10"),
+            "1/N of 20 with N = 2"
+        );
+    }
+    // limit_of took one token on each gateway; 9 are left on each.
+    for gw in &setup.gateways {
+        let admitted = burst(gw, tenant, 15).await;
+        assert!(
+            (9..=10).contains(&admitted),
+            "local share admitted {admitted}"
+        );
+    }
+    let gw = &setup.gateways[0];
+    let errors = metric(gw, "tollgate_redis_errors_total{kind=\"timeout\"}").await
+        + metric(gw, "tollgate_redis_errors_total{kind=\"connection\"}").await;
+    if ready(gw).await["breaker"] == "open" {
+        burst(gw, "open-breaker", 10).await;
+        let after = metric(gw, "tollgate_redis_errors_total{kind=\"timeout\"}").await
+            + metric(gw, "tollgate_redis_errors_total{kind=\"connection\"}").await;
+        assert_eq!(
+            after, errors,
+            "no request calls Redis while the breaker is open"
+        );
+    }
+    assert!(metric(gw, "tollgate_fallback_decisions_total{outcome=\"allowed\"}").await >= 9.0);
+    assert!(metric(gw, "tollgate_breaker_transitions_total{to=\"open\"}").await >= 1.0);
+}
+
+/// After recovery: the breaker closes and limits are shared again.
+async fn recovered(setup: &Setup) {
+    all_ready(setup, "breaker", "closed".into(), Duration::from_secs(10)).await;
+    for gw in &setup.gateways {
+        assert!(
+            wait_for_limit(gw, "after", "20", Duration::from_secs(2))
+                .await
+                .is_some(),
+            "limits are Redis-backed again"
+        );
+    }
+    let shared = burst(&setup.gateways[0], "after-shared", 15).await
+        + burst(&setup.gateways[1], "after-shared", 15).await;
+    assert_eq!(shared, CAPACITY as usize);
+}
+
+#[actix_web::test]
+async fn a_paused_redis_opens_the_breaker_and_its_return_closes_it() {
+    let redis = RedisServer::start();
+    let setup = gateways(&redis.url(), Vec::new());
+    healthy(&setup).await;
+
+    redis.pause();
+    degraded(&setup, "paused").await;
+    redis.resume();
+
+    recovered(&setup).await;
+}
+
+#[actix_web::test]
+async fn a_killed_redis_restarted_empty_serves_full_buckets_again() {
+    let mut redis = RedisServer::start();
+    let setup = gateways(&redis.url(), Vec::new());
+    healthy(&setup).await;
+    assert_eq!(
+        get(&setup.gateways[0].url("/x"), Some("before")).await.0,
+        429,
+        "bucket empty"
+    );
+
+    redis.kill();
+    degraded(&setup, "killed").await;
+    redis.restart();
+
+    recovered(&setup).await;
+    // The restarted server lost every bucket and every script: the emptied
+    // bucket comes back full, and the script is reloaded on NOSCRIPT.
+    let (status, remaining) = get(&setup.gateways[0].url("/x"), Some("before")).await;
+    assert_eq!((status, remaining.as_deref()), (200, Some("19")));
+    assert!(redis.command_calls("script|load") >= 1);
+}
+
+#[actix_web::test]
+async fn a_cluster_losing_a_master_falls_back_and_recovers() {
+    let mut cluster = RedisCluster::start();
+    let setup = gateways("", cluster.seeds());
+    healthy(&setup).await;
+
+    cluster.nodes[1].kill();
+    degraded(&setup, "cluster-down").await;
+    cluster.nodes[1].restart();
+    cluster.wait_healthy();
+
+    recovered(&setup).await;
+    let c = client();
+    let res = c
+        .get(setup.gateways[0].url("/x"))
+        .insert_header(("x-api-key", "tagged"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 200);
+    let owner = cluster
+        .nodes
+        .iter()
+        .filter(|n| n.cmd(&["EXISTS", "rl:{tagged}:api"]).trim() == ":1")
+        .count();
+    assert_eq!(
+        owner, 1,
+        "the bucket lives on exactly one master, under its hash tag"
+    );
+}
