@@ -89,10 +89,7 @@ fn run(url: &str) {
         ),
     );
 
-    let default = Limit {
-        capacity: 20.try_into().unwrap(),
-        refill_per_second: 10.try_into().unwrap(),
-    };
+    let default = Limit::new(20.try_into().unwrap(), 10.try_into().unwrap());
     let origin = SnapshotOrigin {
         source: "database",
         loaded_at_unix: 0,

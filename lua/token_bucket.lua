@@ -6,15 +6,17 @@
 --                    Redis's clock, with microsecond fraction (string)
 -- ARGV[1]  capacity: bucket size in tokens (number >= 1)
 -- ARGV[2]  refill rate in tokens per second (number > 0)
--- ARGV[3]  cost: tokens this request takes (integer >= 1); a cost above the
---          capacity is clamped to the capacity, so such a request passes
---          only when the bucket is full
+-- ARGV[3]  want: tokens to take (integer >= 1): one request's cost, or a
+--          lease batch; clamped to the capacity, so a request costing more
+--          than the bucket holds passes only when the bucket is full
+-- ARGV[4]  min (optional, default want): the fewest tokens worth taking;
+--          with min < want the call takes as many as it can, up to want
 --
--- Returns {allowed, remaining, retry_after_ms}, all integers:
---   allowed         1 if the tokens were taken, 0 if not
+-- Returns {granted, remaining, retry_after_ms}, all integers:
+--   granted         tokens taken (min..want), or 0 when fewer than min exist
 --   remaining       tokens left after this call, floored
---   retry_after_ms  0 when allowed; otherwise the ms until enough tokens
---                   exist, rounded up
+--   retry_after_ms  0 when granted; otherwise the ms until min tokens exist,
+--                   rounded up (at least 1)
 --
 -- Now always comes from redis.call('TIME'), never from the gateway: gateway
 -- clocks drift. Redis 7 replicates scripts by their effects, so reading TIME
@@ -23,7 +25,8 @@
 
 local capacity = tonumber(ARGV[1])
 local rate = tonumber(ARGV[2])
-local cost = math.min(tonumber(ARGV[3]), capacity)
+local want = math.min(tonumber(ARGV[3]), capacity)
+local min = math.min(tonumber(ARGV[4] or ARGV[3]), want)
 
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000 + tonumber(time[2]) / 1000
@@ -39,14 +42,15 @@ end
 local elapsed = math.max(0, now - ts)
 tokens = math.min(capacity, tokens + elapsed * rate / 1000)
 
-if tokens < cost then
+if tokens < min then
   -- Nothing changes on a rejection: the refilled value follows from the
   -- stored pair, so the bucket is not written.
-  local retry = math.ceil((cost - tokens) * 1000 / rate)
+  local retry = math.ceil((min - tokens) * 1000 / rate)
   return {0, math.floor(tokens), math.max(1, retry)}
 end
 
-tokens = tokens - cost
+local granted = math.min(want, math.floor(tokens))
+tokens = tokens - granted
 redis.call('HSET', KEYS[1], 'tokens', string.format('%.6f', tokens), 'ts', string.format('%.3f', now))
 redis.call('PEXPIRE', KEYS[1], math.max(1, math.ceil(2 * capacity * 1000 / rate)))
-return {1, math.floor(tokens), 0}
+return {granted, math.floor(tokens), 0}

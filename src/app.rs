@@ -19,7 +19,7 @@ use tokio_cron_scheduler::{Job, JobScheduler};
 
 use crate::admin::{self, AdminState};
 use crate::breaker::{self, BreakerGate};
-use crate::bucket::{Limiter, LimiterCore, LocalBuckets, RedisBucket};
+use crate::bucket::{HotKeys, Limiter, LimiterCore, LocalBuckets, RedisBucket};
 use crate::clock::SystemClock;
 use crate::cluster::{LiveInstances, Membership};
 use crate::config::{Config, RedisTarget, RuleSource, ServerSettings};
@@ -161,6 +161,12 @@ pub async fn run(
     });
     let limiter = Arc::new(LimiterCore::new(
         LocalBuckets::new(config.fallback.max_keys, clock.clone()),
+        HotKeys::new(
+            config.lease,
+            config.fallback.max_keys,
+            clock.clone(),
+            metrics.clone(),
+        ),
         live,
         breaker,
         clock.clone(),

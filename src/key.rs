@@ -1,7 +1,9 @@
 //! Validated identifiers and the Redis keys built from them.
 //!
 //! Owns [`TenantId`] and [`RouteId`], the only way a client-supplied or
-//! configured identifier becomes part of a Redis key, and [`BucketKey`].
+//! configured identifier becomes part of a Redis key, and [`BucketKey`]
+//! (`rl:{<tenant>}:<route>`, or `rl:<tenant>:<route>:<i>` for sub-bucket i of
+//! a sharded rule).
 //!
 //! Invariants: an id is 1 to [`MAX_ID_LEN`] bytes drawn from the safe set
 //! `A-Z a-z 0-9 . _ : -`. In particular `{` and `}` never pass, so the Redis
@@ -113,6 +115,13 @@ impl BucketKey {
         Self(key)
     }
 
+    /// The key of sub-bucket `index` of a sharded bucket:
+    /// `rl:<tenant>:<route>:<index>`, without a hash tag so that the
+    /// sub-buckets spread over Redis Cluster nodes.
+    pub fn shard(tenant: &TenantId, route: &RouteId, index: u32) -> Self {
+        Self(format!("rl:{tenant}:{route}:{index}"))
+    }
+
     /// The key as text.
     pub fn as_str(&self) -> &str {
         &self.0
@@ -149,6 +158,16 @@ mod tests {
             &RouteId::parse("create-order").unwrap(),
         );
         assert_eq!(key.as_str(), "rl:{shop-a}:create-order");
+    }
+
+    #[test]
+    fn shard_keys_have_no_hash_tag() {
+        let key = BucketKey::shard(
+            &TenantId::parse("big").unwrap(),
+            &RouteId::parse("search").unwrap(),
+            3,
+        );
+        assert_eq!(key.as_str(), "rl:big:search:3");
     }
 
     proptest! {

@@ -175,7 +175,10 @@ async fn a_killed_redis_restarted_empty_serves_full_buckets_again() {
 
     recovered(&setup).await;
     // The restarted server lost every bucket and every script: the emptied
-    // bucket comes back full, and the script is reloaded on NOSCRIPT.
+    // bucket comes back full, and the script is reloaded on NOSCRIPT. (The
+    // over-limit cache honours the last rejection's retry delay, at most 1 s
+    // at 1 token/s, so wait that out first.)
+    actix_web::rt::time::sleep(Duration::from_millis(1_100)).await;
     let (status, remaining) = get(&setup.gateways[0].url("/x"), Some("before")).await;
     assert_eq!((status, remaining.as_deref()), (200, Some("19")));
     assert!(redis.command_calls("script|load") >= 1);

@@ -179,8 +179,8 @@ async fn invalid_writes_are_refused_with_the_field_and_change_nothing() {
         ),
         (
             "/admin/rules/keep/api",
-            r#"{"capacity": 5, "refill_per_second": 1, "shards": 2}"#,
-            "shards",
+            r#"{"capacity": 5, "refill_per_second": 1, "burst": 2}"#,
+            "burst",
         ),
         ("/admin/rules/keep/api", "not json", "body"),
         ("/admin/rules/ke%7Bep/api", ok, "tenant"),

@@ -17,6 +17,7 @@ use serde_json::{Value, json};
 use super::AdminState;
 use super::error::AdminError;
 use crate::key::{RouteId, TenantId};
+use crate::rules::model::{MAX_SHARDS, positive_i32, shard_count};
 use crate::rules::{Limit, RuleStore, StoredRule};
 
 /// Page size when `limit` is not given.
@@ -107,6 +108,8 @@ fn stored(tenant: &TenantId, route: &RouteId, limit: Limit) -> StoredRule {
         route: route.to_string(),
         capacity: i32::try_from(limit.capacity.get()).unwrap_or(i32::MAX),
         refill_per_second: i32::try_from(limit.refill_per_second.get()).unwrap_or(i32::MAX),
+        shards: i32::try_from(limit.shards.get()).unwrap_or(1),
+        exact: limit.exact,
         updated_at: None,
     }
 }
@@ -208,7 +211,8 @@ fn ids(path: &(String, String)) -> Result<(TenantId, RouteId), AdminError> {
 
 /// Parses `{"capacity":…,"refill_per_second":…}`, naming the first bad field.
 fn parse_limit(body: &[u8]) -> Result<Limit, AdminError> {
-    let example = "expected a JSON object such as {\"capacity\": 200, \"refill_per_second\": 100}";
+    let example = "expected a JSON object such as {\"capacity\": 200, \"refill_per_second\": 100} \
+                   (optional: \"shards\": 1..64, \"exact\": true|false)";
     let value: Value = serde_json::from_slice(body)
         .map_err(|e| AdminError::invalid("body", format!("not valid JSON ({e}); {example}")))?;
     let object = value
@@ -216,32 +220,38 @@ fn parse_limit(body: &[u8]) -> Result<Limit, AdminError> {
         .ok_or_else(|| AdminError::invalid("body", example))?;
     if let Some(unknown) = object
         .keys()
-        .find(|k| *k != "capacity" && *k != "refill_per_second")
+        .find(|k| !["capacity", "refill_per_second", "shards", "exact"].contains(&k.as_str()))
     {
         return Err(AdminError::invalid(unknown.as_str(), "unknown field"));
     }
-    let positive = |field: &'static str| -> Result<NonZeroU32, AdminError> {
-        let value = object
-            .get(field)
-            .ok_or_else(|| AdminError::invalid(field, "is required"))?;
-        value
-            .as_i64()
-            .and_then(|n| i32::try_from(n).ok())
-            .and_then(|n| u32::try_from(n).ok())
-            .and_then(NonZeroU32::new)
-            .ok_or_else(|| {
-                AdminError::invalid(
-                    field,
-                    format!(
-                        "must be a whole number from 1 to {}, found {value}",
-                        i32::MAX
-                    ),
-                )
-            })
+    let number = |field: &'static str,
+                  default: Option<i64>,
+                  valid: fn(i64) -> Option<NonZeroU32>,
+                  max: u32| {
+        let Some(value) = object.get(field) else {
+            return default
+                .and_then(valid)
+                .ok_or_else(|| AdminError::invalid(field, "is required"));
+        };
+        value.as_i64().and_then(valid).ok_or_else(|| {
+            AdminError::invalid(
+                field,
+                format!("must be a whole number from 1 to {max}, found {value}"),
+            )
+        })
+    };
+    let i32_max = i32::MAX.unsigned_abs();
+    let exact = match object.get("exact") {
+        None => false,
+        Some(v) => v.as_bool().ok_or_else(|| {
+            AdminError::invalid("exact", format!("must be true or false, found {v}"))
+        })?,
     };
     Ok(Limit {
-        capacity: positive("capacity")?,
-        refill_per_second: positive("refill_per_second")?,
+        capacity: number("capacity", None, positive_i32, i32_max)?,
+        refill_per_second: number("refill_per_second", None, positive_i32, i32_max)?,
+        shards: number("shards", Some(1), shard_count, MAX_SHARDS)?,
+        exact,
     })
 }
 

@@ -1,24 +1,31 @@
 //! The hot-path decision: Redis first, the local limiter when Redis fails.
 //!
-//! Owns the order in which a request's tokens are sought and the bucket in
-//! force for the answer. With Redis configured and the breaker closed, the
-//! shared bucket decides; a timeout or error (reported to the breaker), or
-//! an open breaker, sends the request to the local limiter, which holds 1/N
-//! of the limit (N = live gateway instances), so the cluster total stays
-//! about right while Redis is away. A rejection is a [`Decision`], never an
-//! error; this module never fails a request.
-
-use std::sync::Arc;
+//! Owns the order in which a request's tokens are sought, and the bucket in
+//! force for the answer:
+//! 1. sub-bucket: a sharded rule picks one of its sub-buckets ([`super::shard`]);
+//! 2. breaker: while it is open, the local limiter decides;
+//! 3. hot keys ([`super::lease`]): the over-limit cache rejects, or a lease
+//!    admits, without calling Redis;
+//! 4. Redis, bounded by its timeout: one request's tokens, or a lease batch;
+//! 5. on error or timeout (reported to the breaker): the local limiter, which
+//!    holds 1/N of the limit (N = live gateway instances), so the cluster
+//!    total stays about right while Redis is away.
+//!
+//! A rejection is a [`Decision`], never an error; this module never fails a
+//! request.
 
 use std::num::NonZeroU32;
+use std::sync::Arc;
 
 use super::decision::{BucketSpec, Decision};
+use super::lease::{HotKeys, Plan};
 use super::local::LocalBuckets;
 use super::redis::RedisBucket;
+use super::shard;
 use crate::breaker::{BreakerGate, State};
 use crate::clock::SharedClock;
 use crate::cluster::LiveInstances;
-use crate::key::BucketKey;
+use crate::key::{BucketKey, RouteId, TenantId};
 use crate::rules::Limit;
 use crate::telemetry::{DecisionSource, Metrics};
 
@@ -55,11 +62,13 @@ impl RedisState {
     }
 }
 
-/// Limiter state shared by every proxy worker: the local buckets, the
-/// breaker gate and the live instance count.
+/// Limiter state shared by every proxy worker: the local buckets, hot-key
+/// state, the breaker gate and the live instance count.
 pub struct LimiterCore {
     /// Local buckets for local-only mode and fallback.
     local: LocalBuckets,
+    /// Rates, leases and the over-limit cache of Redis-backed keys.
+    hot: HotKeys,
     /// N, the divisor of the local share.
     live: Arc<LiveInstances>,
     /// The breaker in front of Redis; `None` without Redis.
@@ -74,6 +83,7 @@ impl LimiterCore {
     /// Shared state; `breaker` is `None` in local-only mode.
     pub fn new(
         local: LocalBuckets,
+        hot: HotKeys,
         live: Arc<LiveInstances>,
         breaker: Option<Arc<BreakerGate>>,
         clock: SharedClock,
@@ -81,6 +91,7 @@ impl LimiterCore {
     ) -> Self {
         Self {
             local,
+            hot,
             live,
             breaker,
             clock,
@@ -107,9 +118,11 @@ impl LimiterCore {
         self.live.get()
     }
 
-    /// Drops refilled local buckets and reports how many remain.
+    /// Drops refilled local buckets and idle hot-key state, and reports
+    /// how many local buckets remain.
     pub fn sweep_local(&self) {
         self.metrics.local_buckets(self.local.sweep());
+        self.hot.sweep();
     }
 
     /// Decides with the local 1/N share of `whole`.
@@ -145,35 +158,85 @@ impl Limiter {
         Self { redis, core }
     }
 
-    /// Takes `cost` tokens from `key`'s bucket under `limit`.
-    pub async fn check(&self, key: &BucketKey, limit: Limit, cost: NonZeroU32) -> Verdict {
+    /// Takes `cost` tokens from the bucket of `tenant` on `route` under
+    /// `limit`.
+    pub async fn check(
+        &self,
+        tenant: &TenantId,
+        route: &RouteId,
+        limit: Limit,
+        cost: NonZeroU32,
+    ) -> Verdict {
         let core = &self.core;
         let started = core.clock.now_micros();
         let whole = BucketSpec::of(limit.capacity, limit.refill_per_second);
         let verdict = match (&self.redis, &core.breaker) {
             (Some(redis), Some(gate)) if gate.allows() => {
-                match redis.take(key.as_str(), &whole, cost.get()).await {
-                    Ok(decision) => {
-                        gate.success();
-                        Verdict {
-                            decision,
-                            spec: whole,
-                            source: DecisionSource::Redis,
-                        }
-                    }
-                    Err(e) => {
-                        gate.failure();
-                        core.metrics.redis_error(e.kind());
-                        tracing::debug!(error = %e, "Redis call failed; deciding locally.");
-                        core.fallback(key, &whole, cost)
-                    }
-                }
+                self.shared(redis, gate, tenant, route, limit, cost).await
             }
-            (Some(_), _) => core.fallback(key, &whole, cost),
-            (None, _) => core.local(key, &whole, cost),
+            (Some(_), _) => core.fallback(&BucketKey::new(tenant, route), &whole, cost),
+            (None, _) => core.local(&BucketKey::new(tenant, route), &whole, cost),
         };
         let elapsed = core.clock.now_micros().saturating_sub(started);
         core.metrics.decision(verdict.source, elapsed as f64 / 1e6);
         verdict
+    }
+
+    /// Steps 1 and 3–5 with the breaker closed.
+    async fn shared(
+        &self,
+        redis: &RedisBucket,
+        gate: &BreakerGate,
+        tenant: &TenantId,
+        route: &RouteId,
+        limit: Limit,
+        cost: NonZeroU32,
+    ) -> Verdict {
+        let core = &self.core;
+        let whole = BucketSpec::of(limit.capacity, limit.refill_per_second);
+        let shards = limit.shards;
+        let (key, spec) = if shards.get() == 1 {
+            (BucketKey::new(tenant, route), whole)
+        } else {
+            let index = shard::pick(shards);
+            (
+                BucketKey::shard(tenant, route, index),
+                whole.divided(shards),
+            )
+        };
+        // Remaining tokens of one sub-bucket, scaled to the whole limit.
+        let verdict = |mut decision: Decision, source| {
+            decision.remaining =
+                (decision.remaining * u64::from(shards.get())).min(u64::from(whole.capacity.get()));
+            Verdict {
+                decision,
+                spec: whole,
+                source,
+            }
+        };
+        let n = cost.get();
+        let answer = match core.hot.plan(key.as_str(), &spec, n, limit.exact) {
+            Plan::Local(decision, source) => return verdict(decision, source),
+            Plan::Single => redis
+                .take(key.as_str(), &spec, n)
+                .await
+                .map(|d| (n * u32::from(d.allowed), d)),
+            Plan::Lease { batch, min } => redis.lease(key.as_str(), &spec, batch, min).await,
+        };
+        match answer {
+            Ok((granted, mut decision)) => {
+                gate.success();
+                core.hot.record(key.as_str(), &decision, granted, n);
+                // Tokens leased for later requests are still this key's.
+                decision.remaining += u64::from(granted.saturating_sub(n));
+                verdict(decision, DecisionSource::Redis)
+            }
+            Err(e) => {
+                gate.failure();
+                core.metrics.redis_error(e.kind());
+                tracing::debug!(error = %e, "Redis call failed; deciding locally.");
+                core.fallback(&BucketKey::new(tenant, route), &whole, cost)
+            }
+        }
     }
 }

@@ -1,24 +1,13 @@
 //! In-process buckets: local-only mode and the fallback when Redis fails.
 //!
-//! Owns a keyed set of [`TokenState`]s, sharded behind plain mutexes so the
-//! two proxy workers rarely contend. Each lock is held only for one bucket
-//! update, never across an `.await`.
-//!
-//! Invariant: memory is bounded. [`LocalBuckets::sweep`] drops buckets that
-//! have refilled completely (forgetting a full bucket loses nothing), and a
-//! shard at its cap makes room before it admits a new key, so attacker-chosen
-//! keys cannot grow the map without bound.
-
-use std::collections::HashMap;
-use std::hash::{BuildHasher, RandomState};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+//! Owns a bounded [`KeyMap`] of [`TokenState`]s. A bucket that has refilled
+//! completely is idle: forgetting it loses nothing, since it comes back
+//! full.
 
 use super::decision::{BucketSpec, Decision};
+use super::keymap::{Idle, KeyMap};
 use super::tokens::TokenState;
 use crate::clock::SharedClock;
-
-/// Number of independently locked shards.
-const SHARDS: usize = 16;
 
 /// One tracked bucket.
 #[derive(Debug, Clone, Copy)]
@@ -29,14 +18,16 @@ struct Entry {
     spec: BucketSpec,
 }
 
+impl Idle for Entry {
+    fn is_idle(&self, now_ms: u64) -> bool {
+        self.state.is_full(&self.spec, now_ms)
+    }
+}
+
 /// Keyed in-process token buckets.
 pub struct LocalBuckets {
-    /// Key → bucket, split by key hash.
-    shards: Box<[Mutex<HashMap<String, Entry>>]>,
-    /// Picks a key's shard.
-    hasher: RandomState,
-    /// Most buckets one shard holds.
-    max_per_shard: usize,
+    /// Key → bucket.
+    buckets: KeyMap<Entry>,
     /// Time source for refills.
     clock: SharedClock,
 }
@@ -45,9 +36,7 @@ impl LocalBuckets {
     /// An empty set holding at most about `max_keys` buckets.
     pub fn new(max_keys: usize, clock: SharedClock) -> Self {
         Self {
-            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
-            hasher: RandomState::new(),
-            max_per_shard: max_keys.div_ceil(SHARDS).max(1),
+            buckets: KeyMap::new(max_keys),
             clock,
         }
     }
@@ -55,63 +44,19 @@ impl LocalBuckets {
     /// Refills `key`'s bucket to now and tries to take `cost` tokens.
     pub fn take(&self, key: &str, spec: &BucketSpec, cost: u32) -> Decision {
         let now = self.clock.now_ms();
-        let mut shard = self.shard(key);
-        if let Some(entry) = shard.get_mut(key) {
+        let create = || Entry {
+            state: TokenState::full(spec, now),
+            spec: *spec,
+        };
+        self.buckets.with(key, now, create, |entry| {
             entry.spec = *spec;
-            return entry.state.take(spec, cost, now);
-        }
-        if shard.len() >= self.max_per_shard {
-            make_room(&mut shard, now, self.max_per_shard);
-        }
-        let mut state = TokenState::full(spec, now);
-        let decision = state.take(spec, cost, now);
-        shard.insert(key.to_owned(), Entry { state, spec: *spec });
-        decision
+            entry.state.take(spec, cost, now)
+        })
     }
 
     /// Drops every bucket that is full again; returns how many remain.
     pub fn sweep(&self) -> usize {
-        let now = self.clock.now_ms();
-        self.shards
-            .iter()
-            .map(|shard| {
-                let mut map = lock(shard);
-                map.retain(|_, e| !e.state.is_full(&e.spec, now));
-                map.len()
-            })
-            .sum()
-    }
-
-    /// Number of tracked buckets.
-    pub fn len(&self) -> usize {
-        self.shards.iter().map(|s| lock(s).len()).sum()
-    }
-
-    /// Whether no bucket is tracked.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    fn shard(&self, key: &str) -> MutexGuard<'_, HashMap<String, Entry>> {
-        // Truncation is fine: only the low bits pick a shard.
-        let i = self.hasher.hash_one(key) as usize % SHARDS;
-        lock(&self.shards[i])
-    }
-}
-
-/// Locks a shard; a panic elsewhere leaves plain numbers, still usable.
-fn lock(shard: &Mutex<HashMap<String, Entry>>) -> MutexGuard<'_, HashMap<String, Entry>> {
-    shard.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-/// Frees a slot in a full shard: first every full bucket, else one arbitrary
-/// bucket (it comes back full, a bounded over-admission under key floods).
-fn make_room(map: &mut HashMap<String, Entry>, now: u64, max: usize) {
-    map.retain(|_, e| !e.state.is_full(&e.spec, now));
-    if map.len() >= max
-        && let Some(victim) = map.keys().next().cloned()
-    {
-        map.remove(&victim);
+        self.buckets.sweep(self.clock.now_ms())
     }
 }
 
@@ -151,16 +96,5 @@ mod tests {
         assert_eq!(buckets.sweep(), 1);
         clock.advance(Duration::from_secs(5));
         assert_eq!(buckets.sweep(), 0);
-        assert!(buckets.is_empty());
-    }
-
-    #[test]
-    fn a_flood_of_new_keys_stays_bounded() {
-        let clock = ManualClock::new(0);
-        let buckets = LocalBuckets::new(64, clock);
-        for i in 0..10_000 {
-            buckets.take(&format!("attacker-{i}"), &spec(100, 1), 1);
-        }
-        assert!(buckets.len() <= 64, "{}", buckets.len());
     }
 }

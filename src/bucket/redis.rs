@@ -53,20 +53,52 @@ impl RedisBucket {
         spec: &BucketSpec,
         cost: u32,
     ) -> Result<Decision, RedisCallError> {
+        self.call(key, spec, cost, cost).await.map(|(_, d)| d)
+    }
+
+    /// Takes a lease of up to `batch` tokens, but at least `min` (or none,
+    /// with the delay until `min` exist). Returns the tokens granted and the
+    /// decision.
+    ///
+    /// # Errors
+    /// [`RedisCallError`] on timeout, connection or server failure.
+    pub async fn lease(
+        &self,
+        key: &str,
+        spec: &BucketSpec,
+        batch: u32,
+        min: u32,
+    ) -> Result<(u32, Decision), RedisCallError> {
+        self.call(key, spec, batch, min).await
+    }
+
+    /// One script call taking between `min` and `want` tokens.
+    async fn call(
+        &self,
+        key: &str,
+        spec: &BucketSpec,
+        want: u32,
+        min: u32,
+    ) -> Result<(u32, Decision), RedisCallError> {
         let mut invocation = TOKEN_BUCKET.key(key);
         invocation
             .arg(spec.capacity.get())
             .arg(spec.refill_per_second)
-            .arg(cost);
+            .arg(want)
+            .arg(min);
         let started = self.clock.now_micros();
-        let (allowed, remaining, retry_after_ms): (i64, i64, i64) =
+        let (granted, remaining, retry_after_ms): (i64, i64, i64) =
             self.conn.invoke(&invocation, self.timeout).await?;
         let elapsed = self.clock.now_micros().saturating_sub(started);
         self.metrics.redis_call(elapsed as f64 / 1e6);
-        Ok(Decision {
-            allowed: allowed == 1,
-            remaining: u64::try_from(remaining).unwrap_or(0),
-            retry_after_ms: u64::try_from(retry_after_ms).unwrap_or(0),
-        })
+        let granted = u32::try_from(granted).unwrap_or(0);
+        Ok((
+            granted,
+            Decision {
+                allowed: granted > 0,
+                remaining: u64::try_from(remaining).unwrap_or(0),
+                retry_after_ms: u64::try_from(retry_after_ms).unwrap_or(0),
+            },
+        ))
     }
 }

@@ -20,6 +20,7 @@ pub(crate) struct RawConfig {
     pub(crate) admin: RawAdmin,
     pub(crate) breaker: RawBreaker,
     pub(crate) fallback: RawFallback,
+    pub(crate) lease: RawLease,
     pub(crate) upstream: RawUpstream,
     pub(crate) log: RawLog,
     pub(crate) routes: Vec<RawRoute>,
@@ -170,6 +171,27 @@ pub(crate) struct RawFallback {
 impl Default for RawFallback {
     fn default() -> Self {
         Self { max_keys: 100_000 }
+    }
+}
+
+/// `[lease]`: batched token leases for hot keys.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(crate) struct RawLease {
+    pub(crate) enabled: bool,
+    pub(crate) window_ms: i64,
+    pub(crate) max_batch: i64,
+    pub(crate) min_rate_per_second: i64,
+}
+
+impl Default for RawLease {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            window_ms: 100,
+            max_batch: 50,
+            min_rate_per_second: 100,
+        }
     }
 }
 

@@ -34,6 +34,8 @@ pub struct Config {
     pub breaker: BreakerSettings,
     /// The local limiter.
     pub fallback: FallbackSettings,
+    /// Batched token leases for hot keys.
+    pub lease: LeaseSettings,
     /// Upstream connection behaviour.
     pub upstream: UpstreamSettings,
     /// Log verbosity.
@@ -147,6 +149,19 @@ pub struct BreakerSettings {
 pub struct FallbackSettings {
     /// Most buckets the local limiter tracks before it evicts.
     pub max_keys: usize,
+}
+
+/// `[lease]`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LeaseSettings {
+    /// Whether hot keys may lease tokens in batches at all.
+    pub enabled: bool,
+    /// How long leased tokens may be spent before they expire.
+    pub window: Duration,
+    /// Most tokens one lease takes.
+    pub max_batch: u32,
+    /// Local rate (tokens/s) from which a key leases.
+    pub min_rate_per_second: f64,
 }
 
 /// `[admin]`.
@@ -358,6 +373,22 @@ pub(crate) fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
             .unwrap_or(16),
     };
 
+    let lease = LeaseSettings {
+        enabled: raw.lease.enabled,
+        window: c.millis("lease.window_ms", raw.lease.window_ms, 60_000),
+        max_batch: c
+            .range("lease.max_batch", raw.lease.max_batch, 1, 100_000)
+            .map_or(1, |n| u32::try_from(n).unwrap_or(1)),
+        min_rate_per_second: c
+            .range(
+                "lease.min_rate_per_second",
+                raw.lease.min_rate_per_second,
+                1,
+                10_000_000,
+            )
+            .map_or(1.0, |n| n as f64),
+    };
+
     let admin = AdminSettings {
         token: Some(raw.admin.token).filter(|t| !t.is_empty()),
     };
@@ -408,6 +439,7 @@ pub(crate) fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
             admin,
             breaker,
             fallback,
+            lease,
             upstream,
             log,
             routes,

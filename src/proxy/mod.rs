@@ -21,7 +21,7 @@ use actix_web::{HttpRequest, HttpResponse, web};
 
 use crate::bucket::Limiter;
 use crate::clock::SharedClock;
-use crate::key::{BucketKey, TenantId};
+use crate::key::TenantId;
 use crate::rules::RulesHandle;
 use crate::telemetry::{Metrics, Outcome};
 use error::ProxyError;
@@ -79,8 +79,9 @@ async fn handle(
         .rules
         .snapshot()
         .limit_for(tenant.as_str(), route.spec.id.as_str());
-    let key = BucketKey::new(&tenant, &route.spec.id);
-    let verdict = limiter.check(&key, limit, route.spec.cost).await;
+    let verdict = limiter
+        .check(&tenant, &route.spec.id, limit, route.spec.cost)
+        .await;
     let headers = RateLimitHeaders::new(route.spec.id.as_str(), &verdict);
     if !verdict.decision.allowed {
         route.metrics.request(Outcome::Rejected);

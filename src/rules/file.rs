@@ -6,13 +6,17 @@
 //! half-applies.
 
 use std::collections::HashSet;
+use std::num::NonZeroU32;
 use std::path::{Path, PathBuf};
 use std::time::SystemTime;
 
 use serde::Deserialize;
 
-use super::model::{Limit, Rule};
+use super::model::{Limit, MAX_SHARDS, Rule, positive_i32, shard_count};
 use crate::key::{RouteId, TenantId};
+
+/// Largest capacity or refill, as shown in messages.
+const I32_MAX: u32 = i32::MAX.unsigned_abs();
 
 /// Why the rules file could not be used.
 #[derive(Debug, thiserror::Error)]
@@ -60,6 +64,14 @@ struct RawRule {
     route: String,
     capacity: i64,
     refill_per_second: i64,
+    #[serde(default = "one")]
+    shards: i64,
+    #[serde(default)]
+    exact: bool,
+}
+
+fn one() -> i64 {
+    1
 }
 
 /// Reads and parses the rules file at `path`.
@@ -94,23 +106,52 @@ pub fn parse(path: &Path, contents: &str) -> Result<Vec<Rule>, RuleFileError> {
         let route = RouteId::parse(&raw.route)
             .map_err(|e| problems.push(format!("rule[{i}].route: {:?} {e}", raw.route)))
             .ok();
-        let capacity = positive(i, "capacity", raw.capacity, &mut problems);
-        let refill = positive(i, "refill_per_second", raw.refill_per_second, &mut problems);
+        let mut check = |key: &str, value: i64, valid: fn(i64) -> Option<NonZeroU32>, max: u32| {
+            let ok = valid(value);
+            if ok.is_none() {
+                problems.push(format!(
+                    "rule[{i}].{key}: must be between 1 and {max}, found {value}"
+                ));
+            }
+            ok
+        };
+        let capacity = check("capacity", raw.capacity, positive_i32, I32_MAX);
+        let refill = check(
+            "refill_per_second",
+            raw.refill_per_second,
+            positive_i32,
+            I32_MAX,
+        );
+        let shards = check("shards", raw.shards, shard_count, MAX_SHARDS);
         if !seen.insert((raw.tenant.clone(), raw.route.clone())) {
             problems.push(format!(
                 "rule[{i}]: a second rule for tenant {:?} on route {:?}",
                 raw.tenant, raw.route
             ));
         }
-        if let (true, Some(tenant), Some(route), Some(capacity), Some(refill_per_second)) =
-            (problems.len() == before, tenant, route, capacity, refill)
-        {
+        if let (
+            true,
+            Some(tenant),
+            Some(route),
+            Some(capacity),
+            Some(refill_per_second),
+            Some(shards),
+        ) = (
+            problems.len() == before,
+            tenant,
+            route,
+            capacity,
+            refill,
+            shards,
+        ) {
             rules.push(Rule {
                 tenant,
                 route,
                 limit: Limit {
                     capacity,
                     refill_per_second,
+                    shards,
+                    exact: raw.exact,
                 },
             });
         }
@@ -123,26 +164,6 @@ pub fn parse(path: &Path, contents: &str) -> Result<Vec<Rule>, RuleFileError> {
             problems,
         })
     }
-}
-
-/// A value in `1..=i32::MAX`, or a problem line.
-fn positive(
-    i: usize,
-    key: &str,
-    value: i64,
-    problems: &mut Vec<String>,
-) -> Option<std::num::NonZeroU32> {
-    let ok = u32::try_from(value)
-        .ok()
-        .filter(|v| i32::try_from(*v).is_ok())
-        .and_then(std::num::NonZeroU32::new);
-    if ok.is_none() {
-        problems.push(format!(
-            "rule[{i}].{key}: must be between 1 and {}, found {value}",
-            i32::MAX
-        ));
-    }
-    ok
 }
 
 /// What identifies one version of a file without reading it.

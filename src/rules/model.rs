@@ -15,21 +15,55 @@ use std::sync::Arc;
 use crate::config::LimitSettings;
 use crate::key::{MAX_ID_LEN, RouteId, TenantId};
 
-/// A rate limit: bucket size and refill rate, both > 0.
+/// Most sub-buckets one rule may be split into.
+pub const MAX_SHARDS: u32 = 64;
+
+/// A rate limit and how it is enforced.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limit {
     /// Burst size in tokens.
     pub capacity: NonZeroU32,
     /// Tokens added per second.
     pub refill_per_second: NonZeroU32,
+    /// Sub-buckets the limit is split into (1 ..= [`MAX_SHARDS`]), each
+    /// with 1/shards of capacity and refill, spread over Redis Cluster nodes.
+    pub shards: NonZeroU32,
+    /// Exact mode: never lease tokens in batches for this pair.
+    pub exact: bool,
+}
+
+impl Limit {
+    /// A limit in one bucket, leases allowed.
+    pub fn new(capacity: NonZeroU32, refill_per_second: NonZeroU32) -> Self {
+        Self {
+            capacity,
+            refill_per_second,
+            shards: NonZeroU32::MIN,
+            exact: false,
+        }
+    }
+}
+
+/// A capacity or refill value: `1..=i32::MAX` (what the database column
+/// holds), else `None`.
+pub fn positive_i32(value: i64) -> Option<NonZeroU32> {
+    i32::try_from(value)
+        .ok()
+        .and_then(|v| u32::try_from(v).ok())
+        .and_then(NonZeroU32::new)
+}
+
+/// A shard count: `1..=MAX_SHARDS`, else `None`.
+pub fn shard_count(value: i64) -> Option<NonZeroU32> {
+    u32::try_from(value)
+        .ok()
+        .filter(|v| *v <= MAX_SHARDS)
+        .and_then(NonZeroU32::new)
 }
 
 impl From<LimitSettings> for Limit {
     fn from(s: LimitSettings) -> Self {
-        Self {
-            capacity: s.capacity,
-            refill_per_second: s.refill_per_second,
-        }
+        Self::new(s.capacity, s.refill_per_second)
     }
 }
 
@@ -170,10 +204,7 @@ mod tests {
     use super::*;
 
     fn limit(c: u32, r: u32) -> Limit {
-        Limit {
-            capacity: NonZeroU32::new(c).unwrap(),
-            refill_per_second: NonZeroU32::new(r).unwrap(),
-        }
+        Limit::new(NonZeroU32::new(c).unwrap(), NonZeroU32::new(r).unwrap())
     }
 
     fn rule(t: &str, r: &str, l: Limit) -> Rule {

@@ -14,7 +14,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 
-use super::model::{Limit, Rule};
+use super::model::{Limit, Rule, positive_i32, shard_count};
 use crate::key::{RouteId, TenantId};
 
 /// The `NOTIFY` channel the triggers write to.
@@ -48,12 +48,16 @@ pub struct StoredRule {
     pub capacity: i32,
     /// Tokens per second.
     pub refill_per_second: i32,
+    /// Sub-buckets.
+    pub shards: i32,
+    /// Exact mode (no leases).
+    pub exact: bool,
     /// Last change, RFC 3339 in UTC.
     pub updated_at: Option<String>,
 }
 
 /// Columns of [`StoredRule`], in order.
-const COLUMNS: &str = "tenant_id AS tenant, route_id AS route, capacity, refill_per_second, \
+const COLUMNS: &str = "tenant_id AS tenant, route_id AS route, capacity, refill_per_second, shards, exact, \
      to_char(updated_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') AS updated_at";
 
 /// Access to the rules table.
@@ -106,15 +110,16 @@ impl RuleStore {
     /// # Errors
     /// When the database is unreachable or the query fails.
     pub async fn load_all(&self) -> Result<Vec<Rule>, RuleStoreError> {
-        let rows: Vec<(String, String, i32, i32)> = sqlx::query_as(
-            "SELECT tenant_id, route_id, capacity, refill_per_second FROM rate_limit_rule",
+        let rows: Vec<(String, String, i32, i32, i32, bool)> = sqlx::query_as(
+            "SELECT tenant_id, route_id, capacity, refill_per_second, shards, exact FROM rate_limit_rule",
         )
         .fetch_all(&self.pool)
         .await?;
         Ok(rows
             .into_iter()
-            .filter_map(|(tenant, route, capacity, refill)| {
-                let rule = to_rule(&tenant, &route, i64::from(capacity), i64::from(refill));
+            .filter_map(|(tenant, route, capacity, refill, shards, exact)| {
+                let limit = [capacity, refill, shards].map(i64::from);
+                let rule = to_rule(&tenant, &route, limit, exact);
                 if rule.is_none() {
                     tracing::warn!(tenant, route, "Skipping an invalid rule row.");
                 }
@@ -180,10 +185,11 @@ impl RuleStore {
         limit: Limit,
     ) -> Result<(StoredRule, bool), RuleStoreError> {
         let sql = sqlx::AssertSqlSafe(format!(
-            "INSERT INTO rate_limit_rule (tenant_id, route_id, capacity, refill_per_second) \
-             VALUES ($1, $2, $3, $4) \
+            "INSERT INTO rate_limit_rule (tenant_id, route_id, capacity, refill_per_second, shards, exact) \
+             VALUES ($1, $2, $3, $4, $5, $6) \
              ON CONFLICT (tenant_id, route_id) DO UPDATE \
-               SET capacity = EXCLUDED.capacity, refill_per_second = EXCLUDED.refill_per_second \
+               SET capacity = EXCLUDED.capacity, refill_per_second = EXCLUDED.refill_per_second, \
+                   shards = EXCLUDED.shards, exact = EXCLUDED.exact \
              RETURNING {COLUMNS}, (xmax = 0) AS created"
         ));
         let mut tx = self.pool.begin().await?;
@@ -192,6 +198,8 @@ impl RuleStore {
             .bind(route.as_str())
             .bind(to_i32(limit.capacity))
             .bind(to_i32(limit.refill_per_second))
+            .bind(to_i32(limit.shards))
+            .bind(limit.exact)
             .fetch_one(&mut *tx)
             .await
             .map(StoredRuleCreated::split)?;
@@ -236,22 +244,29 @@ fn to_i32(v: NonZeroU32) -> i32 {
     i32::try_from(v.get()).unwrap_or(i32::MAX)
 }
 
-/// Builds a rule from raw values; `None` when any is out of range.
-fn to_rule(tenant: &str, route: &str, capacity: i64, refill: i64) -> Option<Rule> {
-    let positive = |v: i64| {
-        i32::try_from(v)
-            .ok()
-            .and_then(|v| u32::try_from(v).ok())
-            .and_then(NonZeroU32::new)
-    };
+/// Builds a rule from raw values (`[capacity, refill, shards]`); `None`
+/// when any is out of range.
+fn to_rule(
+    tenant: &str,
+    route: &str,
+    [capacity, refill, shards]: [i64; 3],
+    exact: bool,
+) -> Option<Rule> {
     Some(Rule {
         tenant: TenantId::parse(tenant).ok()?,
         route: RouteId::parse(route).ok()?,
         limit: Limit {
-            capacity: positive(capacity)?,
-            refill_per_second: positive(refill)?,
+            capacity: positive_i32(capacity)?,
+            refill_per_second: positive_i32(refill)?,
+            shards: shard_count(shards)?,
+            exact,
         },
     })
+}
+
+/// The default of a payload's `shards` (events written before migration 2).
+fn one() -> i64 {
+    1
 }
 
 /// A change announced on [`CHANNEL`].
@@ -274,6 +289,10 @@ enum Payload {
         route: String,
         capacity: i64,
         refill_per_second: i64,
+        #[serde(default = "one")]
+        shards: i64,
+        #[serde(default)]
+        exact: bool,
     },
     Delete {
         tenant: String,
@@ -291,7 +310,15 @@ impl Change {
                 route,
                 capacity,
                 refill_per_second,
-            } => to_rule(&tenant, &route, capacity, refill_per_second).map(Change::Upsert),
+                shards,
+                exact,
+            } => to_rule(
+                &tenant,
+                &route,
+                [capacity, refill_per_second, shards],
+                exact,
+            )
+            .map(Change::Upsert),
             Payload::Delete { tenant, route } => Some(Change::Delete(
                 TenantId::parse(&tenant).ok()?,
                 RouteId::parse(&route).ok()?,
@@ -322,6 +349,22 @@ mod tests {
             Some(Change::Delete(..))
         ));
         assert_eq!(Change::parse(r#"{"op":"reload"}"#), Some(Change::Reload));
+    }
+
+    #[test]
+    fn shards_and_exact_travel_in_payloads() {
+        let Some(Change::Upsert(rule)) = Change::parse(
+            r#"{"op":"upsert","tenant":"t","route":"r","capacity":5,"refill_per_second":2,"shards":4,"exact":true}"#,
+        ) else {
+            panic!("not an upsert");
+        };
+        assert_eq!((rule.limit.shards.get(), rule.limit.exact), (4, true));
+        assert_eq!(
+            Change::parse(
+                r#"{"op":"upsert","tenant":"t","route":"r","capacity":5,"refill_per_second":2,"shards":65}"#
+            ),
+            None
+        );
     }
 
     #[test]

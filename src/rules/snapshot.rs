@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::model::{Limit, Rule, RuleSet};
+use super::model::{Limit, Rule, RuleSet, positive_i32, shard_count};
 use crate::key::{RouteId, TenantId};
 
 /// Why a snapshot could not be read.
@@ -51,6 +51,15 @@ struct SnapshotRule {
     route: String,
     capacity: u32,
     refill_per_second: u32,
+    #[serde(default = "one")]
+    shards: u32,
+    #[serde(default)]
+    exact: bool,
+}
+
+/// The default of `shards` in snapshots written before it existed.
+fn one() -> u32 {
+    1
 }
 
 /// Writes `set` to `path` atomically, creating parent directories.
@@ -67,6 +76,8 @@ pub fn save(path: &Path, set: &RuleSet) -> io::Result<()> {
                 route: r.route.to_string(),
                 capacity: r.limit.capacity.get(),
                 refill_per_second: r.limit.refill_per_second.get(),
+                shards: r.limit.shards.get(),
+                exact: r.limit.exact,
             })
             .collect(),
     };
@@ -97,10 +108,13 @@ pub fn load(path: &Path) -> Result<(Vec<Rule>, u64), SnapshotError> {
         .into_iter()
         .map(|r| {
             let limit = Limit {
-                capacity: std::num::NonZeroU32::new(r.capacity)
-                    .ok_or_else(|| corrupt("a capacity of 0".into()))?,
-                refill_per_second: std::num::NonZeroU32::new(r.refill_per_second)
-                    .ok_or_else(|| corrupt("a refill of 0".into()))?,
+                capacity: positive_i32(r.capacity.into())
+                    .ok_or_else(|| corrupt(format!("capacity {}", r.capacity)))?,
+                refill_per_second: positive_i32(r.refill_per_second.into())
+                    .ok_or_else(|| corrupt(format!("refill {}", r.refill_per_second)))?,
+                shards: shard_count(r.shards.into())
+                    .ok_or_else(|| corrupt(format!("shards {}", r.shards)))?,
+                exact: r.exact,
             };
             Ok(Rule {
                 tenant: TenantId::parse(&r.tenant).map_err(|e| corrupt(format!("tenant {e}")))?,
@@ -122,8 +136,12 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("tollgate-snap-{}", std::process::id()));
         let path = dir.join("nested/rules.json");
         let limit = Limit {
-            capacity: std::num::NonZeroU32::new(7).unwrap(),
-            refill_per_second: std::num::NonZeroU32::new(3).unwrap(),
+            shards: std::num::NonZeroU32::new(4).unwrap(),
+            exact: true,
+            ..Limit::new(
+                std::num::NonZeroU32::new(7).unwrap(),
+                std::num::NonZeroU32::new(3).unwrap(),
+            )
         };
         let rule = Rule {
             tenant: TenantId::parse("t").unwrap(),

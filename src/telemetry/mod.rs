@@ -40,6 +40,12 @@ pub const RULES: &str = "tollgate_rules";
 pub const BREAKER_STATE: &str = "tollgate_breaker_state";
 /// Circuit breaker transitions by target state (counter).
 pub const BREAKER_TRANSITIONS_TOTAL: &str = "tollgate_breaker_transitions_total";
+/// Token leases taken from Redis (counter).
+pub const LEASES_TOTAL: &str = "tollgate_leases_total";
+/// Tokens taken from Redis in leases (counter).
+pub const LEASED_TOKENS_TOTAL: &str = "tollgate_leased_tokens_total";
+/// Leased tokens that expired unspent (counter).
+pub const LEASE_EXPIRED_TOKENS_TOTAL: &str = "tollgate_lease_expired_tokens_total";
 /// Live gateway instances seen by the membership heartbeat (gauge).
 pub const LIVE_INSTANCES: &str = "tollgate_live_instances";
 
@@ -103,7 +109,7 @@ fn describe() {
     describe_histogram!(
         DECISION_SECONDS,
         Unit::Seconds,
-        "Time to reach a rate-limit decision, by source."
+        "Time to reach a rate-limit decision, by source (redis, local, lease, cache)."
     );
     describe_histogram!(
         REDIS_CALL_SECONDS,
@@ -139,6 +145,17 @@ fn describe() {
         RULES,
         Unit::Count,
         "Explicit rules in the snapshot in force."
+    );
+    describe_counter!(LEASES_TOTAL, Unit::Count, "Token leases taken from Redis.");
+    describe_counter!(
+        LEASED_TOKENS_TOTAL,
+        Unit::Count,
+        "Tokens taken from Redis in leases."
+    );
+    describe_counter!(
+        LEASE_EXPIRED_TOKENS_TOTAL,
+        Unit::Count,
+        "Leased tokens that expired unspent."
     );
     describe_gauge!(
         BREAKER_STATE,
@@ -235,10 +252,15 @@ impl RouteMetrics {
 pub struct Metrics {
     /// `tollgate_requests_total{route="_none", outcome="no_route"}`.
     no_route: Counter,
-    /// `tollgate_decision_duration_seconds{source="redis"}`.
-    decision_redis: Histogram,
-    /// `tollgate_decision_duration_seconds{source="local"}`.
-    decision_local: Histogram,
+    /// `tollgate_decision_duration_seconds{source}`, indexed like
+    /// [`DecisionSource::ALL`].
+    decisions: [Histogram; 4],
+    /// `tollgate_leases_total`.
+    leases: Counter,
+    /// `tollgate_leased_tokens_total`.
+    leased_tokens: Counter,
+    /// `tollgate_lease_expired_tokens_total`.
+    lease_expired_tokens: Counter,
     /// `tollgate_redis_call_duration_seconds`.
     redis_call: Histogram,
     /// `tollgate_redis_errors_total{kind}` for timeout, connection, server.
@@ -269,6 +291,25 @@ pub enum DecisionSource {
     Redis,
     /// This instance's local limiter (local-only mode or fallback).
     Local,
+    /// Tokens leased earlier from Redis, spent locally.
+    Lease,
+    /// The over-limit cache: Redis said no tokens before a retry time.
+    Cache,
+}
+
+impl DecisionSource {
+    /// Every source, in label order.
+    const ALL: [Self; 4] = [Self::Redis, Self::Local, Self::Lease, Self::Cache];
+
+    /// The label value.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Redis => "redis",
+            Self::Local => "local",
+            Self::Lease => "lease",
+            Self::Cache => "cache",
+        }
+    }
 }
 
 /// Redis error kinds, as labels.
@@ -279,8 +320,11 @@ impl Metrics {
     pub fn new() -> Self {
         Self {
             no_route: metrics::counter!(REQUESTS_TOTAL, "route" => NO_ROUTE, "outcome" => "no_route"),
-            decision_redis: metrics::histogram!(DECISION_SECONDS, "source" => "redis"),
-            decision_local: metrics::histogram!(DECISION_SECONDS, "source" => "local"),
+            decisions: DecisionSource::ALL
+                .map(|s| metrics::histogram!(DECISION_SECONDS, "source" => s.label())),
+            leases: metrics::counter!(LEASES_TOTAL),
+            leased_tokens: metrics::counter!(LEASED_TOKENS_TOTAL),
+            lease_expired_tokens: metrics::counter!(LEASE_EXPIRED_TOKENS_TOTAL),
             redis_call: metrics::histogram!(REDIS_CALL_SECONDS),
             redis_errors: REDIS_ERROR_KINDS
                 .map(|k| metrics::counter!(REDIS_ERRORS_TOTAL, "kind" => k)),
@@ -304,10 +348,7 @@ impl Metrics {
 
     /// Records how long a decision took and where it came from.
     pub fn decision(&self, source: DecisionSource, seconds: f64) {
-        match source {
-            DecisionSource::Redis => self.decision_redis.record(seconds),
-            DecisionSource::Local => self.decision_local.record(seconds),
-        }
+        self.decisions[source as usize].record(seconds);
     }
 
     /// Records one successful Redis call's round trip.
@@ -355,6 +396,17 @@ impl Metrics {
         if let Some(i) = BREAKER_STATES.iter().position(|s| *s == to) {
             self.breaker_transitions[i].increment(1);
         }
+    }
+
+    /// Counts a lease of `tokens` taken from Redis.
+    pub fn lease_taken(&self, tokens: u32) {
+        self.leases.increment(1);
+        self.leased_tokens.increment(u64::from(tokens));
+    }
+
+    /// Counts leased tokens that expired unspent.
+    pub fn lease_expired(&self, tokens: u32) {
+        self.lease_expired_tokens.increment(u64::from(tokens));
     }
 
     /// Sets the live instance count.

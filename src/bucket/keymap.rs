@@ -1,0 +1,150 @@
+//! A bounded, sharded map from bucket key to per-key state.
+//!
+//! Owns the memory bound shared by every per-key table on the request path
+//! (local buckets, hot-key state). Shards sit behind plain mutexes, held for
+//! one entry update and never across an `.await`, so proxy workers rarely
+//! contend.
+//!
+//! Invariant: at most about `max_keys` entries. [`KeyMap::sweep`] drops
+//! entries that say they are idle (forgetting them loses nothing), and a
+//! shard at its cap drops its idle entries, then one arbitrary entry, before
+//! it admits a new key; attacker-chosen keys cannot grow memory without
+//! bound.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasher, RandomState};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+/// Number of independently locked shards.
+const SHARDS: usize = 16;
+
+/// Per-key state that can tell when forgetting it loses nothing.
+pub trait Idle {
+    /// Whether the entry can be dropped at `now_ms` without changing any
+    /// future decision.
+    fn is_idle(&self, now_ms: u64) -> bool;
+}
+
+/// Sharded `key → V` with a size cap.
+pub struct KeyMap<V> {
+    /// Key → state, split by key hash.
+    shards: Box<[Mutex<HashMap<String, V>>]>,
+    /// Picks a key's shard.
+    hasher: RandomState,
+    /// Most entries one shard holds.
+    max_per_shard: usize,
+}
+
+impl<V: Idle> KeyMap<V> {
+    /// An empty map holding at most about `max_keys` entries.
+    pub fn new(max_keys: usize) -> Self {
+        Self {
+            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            hasher: RandomState::new(),
+            max_per_shard: max_keys.div_ceil(SHARDS).max(1),
+        }
+    }
+
+    /// Runs `f` on `key`'s entry, creating it with `create` first when absent.
+    pub fn with<R>(
+        &self,
+        key: &str,
+        now_ms: u64,
+        create: impl FnOnce() -> V,
+        f: impl FnOnce(&mut V) -> R,
+    ) -> R {
+        let mut shard = self.shard(key);
+        if let Some(entry) = shard.get_mut(key) {
+            return f(entry);
+        }
+        if shard.len() >= self.max_per_shard {
+            shard.retain(|_, v| !v.is_idle(now_ms));
+            if shard.len() >= self.max_per_shard
+                && let Some(victim) = shard.keys().next().cloned()
+            {
+                shard.remove(&victim);
+            }
+        }
+        f(shard.entry(key.to_owned()).or_insert_with(create))
+    }
+
+    /// Runs `f` on `key`'s entry when it exists.
+    pub fn get<R>(&self, key: &str, f: impl FnOnce(&mut V) -> R) -> Option<R> {
+        self.shard(key).get_mut(key).map(f)
+    }
+
+    /// Drops every idle entry; returns how many remain.
+    pub fn sweep(&self, now_ms: u64) -> usize {
+        self.shards
+            .iter()
+            .map(|shard| {
+                let mut map = lock(shard);
+                map.retain(|_, v| !v.is_idle(now_ms));
+                map.len()
+            })
+            .sum()
+    }
+
+    /// Number of entries.
+    pub fn len(&self) -> usize {
+        self.shards.iter().map(|s| lock(s).len()).sum()
+    }
+
+    /// Whether the map is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn shard(&self, key: &str) -> MutexGuard<'_, HashMap<String, V>> {
+        // Truncation is fine: only the low bits pick a shard.
+        let i = self.hasher.hash_one(key) as usize % SHARDS;
+        lock(&self.shards[i])
+    }
+}
+
+/// Locks a shard; a panic elsewhere leaves plain numbers, still usable.
+fn lock<V>(shard: &Mutex<HashMap<String, V>>) -> MutexGuard<'_, HashMap<String, V>> {
+    shard.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Idle once `now` passes the stored time.
+    struct Until(u64);
+
+    impl Idle for Until {
+        fn is_idle(&self, now_ms: u64) -> bool {
+            now_ms >= self.0
+        }
+    }
+
+    #[test]
+    fn entries_are_created_once_and_updated_in_place() {
+        let map = KeyMap::new(100);
+        map.with("a", 0, || Until(5), |e| e.0 += 1);
+        map.with("a", 0, || Until(0), |e| e.0 += 1);
+        assert_eq!(map.get("a", |e| e.0), Some(7));
+        assert_eq!(map.get("b", |e| e.0), None);
+    }
+
+    #[test]
+    fn sweep_drops_idle_entries_only() {
+        let map = KeyMap::new(100);
+        map.with("short", 0, || Until(10), |_| ());
+        map.with("long", 0, || Until(1_000), |_| ());
+        assert_eq!(map.sweep(10), 1);
+        assert_eq!(map.sweep(1_000), 0);
+        assert!(map.is_empty());
+    }
+
+    #[test]
+    fn a_flood_of_new_keys_stays_bounded() {
+        let map = KeyMap::new(64);
+        for i in 0..10_000 {
+            map.with(&format!("attacker-{i}"), 0, || Until(u64::MAX), |_| ());
+        }
+        assert!(map.len() <= 64, "{}", map.len());
+    }
+}
