@@ -15,8 +15,9 @@
 -- Returns {granted, remaining, retry_after_ms}, all integers:
 --   granted         tokens taken (min..want), or 0 when fewer than min exist
 --   remaining       tokens left after this call, floored
---   retry_after_ms  0 when granted; otherwise the ms until min tokens exist,
---                   rounded up (at least 1)
+--   retry_after_ms  ms until min tokens exist (again), rounded up: for a
+--                   rejection at least 1; after a grant, 0 while min tokens
+--                   remain, else when another call like this one could pass
 --
 -- Now always comes from redis.call('TIME'), never from the gateway: gateway
 -- clocks drift. Redis 7 replicates scripts by their effects, so reading TIME
@@ -53,4 +54,8 @@ local granted = math.min(want, math.floor(tokens))
 tokens = tokens - granted
 redis.call('HSET', KEYS[1], 'tokens', string.format('%.6f', tokens), 'ts', string.format('%.3f', now))
 redis.call('PEXPIRE', KEYS[1], math.max(1, math.ceil(2 * capacity * 1000 / rate)))
-return {granted, math.floor(tokens), 0}
+local next = 0
+if tokens < min then
+  next = math.ceil((min - tokens) * 1000 / rate)
+end
+return {granted, math.floor(tokens), next}

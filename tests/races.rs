@@ -49,13 +49,13 @@ async fn parallel_script_calls_from_separate_connections_never_overspend() {
     let spec = BucketSpec::of(NonZeroU32::new(100).unwrap(), NonZeroU32::new(5).unwrap());
 
     let started = clock.now_ms();
-    let calls = (0..1000).map(|i| clients[i % 4].take(key.as_str(), &spec, 1));
+    let calls = (0..1000).map(|i| clients[i % 4].take(key.as_str(), &spec, 1, 1));
     let results = join_all(calls).await;
     let elapsed = clock.now_ms() - started;
 
     let admitted = results
         .iter()
-        .filter(|r| r.as_ref().unwrap().allowed)
+        .filter(|r| r.as_ref().unwrap().1.allowed)
         .count();
     assert!(admitted >= 100, "the full burst is available: {admitted}");
     assert!(

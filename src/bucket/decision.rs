@@ -50,7 +50,9 @@ pub struct Decision {
     pub allowed: bool,
     /// Tokens left after this request, floored.
     pub remaining: u64,
-    /// Milliseconds until enough tokens exist; 0 when allowed.
+    /// Milliseconds until enough tokens exist for a request like this one:
+    /// for a rejection, until it could pass (≥ 1); for an admission, until
+    /// the next one could (0 while tokens remain).
     pub retry_after_ms: u64,
 }
 

@@ -10,10 +10,12 @@
 //!   only shifts admission by up to one window: the cluster can over-admit
 //!   by at most instances × batch in a short interval. Rules in exact mode
 //!   never lease.
-//! - **over-limit cache**: after Redis rejects a key with `retry_after_ms =
-//!   t`, the instance rejects that key locally until t has passed, without
-//!   calling Redis, so a spamming tenant costs at most one Redis call per key
-//!   per retry interval per instance.
+//! - **over-limit cache**: when Redis says no request like this one can pass
+//!   for t ms (a rejection, or an admission that took the last tokens), the
+//!   instance rejects that key locally until t has passed, without calling
+//!   Redis. When the block ends, one request goes to Redis while the others
+//!   keep being rejected, so a spamming tenant costs at most one Redis call
+//!   per key per retry interval per instance.
 //!
 //! Memory is bounded by the shared [`KeyMap`] cap; idle entries are swept.
 
@@ -31,15 +33,28 @@ const RATE_WINDOW_MS: u64 = 1_000;
 pub enum Plan {
     /// Decided here: spent from a lease, or rejected by the over-limit cache.
     Local(Decision, DecisionSource),
-    /// Take a lease of up to `batch` tokens, at least `min`.
-    Lease {
+    /// Ask Redis for up to `want` tokens, at least `min`: this request's
+    /// cost alone (`want == min == cost`), or a lease.
+    Call {
         /// Tokens wanted.
-        batch: u32,
-        /// Fewest tokens worth a lease (covers this request).
+        want: u32,
+        /// Fewest tokens worth taking (covers this request).
         min: u32,
+        /// This is the one request let through after a block; others are
+        /// turned away until [`HotKeys::record`] or [`HotKeys::settle`].
+        probe: bool,
     },
-    /// Ask Redis for this request's tokens alone.
-    Single,
+}
+
+impl Plan {
+    /// A call for `cost` tokens alone.
+    fn single(cost: u32, probe: bool) -> Self {
+        Self::Call {
+            want: cost,
+            min: cost,
+            probe,
+        }
+    }
 }
 
 /// One key's hot-path state.
@@ -55,8 +70,13 @@ struct KeyState {
     leased: u32,
     /// When the lease expires (ms).
     lease_expires_ms: u64,
-    /// Reject locally until this time (ms).
+    /// Reject locally until this time (ms); 0 when not blocked.
     blocked_until_ms: u64,
+    /// Length of the last block (ms), quoted to requests turned away while
+    /// the one request after a block is in flight.
+    last_wait_ms: u64,
+    /// Whether the one request after a block is waiting for Redis.
+    in_flight: bool,
     /// Tokens Redis reported left at the last call, for headers.
     last_remaining: u64,
     /// Last request (ms).
@@ -72,6 +92,8 @@ impl KeyState {
             leased: 0,
             lease_expires_ms: 0,
             blocked_until_ms: 0,
+            last_wait_ms: 0,
+            in_flight: false,
             last_remaining: 0,
             last_seen_ms: now_ms,
         }
@@ -93,6 +115,7 @@ impl KeyState {
 impl Idle for KeyState {
     fn is_idle(&self, now_ms: u64) -> bool {
         self.leased == 0
+            && !self.in_flight
             && now_ms >= self.blocked_until_ms
             && now_ms.saturating_sub(self.last_seen_ms) >= 2 * RATE_WINDOW_MS
     }
@@ -130,47 +153,66 @@ impl HotKeys {
     /// needs; `exact` forbids leasing.
     pub fn plan(&self, key: &str, spec: &BucketSpec, cost: u32, exact: bool) -> Plan {
         let now = self.clock.now_ms();
-        self.keys.with(
-            key,
-            now,
-            || KeyState::new(now),
-            |s| {
-                s.observe(cost, now);
-                if now < s.blocked_until_ms {
-                    let rejected = Decision {
-                        allowed: false,
-                        remaining: 0,
-                        retry_after_ms: s.blocked_until_ms - now,
-                    };
-                    return Plan::Local(rejected, DecisionSource::Cache);
-                }
-                if s.leased > 0 && now >= s.lease_expires_ms {
-                    self.metrics.lease_expired(s.leased);
-                    s.leased = 0;
-                }
-                if s.leased >= cost {
-                    s.leased -= cost;
-                    let allowed = Decision {
-                        allowed: true,
-                        remaining: s.last_remaining + u64::from(s.leased),
-                        retry_after_ms: 0,
-                    };
-                    return Plan::Local(allowed, DecisionSource::Lease);
-                }
-                if exact || !self.settings.enabled || s.rate < self.settings.min_rate_per_second {
-                    return Plan::Single;
-                }
-                let batch = self.batch(s.rate, spec);
-                if batch >= 2 * cost {
-                    Plan::Lease {
-                        batch,
-                        min: cost.max(batch / 2),
-                    }
-                } else {
-                    Plan::Single
-                }
-            },
-        )
+        let create = || KeyState::new(now);
+        self.keys.with(key, now, create, |s| {
+            self.plan_for(s, spec, cost, exact, now)
+        })
+    }
+
+    /// [`HotKeys::plan`] on one key's state.
+    fn plan_for(
+        &self,
+        s: &mut KeyState,
+        spec: &BucketSpec,
+        cost: u32,
+        exact: bool,
+        now: u64,
+    ) -> Plan {
+        s.observe(cost, now);
+        if s.leased > 0 && now >= s.lease_expires_ms {
+            self.metrics.lease_expired(s.leased);
+            s.leased = 0;
+        }
+        if s.leased >= cost {
+            s.leased -= cost;
+            let allowed = Decision {
+                allowed: true,
+                remaining: s.last_remaining + u64::from(s.leased),
+                retry_after_ms: 0,
+            };
+            return Plan::Local(allowed, DecisionSource::Lease);
+        }
+        let wait = if now < s.blocked_until_ms {
+            Some(s.blocked_until_ms - now)
+        } else if s.in_flight {
+            Some(s.last_wait_ms.max(1))
+        } else {
+            None
+        };
+        if let Some(retry_after_ms) = wait {
+            let rejected = Decision {
+                allowed: false,
+                remaining: s.last_remaining,
+                retry_after_ms,
+            };
+            return Plan::Local(rejected, DecisionSource::Cache);
+        }
+        // The first request after a block goes to Redis alone.
+        let probe = s.blocked_until_ms != 0;
+        s.in_flight = probe;
+        if exact || !self.settings.enabled || s.rate < self.settings.min_rate_per_second {
+            return Plan::single(cost, probe);
+        }
+        let batch = self.batch(s.rate, spec);
+        if batch >= 2 * cost {
+            Plan::Call {
+                want: batch,
+                min: cost.max(batch / 2),
+                probe,
+            }
+        } else {
+            Plan::single(cost, probe)
+        }
     }
 
     /// Tokens to lease at a local rate of `rate` tokens/s.
@@ -189,15 +231,27 @@ impl HotKeys {
         let now = self.clock.now_ms();
         let window = self.settings.window;
         self.keys.get(key, |s| {
+            s.in_flight = false;
             s.last_remaining = decision.remaining;
-            if !decision.allowed {
-                s.blocked_until_ms = now + decision.retry_after_ms;
-            } else if granted > cost {
+            s.blocked_until_ms = match decision.retry_after_ms {
+                0 => 0,
+                wait => {
+                    s.last_wait_ms = wait;
+                    now + wait
+                }
+            };
+            if decision.allowed && granted > cost {
                 s.leased += granted - cost;
                 s.lease_expires_ms = now + u64::try_from(window.as_millis()).unwrap_or(u64::MAX);
                 self.metrics.lease_taken(granted);
             }
         });
+    }
+
+    /// Ends the in-flight request of `key` without an answer (Redis
+    /// failed, or the request was dropped), so the next one may try.
+    pub fn settle(&self, key: &str) {
+        self.keys.get(key, |s| s.in_flight = false);
     }
 
     /// Drops idle keys; returns how many remain.
@@ -259,7 +313,7 @@ mod tests {
         let clock = ManualClock::new(0);
         let hot = table(&clock);
         let plans = drive(&hot, &clock, &spec(100, 1000), 150, 2_000);
-        assert!(plans.iter().all(|p| *p == Plan::Single));
+        assert!(plans.iter().all(|p| *p == Plan::single(1, false)));
     }
 
     #[test]
@@ -270,18 +324,29 @@ mod tests {
         warm(&hot, &clock, &spec(100, 1000));
         assert_eq!(
             hot.plan("k", &spec(100, 1000), 1, false),
-            Plan::Lease { batch: 30, min: 15 }
+            Plan::Call {
+                want: 30,
+                min: 15,
+                probe: false
+            }
         );
         // The same rate against a 200/s refill: 200 × 0.1 s = 20.
         assert_eq!(
             hot.plan("k", &spec(100, 200), 1, false),
-            Plan::Lease { batch: 20, min: 10 }
+            Plan::Call {
+                want: 20,
+                min: 10,
+                probe: false
+            }
         );
         // Capped by lease.max_batch, and by the capacity.
         assert_eq!(hot.batch(5_000.0, &spec(100, 10_000)), 50);
         assert_eq!(hot.batch(5_000.0, &spec(8, 10_000)), 8);
         // Exact mode never leases.
-        assert_eq!(hot.plan("k", &spec(100, 1000), 1, true), Plan::Single);
+        assert_eq!(
+            hot.plan("k", &spec(100, 1000), 1, true),
+            Plan::single(1, false)
+        );
     }
 
     #[test]
@@ -290,7 +355,10 @@ mod tests {
         let hot = table(&clock);
         let s = spec(100, 1000);
         warm(&hot, &clock, &s);
-        assert!(matches!(hot.plan("k", &s, 1, false), Plan::Lease { .. }));
+        assert!(matches!(
+            hot.plan("k", &s, 1, false),
+            Plan::Call { want: 30, .. }
+        ));
         let granted = Decision {
             allowed: true,
             remaining: 40,
@@ -305,14 +373,14 @@ mod tests {
             assert_eq!(d.remaining, 40 + left);
         }
         assert!(
-            matches!(hot.plan("k", &s, 1, false), Plan::Lease { .. }),
+            matches!(hot.plan("k", &s, 1, false), Plan::Call { want: 30, .. }),
             "lease used up"
         );
 
         hot.record("k", &granted, 30, 1);
         clock.advance(Duration::from_millis(100));
         assert!(
-            matches!(hot.plan("k", &s, 1, false), Plan::Lease { .. }),
+            matches!(hot.plan("k", &s, 1, false), Plan::Call { want: 30, .. }),
             "lease expired"
         );
     }
@@ -322,7 +390,7 @@ mod tests {
         let clock = ManualClock::new(0);
         let hot = table(&clock);
         let s = spec(10, 1);
-        assert_eq!(hot.plan("spam", &s, 1, true), Plan::Single);
+        assert_eq!(hot.plan("spam", &s, 1, true), Plan::single(1, false));
         let rejected = Decision {
             allowed: false,
             remaining: 0,
@@ -339,9 +407,39 @@ mod tests {
         clock.advance(Duration::from_millis(50));
         assert_eq!(
             hot.plan("spam", &s, 1, true),
-            Plan::Single,
+            Plan::single(1, true),
             "one Redis call per retry interval"
         );
+        // While that call is in flight, the others are still turned away.
+        let Plan::Local(d, DecisionSource::Cache) = hot.plan("spam", &s, 1, true) else {
+            panic!("expected a cached rejection while one request is in flight");
+        };
+        assert_eq!(d.retry_after_ms, 250);
+        // An admission that took the last token blocks until the next one.
+        let last = Decision {
+            allowed: true,
+            remaining: 0,
+            retry_after_ms: 900,
+        };
+        hot.record("spam", &last, 1, 1);
+        clock.advance(Duration::from_millis(899));
+        assert!(matches!(
+            hot.plan("spam", &s, 1, true),
+            Plan::Local(_, DecisionSource::Cache)
+        ));
+        clock.advance(Duration::from_millis(1));
+        assert_eq!(hot.plan("spam", &s, 1, true), Plan::single(1, true));
+        // A failed call releases the key for the next request.
+        hot.settle("spam");
+        assert_eq!(hot.plan("spam", &s, 1, true), Plan::single(1, true));
+        // An admission with tokens to spare lifts the block.
+        let plenty = Decision {
+            allowed: true,
+            remaining: 3,
+            retry_after_ms: 0,
+        };
+        hot.record("spam", &plenty, 1, 1);
+        assert_eq!(hot.plan("spam", &s, 1, true), Plan::single(1, false));
     }
 
     #[test]

@@ -215,14 +215,14 @@ impl Limiter {
             }
         };
         let n = cost.get();
-        let answer = match core.hot.plan(key.as_str(), &spec, n, limit.exact) {
+        let (want, min, probe) = match core.hot.plan(key.as_str(), &spec, n, limit.exact) {
             Plan::Local(decision, source) => return verdict(decision, source),
-            Plan::Single => redis
-                .take(key.as_str(), &spec, n)
-                .await
-                .map(|d| (n * u32::from(d.allowed), d)),
-            Plan::Lease { batch, min } => redis.lease(key.as_str(), &spec, batch, min).await,
+            Plan::Call { want, min, probe } => (want, min, probe),
         };
+        // Whatever happens to a probe (an error, or the request being
+        // dropped mid-await), the key's slot is released.
+        let _settle = probe.then(|| Settle(&core.hot, key.as_str()));
+        let answer = redis.take(key.as_str(), &spec, want, min).await;
         match answer {
             Ok((granted, mut decision)) => {
                 gate.success();
@@ -238,5 +238,14 @@ impl Limiter {
                 core.fallback(&BucketKey::new(tenant, route), &whole, cost)
             }
         }
+    }
+}
+
+/// Releases a key's in-flight slot when dropped.
+struct Settle<'a>(&'a HotKeys, &'a str);
+
+impl Drop for Settle<'_> {
+    fn drop(&mut self) {
+        self.0.settle(self.1);
     }
 }

@@ -43,37 +43,14 @@ impl RedisBucket {
         }
     }
 
-    /// Refills `key`'s bucket and tries to take `cost` tokens, atomically.
-    ///
-    /// # Errors
-    /// [`RedisCallError`] on timeout, connection or server failure.
-    pub async fn take(
-        &self,
-        key: &str,
-        spec: &BucketSpec,
-        cost: u32,
-    ) -> Result<Decision, RedisCallError> {
-        self.call(key, spec, cost, cost).await.map(|(_, d)| d)
-    }
-
-    /// Takes a lease of up to `batch` tokens, but at least `min` (or none,
-    /// with the delay until `min` exist). Returns the tokens granted and the
+    /// Refills `key`'s bucket and takes between `min` and `want` tokens
+    /// atomically (`want == min` for one request's cost; more for a lease).
+    /// Returns the tokens granted (0 when fewer than `min` exist) and the
     /// decision.
     ///
     /// # Errors
     /// [`RedisCallError`] on timeout, connection or server failure.
-    pub async fn lease(
-        &self,
-        key: &str,
-        spec: &BucketSpec,
-        batch: u32,
-        min: u32,
-    ) -> Result<(u32, Decision), RedisCallError> {
-        self.call(key, spec, batch, min).await
-    }
-
-    /// One script call taking between `min` and `want` tokens.
-    async fn call(
+    pub async fn take(
         &self,
         key: &str,
         spec: &BucketSpec,

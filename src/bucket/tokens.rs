@@ -4,7 +4,9 @@
 //! tested with a hand-advanced clock. The rules match the script exactly:
 //! refill `min(capacity, tokens + elapsed × rate)`, a cost above capacity is
 //! clamped to capacity, a rejection changes nothing and reports the real
-//! time until the deficit is refilled, rounded up to whole milliseconds.
+//! time until the deficit is refilled, rounded up to whole milliseconds; an
+//! admission that leaves less than one more request's tokens reports when
+//! the next could pass.
 
 use super::decision::{BucketSpec, Decision};
 
@@ -47,10 +49,15 @@ impl TokenState {
         }
         self.tokens = tokens - cost;
         self.updated_ms = now_ms;
+        let next = if self.tokens < cost {
+            ((cost - self.tokens) * 1000.0 / spec.refill_per_second).ceil() as u64
+        } else {
+            0
+        };
         Decision {
             allowed: true,
             remaining: self.tokens.floor() as u64,
-            retry_after_ms: 0,
+            retry_after_ms: next,
         }
     }
 

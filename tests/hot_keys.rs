@@ -1,0 +1,229 @@
+//! Hot keys with several gateway instances: leases cut Redis calls and keep
+//! the limit, a spamming tenant costs one Redis call per retry interval,
+//! exact mode never over-admits, and sharded rules spread over sub-buckets.
+//! Tolerances are wide enough for a busy 2-core machine; the figures
+//! themselves come from `scripts/accuracy`.
+
+#![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Gateway, GatewayConfig, RedisServer, TempDir, Upstream, client};
+use futures_util::future::join_all;
+use tollgate::clock::{Clock, SystemClock};
+
+struct Fleet {
+    redis: RedisServer,
+    gateways: Vec<Gateway>,
+    _up: Upstream,
+    _dir: TempDir,
+}
+
+/// `n` gateways sharing one Redis, with `rules` and no heartbeat noise in
+/// Redis's call counts during a test.
+fn fleet(n: usize, rules: &str) -> Fleet {
+    let redis = RedisServer::start();
+    let up = Upstream::start();
+    let dir = TempDir::new("hot");
+    let mut config = GatewayConfig::new(&redis.url(), dir.file("rules.toml", rules), &up.url());
+    config.extra.push_str("[instance]\nheartbeat_ms = 60000\n");
+    let gateways = (0..n).map(|_| Gateway::start(&config)).collect();
+    Fleet {
+        redis,
+        gateways,
+        _up: up,
+        _dir: dir,
+    }
+}
+
+fn rule(tenant: &str, capacity: u32, refill: u32, extra: &str) -> String {
+    format!(
+        "[[rule]]\ntenant = \"{tenant}\"\nroute = \"api\"\ncapacity = {capacity}\nrefill_per_second = {refill}\n{extra}\n"
+    )
+}
+
+/// What a load run saw.
+struct Load {
+    sent: u64,
+    admitted: u64,
+    elapsed_ms: u64,
+}
+
+/// `workers` concurrent loops per gateway, each sending requests for
+/// `tenant` back to back for `duration`. Only 200/429 may come back.
+async fn hammer(fleet: &Fleet, tenant: &str, workers: usize, duration: Duration) -> Load {
+    let clock = SystemClock::new();
+    let start = clock.now_ms();
+    let deadline = start + duration.as_millis() as u64;
+    let loops = fleet.gateways.iter().flat_map(|gw| {
+        (0..workers).map(move |_| {
+            let clock = SystemClock::new();
+            let c = client();
+            let url = gw.url("/hot");
+            async move {
+                let (mut sent, mut admitted) = (0u64, 0u64);
+                while clock.now_ms() < deadline {
+                    let status = c
+                        .get(&url)
+                        .insert_header(("x-api-key", tenant))
+                        .send()
+                        .await
+                        .map(|r| r.status().as_u16())
+                        .unwrap();
+                    assert!(status == 200 || status == 429, "status {status}");
+                    sent += 1;
+                    admitted += u64::from(status == 200);
+                }
+                (sent, admitted)
+            }
+        })
+    });
+    let results = join_all(loops).await;
+    Load {
+        sent: results.iter().map(|r| r.0).sum(),
+        admitted: results.iter().map(|r| r.1).sum(),
+        elapsed_ms: clock.now_ms() - start,
+    }
+}
+
+/// capacity + refill × elapsed.
+fn ideal(capacity: u32, refill: u32, elapsed_ms: u64) -> f64 {
+    f64::from(capacity) + f64::from(refill) * elapsed_ms as f64 / 1000.0
+}
+
+#[actix_web::test]
+async fn leases_cut_redis_calls_and_keep_the_limit() {
+    let fleet = fleet(2, &rule("hot", 20, 100, ""));
+    let calls_before = fleet.redis.command_calls("evalsha");
+    let load = hammer(&fleet, "hot", 6, Duration::from_secs(4)).await;
+    let calls = fleet.redis.command_calls("evalsha") - calls_before;
+
+    let ideal = ideal(20, 100, load.elapsed_ms);
+    assert!(
+        load.sent as f64 > 2.0 * ideal,
+        "the load must exceed the limit: {} sent, ideal {ideal:.0}",
+        load.sent
+    );
+    // Over-admission is bounded by instances × batch (2 × 10 here).
+    assert!(
+        load.admitted as f64 <= ideal + 2.0 * 10.0 + 5.0,
+        "admitted {} vs ideal {ideal:.0}",
+        load.admitted
+    );
+    assert!(
+        load.admitted as f64 >= 0.8 * ideal,
+        "admitted {} vs ideal {ideal:.0}",
+        load.admitted
+    );
+    let per_request = calls as f64 / load.sent as f64;
+    assert!(
+        per_request <= 0.2,
+        "{calls} Redis calls for {} requests ({per_request:.3} per request)",
+        load.sent
+    );
+    let leases = common::metric(&fleet.gateways[0], "tollgate_leases_total").await;
+    assert!(leases >= 1.0, "leases were taken");
+}
+
+#[actix_web::test]
+async fn a_spamming_tenant_costs_one_redis_call_per_retry_interval() {
+    let fleet = fleet(1, &rule("spam", 5, 1, "exact = true"));
+    let gw = &fleet.gateways[0];
+    // Drain the burst first: concurrent requests may all reach Redis
+    // before the first rejection is known.
+    hammer(&fleet, "spam", 4, Duration::from_millis(300)).await;
+    let calls_before = fleet.redis.command_calls("evalsha");
+    let load = hammer(&fleet, "spam", 4, Duration::from_millis(2_500)).await;
+    let calls = fleet.redis.command_calls("evalsha") - calls_before;
+    // About one call per 1 s retry interval.
+    let allowed_calls = load.elapsed_ms.div_ceil(1000) + 1;
+    assert!(
+        load.sent >= 100,
+        "the tenant spammed: {} requests",
+        load.sent
+    );
+    assert!(
+        calls <= allowed_calls,
+        "{calls} Redis calls for {} requests in {} ms",
+        load.sent,
+        load.elapsed_ms
+    );
+    let res = client()
+        .get(gw.url("/hot"))
+        .insert_header(("x-api-key", "spam"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 429);
+    let retry: u64 = common::header(&res, "retry-after")
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        (1..=1).contains(&retry),
+        "cached rejections still say when to retry"
+    );
+}
+
+#[actix_web::test]
+async fn exact_mode_never_over_admits() {
+    let fleet = fleet(2, &rule("exact", 20, 100, "exact = true"));
+    let load = hammer(&fleet, "exact", 6, Duration::from_secs(3)).await;
+    let ideal = ideal(20, 100, load.elapsed_ms);
+    assert!(
+        load.sent as f64 > 2.0 * ideal,
+        "{} sent, ideal {ideal:.0}",
+        load.sent
+    );
+    assert!(
+        load.admitted as f64 <= ideal + 1.0,
+        "admitted {} vs ideal {ideal:.0}",
+        load.admitted
+    );
+    assert!(
+        load.admitted as f64 >= 0.9 * ideal,
+        "admitted {} vs ideal {ideal:.0}",
+        load.admitted
+    );
+}
+
+#[actix_web::test]
+async fn sharded_rules_spread_over_untagged_sub_buckets() {
+    let fleet = fleet(2, &rule("wide", 40, 1, "shards = 4\nexact = true"));
+    let load = hammer(&fleet, "wide", 4, Duration::from_millis(1_500)).await;
+    let ideal = ideal(40, 1, load.elapsed_ms);
+    assert!(
+        load.admitted as f64 <= ideal + 1.0,
+        "admitted {} vs ideal {ideal:.1}",
+        load.admitted
+    );
+    assert!(
+        load.admitted as f64 >= 0.75 * ideal,
+        "admitted {} vs ideal {ideal:.1}",
+        load.admitted
+    );
+    for i in 0..4 {
+        assert_eq!(
+            fleet
+                .redis
+                .cmd(&["EXISTS", &format!("rl:wide:api:{i}")])
+                .trim(),
+            ":1",
+            "sub-bucket {i} was used"
+        );
+    }
+    assert_eq!(fleet.redis.cmd(&["EXISTS", "rl:{wide}:api"]).trim(), ":0");
+    let res = client()
+        .get(fleet.gateways[0].url("/hot"))
+        .insert_header(("x-api-key", "wide"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        common::header(&res, "x-ratelimit-limit").as_deref(),
+        Some("40"),
+        "the whole limit"
+    );
+}
