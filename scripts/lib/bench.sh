@@ -75,7 +75,9 @@ CONF
 
 # write_bench_config FILE LISTEN_PORT ADMIN_PORT REDIS_URL UPSTREAM_PORT WORKERS
 # A gateway config with one catch-all route "bench" to the upstream, and a
-# rule for tenant "bench" so large that no request is ever rejected.
+# rule for tenant "bench" so large that no request is ever rejected. The rule
+# is exact (no leases), so every request is decided by a Redis call: the
+# benchmarks measure that path.
 write_bench_config() {
   cat >"$work/rules.toml" <<CONF
 [[rule]]
@@ -83,6 +85,7 @@ tenant = "bench"
 route = "bench"
 capacity = 2000000000
 refill_per_second = 2000000000
+exact = true
 CONF
   cat >"$1" <<CONF
 [server]

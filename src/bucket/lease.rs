@@ -1,15 +1,20 @@
 //! Hot keys: observed rate, batched token leases, and the over-limit cache.
 //!
 //! Owns the per-key state that lets an instance skip Redis:
-//! - **rate**: requests (in tokens) per second over the last full second;
+//! - **rate**: tokens requested per second over the last 250 ms window (or
+//!   the current one, once it is 50 ms long, when that is higher);
 //! - **lease**: when a key's local rate reaches `lease.min_rate_per_second`,
 //!   the instance takes a batch of tokens from Redis in one call and spends
 //!   them locally. The batch is `min(local rate, refill) × lease.window_ms`,
-//!   capped by `lease.max_batch` and the capacity; tokens unspent after the
-//!   window expire (counted). Leased tokens really left Redis, so a lease
-//!   only shifts admission by up to one window: the cluster can over-admit
-//!   by at most instances × batch in a short interval. Rules in exact mode
-//!   never lease.
+//!   capped by `lease.max_batch` and the capacity; a lease call takes at
+//!   least half of it or nothing, and the whole batch or nothing when the
+//!   key was blocked (contended). Tokens unspent after the window expire
+//!   (counted). Leased tokens really left Redis, so a lease only shifts
+//!   admission by up to one window: the cluster can over-admit by at most
+//!   instances × batch in a short interval. Only one request per key fetches
+//!   a lease at a time; the others wait for it (bounded by the Redis
+//!   timeout) and spend from it, instead of all asking Redis when a lease
+//!   runs out. Rules in exact mode never lease.
 //! - **over-limit cache**: when Redis says no request like this one can pass
 //!   for t ms (a rejection, or an admission that took the last tokens), the
 //!   instance rejects that key locally until t has passed, without calling
@@ -19,6 +24,11 @@
 //!
 //! Memory is bounded by the shared [`KeyMap`] cap; idle entries are swept.
 
+use std::sync::Arc;
+
+use tokio::sync::Notify;
+use tokio::sync::futures::OwnedNotified;
+
 use super::decision::{BucketSpec, Decision};
 use super::keymap::{Idle, KeyMap};
 use crate::clock::SharedClock;
@@ -26,10 +36,13 @@ use crate::config::LeaseSettings;
 use crate::telemetry::{DecisionSource, Metrics};
 
 /// Length of one rate-measurement window.
-const RATE_WINDOW_MS: u64 = 1_000;
+const RATE_WINDOW_MS: u64 = 250;
+/// The current window counts once it is this long, so a key that turns hot
+/// leases within tens of milliseconds rather than a whole window later.
+const MIN_PARTIAL_WINDOW_MS: u64 = 50;
 
 /// What to do with a request, before any Redis call.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug)]
 pub enum Plan {
     /// Decided here: spent from a lease, or rejected by the over-limit cache.
     Local(Decision, DecisionSource),
@@ -40,25 +53,29 @@ pub enum Plan {
         want: u32,
         /// Fewest tokens worth taking (covers this request).
         min: u32,
-        /// This is the one request let through after a block; others are
-        /// turned away until [`HotKeys::record`] or [`HotKeys::settle`].
-        probe: bool,
+        /// This call holds the key's slot (the one request after a block,
+        /// or the one fetching a lease); [`HotKeys::record`] or
+        /// [`HotKeys::settle`] must release it.
+        owner: bool,
     },
+    /// Another request is fetching a lease for this key: wait for it, then
+    /// plan again.
+    Wait(OwnedNotified),
 }
 
 impl Plan {
     /// A call for `cost` tokens alone.
-    fn single(cost: u32, probe: bool) -> Self {
+    fn single(cost: u32, owner: bool) -> Self {
         Self::Call {
             want: cost,
             min: cost,
-            probe,
+            owner,
         }
     }
 }
 
 /// One key's hot-path state.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug)]
 struct KeyState {
     /// Start of the current rate window (ms).
     window_start_ms: u64,
@@ -77,6 +94,8 @@ struct KeyState {
     last_wait_ms: u64,
     /// Whether the one request after a block is waiting for Redis.
     in_flight: bool,
+    /// A lease being fetched; requests arriving meanwhile wait on it.
+    fetch: Option<Arc<Notify>>,
     /// Tokens Redis reported left at the last call, for headers.
     last_remaining: u64,
     /// Last request (ms).
@@ -94,6 +113,7 @@ impl KeyState {
             blocked_until_ms: 0,
             last_wait_ms: 0,
             in_flight: false,
+            fetch: None,
             last_remaining: 0,
             last_seen_ms: now_ms,
         }
@@ -110,14 +130,35 @@ impl KeyState {
         self.window_tokens += u64::from(cost);
         self.last_seen_ms = now_ms;
     }
+
+    /// Tokens per second: the last full window's rate, or the current
+    /// window's when it is higher and long enough to count.
+    fn rate_at(&self, now_ms: u64) -> f64 {
+        let elapsed = now_ms.saturating_sub(self.window_start_ms);
+        if elapsed >= MIN_PARTIAL_WINDOW_MS {
+            self.rate
+                .max(self.window_tokens as f64 * 1000.0 / elapsed as f64)
+        } else {
+            self.rate
+        }
+    }
+
+    /// Ends a probe or lease fetch, waking the requests waiting on it.
+    fn release(&mut self) {
+        self.in_flight = false;
+        if let Some(fetch) = self.fetch.take() {
+            fetch.notify_waiters();
+        }
+    }
 }
 
 impl Idle for KeyState {
     fn is_idle(&self, now_ms: u64) -> bool {
         self.leased == 0
             && !self.in_flight
+            && self.fetch.is_none()
             && now_ms >= self.blocked_until_ms
-            && now_ms.saturating_sub(self.last_seen_ms) >= 2 * RATE_WINDOW_MS
+            && now_ms.saturating_sub(self.last_seen_ms) >= 8 * RATE_WINDOW_MS
     }
 }
 
@@ -150,24 +191,35 @@ impl HotKeys {
     }
 
     /// Decides what a request for `cost` tokens of `key` (bucket `spec`)
-    /// needs; `exact` forbids leasing.
-    pub fn plan(&self, key: &str, spec: &BucketSpec, cost: u32, exact: bool) -> Plan {
-        let now = self.clock.now_ms();
-        let create = || KeyState::new(now);
-        self.keys.with(key, now, create, |s| {
-            self.plan_for(s, spec, cost, exact, now)
-        })
-    }
-
-    /// [`HotKeys::plan`] on one key's state.
-    fn plan_for(
+    /// needs. `exact` forbids leasing; without `may_wait` the request never
+    /// waits for another's lease and asks Redis alone instead.
+    pub fn plan(
         &self,
-        s: &mut KeyState,
+        key: &str,
         spec: &BucketSpec,
         cost: u32,
         exact: bool,
-        now: u64,
+        may_wait: bool,
     ) -> Plan {
+        let now = self.clock.now_ms();
+        let request = Request {
+            spec,
+            cost,
+            exact,
+            may_wait,
+            now,
+        };
+        self.keys.with(
+            key,
+            now,
+            || KeyState::new(now),
+            |s| self.plan_for(s, &request),
+        )
+    }
+
+    /// [`HotKeys::plan`] on one key's state.
+    fn plan_for(&self, s: &mut KeyState, r: &Request<'_>) -> Plan {
+        let (cost, now) = (r.cost, r.now);
         s.observe(cost, now);
         if s.leased > 0 && now >= s.lease_expires_ms {
             self.metrics.lease_expired(s.leased);
@@ -197,21 +249,38 @@ impl HotKeys {
             };
             return Plan::Local(rejected, DecisionSource::Cache);
         }
+        if let Some(fetch) = &s.fetch {
+            return if r.may_wait {
+                // Registered now, so the fetch's notification cannot be missed.
+                Plan::Wait(fetch.clone().notified_owned())
+            } else {
+                Plan::single(cost, false)
+            };
+        }
         // The first request after a block goes to Redis alone.
         let probe = s.blocked_until_ms != 0;
         s.in_flight = probe;
-        if exact || !self.settings.enabled || s.rate < self.settings.min_rate_per_second {
+        let rate = s.rate_at(now);
+        let batch = self.batch(rate, r.spec);
+        let lease = !r.exact
+            && self.settings.enabled
+            && rate >= self.settings.min_rate_per_second
+            && batch >= 2 * cost;
+        if !lease {
             return Plan::single(cost, probe);
         }
-        let batch = self.batch(s.rate, spec);
-        if batch >= 2 * cost {
-            Plan::Call {
-                want: batch,
-                min: cost.max(batch / 2),
-                probe,
-            }
-        } else {
-            Plan::single(cost, probe)
+        // After a block the key is contended (several instances wait for
+        // the same tokens): ask for the whole batch or nothing, so a
+        // rejection blocks until a full batch exists instead of sending a
+        // probe for every few tokens.
+        let min = if probe { batch } else { cost.max(batch / 2) };
+        if !probe {
+            s.fetch = Some(Arc::new(Notify::new()));
+        }
+        Plan::Call {
+            want: batch,
+            min,
+            owner: true,
         }
     }
 
@@ -225,13 +294,12 @@ impl HotKeys {
     }
 
     /// Records Redis's answer to a call for `key`: `granted` tokens of which
-    /// the request spent `cost` (the rest become a lease), or a rejection
-    /// that blocks the key locally until its retry delay has passed.
+    /// the request spent `cost` (the rest become a lease), and whether (and
+    /// how long) the key must now be blocked. Releases the key's slot.
     pub fn record(&self, key: &str, decision: &Decision, granted: u32, cost: u32) {
         let now = self.clock.now_ms();
-        let window = self.settings.window;
+        let window = u64::try_from(self.settings.window.as_millis()).unwrap_or(u64::MAX);
         self.keys.get(key, |s| {
-            s.in_flight = false;
             s.last_remaining = decision.remaining;
             s.blocked_until_ms = match decision.retry_after_ms {
                 0 => 0,
@@ -242,16 +310,17 @@ impl HotKeys {
             };
             if decision.allowed && granted > cost {
                 s.leased += granted - cost;
-                s.lease_expires_ms = now + u64::try_from(window.as_millis()).unwrap_or(u64::MAX);
+                s.lease_expires_ms = now + window;
                 self.metrics.lease_taken(granted);
             }
+            s.release();
         });
     }
 
-    /// Ends the in-flight request of `key` without an answer (Redis
-    /// failed, or the request was dropped), so the next one may try.
+    /// Releases `key`'s slot without an answer (Redis failed, or the
+    /// request was dropped), so the next request may try.
     pub fn settle(&self, key: &str) {
-        self.keys.get(key, |s| s.in_flight = false);
+        self.keys.get(key, KeyState::release);
     }
 
     /// Drops idle keys; returns how many remain.
@@ -260,12 +329,20 @@ impl HotKeys {
     }
 }
 
+/// One request's parameters, for planning.
+struct Request<'a> {
+    spec: &'a BucketSpec,
+    cost: u32,
+    exact: bool,
+    may_wait: bool,
+    now: u64,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::clock::ManualClock;
     use std::num::NonZeroU32;
-    use std::sync::Arc;
     use std::time::Duration;
 
     fn settings() -> LeaseSettings {
@@ -289,100 +366,108 @@ mod tests {
         HotKeys::new(settings(), 1_000, clock.clone(), Metrics::new())
     }
 
-    /// Sends `n` requests spread evenly over `ms`, answering each Redis
-    /// call with `granted` tokens; returns the plans.
-    fn drive(hot: &HotKeys, clock: &ManualClock, s: &BucketSpec, n: u64, ms: u64) -> Vec<Plan> {
-        (0..n)
-            .map(|_| {
-                let plan = hot.plan("k", s, 1, false);
-                clock.advance(Duration::from_micros(ms * 1000 / n));
-                plan
-            })
-            .collect()
+    fn plan(hot: &HotKeys, s: &BucketSpec, exact: bool) -> Plan {
+        hot.plan("k", s, 1, exact, true)
     }
 
-    /// 300 requests in 900 ms, then a pause to the end of the rate window:
-    /// the next request completes the window at exactly 300 tokens/s.
+    /// `(want, min, owner)` of a call plan.
+    fn call(p: Plan) -> (u32, u32, bool) {
+        match p {
+            Plan::Call { want, min, owner } => (want, min, owner),
+            other => panic!("expected a call, got {other:?}"),
+        }
+    }
+
+    /// One request every 2.5 ms for a second: exactly 400 tokens/s.
     fn warm(hot: &HotKeys, clock: &ManualClock, s: &BucketSpec) {
-        drive(hot, clock, s, 300, 900);
-        clock.advance(Duration::from_millis(100));
+        for _ in 0..400 {
+            hot.plan("k", s, 1, true, false);
+            clock.advance(Duration::from_micros(2_500));
+        }
+    }
+
+    fn granted(remaining: u64) -> Decision {
+        Decision {
+            allowed: true,
+            remaining,
+            retry_after_ms: 0,
+        }
     }
 
     #[test]
     fn slow_keys_call_redis_for_every_request() {
         let clock = ManualClock::new(0);
         let hot = table(&clock);
-        let plans = drive(&hot, &clock, &spec(100, 1000), 150, 2_000);
-        assert!(plans.iter().all(|p| *p == Plan::single(1, false)));
+        let s = spec(100, 1000);
+        for _ in 0..150 {
+            assert_eq!(call(plan(&hot, &s, false)), (1, 1, false));
+            clock.advance(Duration::from_millis(13));
+        }
     }
 
     #[test]
     fn batch_follows_the_observed_rate_capped_by_refill_and_maximum() {
         let clock = ManualClock::new(0);
         let hot = table(&clock);
-        // 300 req/s, refill 1000/s: 300 × 0.1 s = 30.
         warm(&hot, &clock, &spec(100, 1000));
-        assert_eq!(
-            hot.plan("k", &spec(100, 1000), 1, false),
-            Plan::Call {
-                want: 30,
-                min: 15,
-                probe: false
-            }
-        );
+        // 400 tokens/s, refill 1000/s: 400 × 0.1 s = 40, at least half.
+        assert_eq!(call(plan(&hot, &spec(100, 1000), false)), (40, 20, true));
+        hot.settle("k");
         // The same rate against a 200/s refill: 200 × 0.1 s = 20.
-        assert_eq!(
-            hot.plan("k", &spec(100, 200), 1, false),
-            Plan::Call {
-                want: 20,
-                min: 10,
-                probe: false
-            }
-        );
+        assert_eq!(call(plan(&hot, &spec(100, 200), false)), (20, 10, true));
+        hot.settle("k");
         // Capped by lease.max_batch, and by the capacity.
         assert_eq!(hot.batch(5_000.0, &spec(100, 10_000)), 50);
         assert_eq!(hot.batch(5_000.0, &spec(8, 10_000)), 8);
         // Exact mode never leases.
-        assert_eq!(
-            hot.plan("k", &spec(100, 1000), 1, true),
-            Plan::single(1, false)
-        );
+        assert_eq!(call(plan(&hot, &spec(100, 1000), true)), (1, 1, false));
     }
 
     #[test]
-    fn leased_tokens_are_spent_locally_then_expire_after_the_window() {
+    fn one_request_fetches_a_lease_while_the_others_wait_then_spend_it() {
         let clock = ManualClock::new(0);
         let hot = table(&clock);
         let s = spec(100, 1000);
         warm(&hot, &clock, &s);
-        assert!(matches!(
-            hot.plan("k", &s, 1, false),
-            Plan::Call { want: 30, .. }
-        ));
-        let granted = Decision {
-            allowed: true,
-            remaining: 40,
-            retry_after_ms: 0,
-        };
-        hot.record("k", &granted, 30, 1);
-        for left in (0..29).rev() {
-            let Plan::Local(d, DecisionSource::Lease) = hot.plan("k", &s, 1, false) else {
+        assert_eq!(call(plan(&hot, &s, false)), (40, 20, true));
+        let waiter = plan(&hot, &s, false);
+        assert!(matches!(waiter, Plan::Wait(_)), "{waiter:?}");
+        assert_eq!(
+            call(hot.plan("k", &s, 1, false, false)),
+            (1, 1, false),
+            "unless it may not wait"
+        );
+
+        hot.record("k", &granted(40), 40, 1);
+        for left in (0..39).rev() {
+            let Plan::Local(d, DecisionSource::Lease) = plan(&hot, &s, false) else {
                 panic!("expected a lease spend");
             };
             assert!(d.allowed);
             assert_eq!(d.remaining, 40 + left);
         }
-        assert!(
-            matches!(hot.plan("k", &s, 1, false), Plan::Call { want: 30, .. }),
-            "lease used up"
-        );
+        assert_eq!(call(plan(&hot, &s, false)).0, 40, "lease used up");
 
-        hot.record("k", &granted, 30, 1);
+        hot.record("k", &granted(40), 40, 1);
         clock.advance(Duration::from_millis(100));
-        assert!(
-            matches!(hot.plan("k", &s, 1, false), Plan::Call { want: 30, .. }),
-            "lease expired"
-        );
+        let (want, _, owner) = call(plan(&hot, &s, false));
+        assert!(owner && want >= 40, "lease expired: a new one is fetched");
+    }
+
+    #[actix_web::test]
+    async fn waiters_wake_when_the_lease_arrives() {
+        let clock = ManualClock::new(0);
+        let hot = table(&clock);
+        let s = spec(100, 1000);
+        warm(&hot, &clock, &s);
+        call(plan(&hot, &s, false));
+        let Plan::Wait(wait) = plan(&hot, &s, false) else {
+            panic!("expected to wait");
+        };
+        hot.record("k", &granted(40), 40, 1);
+        tokio::time::timeout(Duration::from_secs(1), wait)
+            .await
+            .expect("the waiter was woken");
     }
 
     #[test]
@@ -390,28 +475,28 @@ mod tests {
         let clock = ManualClock::new(0);
         let hot = table(&clock);
         let s = spec(10, 1);
-        assert_eq!(hot.plan("spam", &s, 1, true), Plan::single(1, false));
+        assert_eq!(call(plan(&hot, &s, true)), (1, 1, false));
         let rejected = Decision {
             allowed: false,
             remaining: 0,
             retry_after_ms: 250,
         };
-        hot.record("spam", &rejected, 0, 1);
+        hot.record("k", &rejected, 0, 1);
         for _ in 0..100 {
             clock.advance(Duration::from_millis(2));
-            let Plan::Local(d, DecisionSource::Cache) = hot.plan("spam", &s, 1, true) else {
+            let Plan::Local(d, DecisionSource::Cache) = plan(&hot, &s, true) else {
                 panic!("expected a cached rejection");
             };
             assert!(!d.allowed && d.retry_after_ms <= 250);
         }
         clock.advance(Duration::from_millis(50));
         assert_eq!(
-            hot.plan("spam", &s, 1, true),
-            Plan::single(1, true),
+            call(plan(&hot, &s, true)),
+            (1, 1, true),
             "one Redis call per retry interval"
         );
         // While that call is in flight, the others are still turned away.
-        let Plan::Local(d, DecisionSource::Cache) = hot.plan("spam", &s, 1, true) else {
+        let Plan::Local(d, DecisionSource::Cache) = plan(&hot, &s, true) else {
             panic!("expected a cached rejection while one request is in flight");
         };
         assert_eq!(d.retry_after_ms, 250);
@@ -421,32 +506,27 @@ mod tests {
             remaining: 0,
             retry_after_ms: 900,
         };
-        hot.record("spam", &last, 1, 1);
+        hot.record("k", &last, 1, 1);
         clock.advance(Duration::from_millis(899));
         assert!(matches!(
-            hot.plan("spam", &s, 1, true),
+            plan(&hot, &s, true),
             Plan::Local(_, DecisionSource::Cache)
         ));
         clock.advance(Duration::from_millis(1));
-        assert_eq!(hot.plan("spam", &s, 1, true), Plan::single(1, true));
+        assert_eq!(call(plan(&hot, &s, true)), (1, 1, true));
         // A failed call releases the key for the next request.
-        hot.settle("spam");
-        assert_eq!(hot.plan("spam", &s, 1, true), Plan::single(1, true));
+        hot.settle("k");
+        assert_eq!(call(plan(&hot, &s, true)), (1, 1, true));
         // An admission with tokens to spare lifts the block.
-        let plenty = Decision {
-            allowed: true,
-            remaining: 3,
-            retry_after_ms: 0,
-        };
-        hot.record("spam", &plenty, 1, 1);
-        assert_eq!(hot.plan("spam", &s, 1, true), Plan::single(1, false));
+        hot.record("k", &granted(3), 1, 1);
+        assert_eq!(call(plan(&hot, &s, true)), (1, 1, false));
     }
 
     #[test]
     fn idle_keys_are_swept() {
         let clock = ManualClock::new(0);
         let hot = table(&clock);
-        hot.plan("k", &spec(10, 1), 1, false);
+        plan(&hot, &spec(10, 1), false);
         assert_eq!(hot.sweep(), 1);
         clock.advance(Duration::from_secs(2));
         assert_eq!(hot.sweep(), 0);

@@ -215,13 +215,25 @@ impl Limiter {
             }
         };
         let n = cost.get();
-        let (want, min, probe) = match core.hot.plan(key.as_str(), &spec, n, limit.exact) {
-            Plan::Local(decision, source) => return verdict(decision, source),
-            Plan::Call { want, min, probe } => (want, min, probe),
+        // Wait (bounded) for another request's lease at most twice, then
+        // ask Redis alone.
+        let mut waits = 0;
+        let (want, min, owner) = loop {
+            match core
+                .hot
+                .plan(key.as_str(), &spec, n, limit.exact, waits < 2)
+            {
+                Plan::Local(decision, source) => return verdict(decision, source),
+                Plan::Call { want, min, owner } => break (want, min, owner),
+                Plan::Wait(lease) => {
+                    waits += 1;
+                    let _ = tokio::time::timeout(redis.timeout(), lease).await;
+                }
+            }
         };
-        // Whatever happens to a probe (an error, or the request being
-        // dropped mid-await), the key's slot is released.
-        let _settle = probe.then(|| Settle(&core.hot, key.as_str()));
+        // Whatever happens to a call holding the key's slot (an error, or
+        // the request being dropped mid-await), the slot is released.
+        let _settle = owner.then(|| Settle(&core.hot, key.as_str()));
         let answer = redis.take(key.as_str(), &spec, want, min).await;
         match answer {
             Ok((granted, mut decision)) => {

@@ -43,6 +43,11 @@ impl RedisBucket {
         }
     }
 
+    /// The bound on one call.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     /// Refills `key`'s bucket and takes between `min` and `want` tokens
     /// atomically (`want == min` for one request's cost; more for a lease).
     /// Returns the tokens granted (0 when fewer than `min` exist) and the
