@@ -17,7 +17,7 @@ const TOKEN: &str = "s3cret-token";
 struct Fleet {
     db: TestDatabase,
     gateways: Vec<Gateway>,
-    _redis: RedisServer,
+    redis: RedisServer,
     _up: Upstream,
     _dir: TempDir,
 }
@@ -43,7 +43,7 @@ fn fleet(n: usize) -> Fleet {
     Fleet {
         db,
         gateways,
-        _redis: redis,
+        redis,
         _up: up,
         _dir: dir,
     }
@@ -102,6 +102,27 @@ async fn an_admin_put_through_one_gateway_is_enforced_by_both_within_one_second(
     .await;
     assert_eq!((status, row["capacity"].as_i64()), (200, Some(41)));
     all_reach(&fleet, "acme", "41").await;
+
+    // Hot-key options travel the same way: a sharded rule is enforced in
+    // untagged sub-bucket keys on every gateway.
+    let (status, row) = admin(
+        a,
+        "PUT",
+        "/admin/rules/wide/api",
+        Some(TOKEN),
+        Some(r#"{"capacity": 40, "refill_per_second": 4, "shards": 4, "exact": true}"#),
+    )
+    .await;
+    assert_eq!(
+        (status, row["shards"].as_i64(), row["exact"].as_bool()),
+        (201, Some(4), Some(true))
+    );
+    all_reach(&fleet, "wide", "40").await;
+    let sub_buckets = fleet.redis.cmd(&["KEYS", "rl:wide:api:*"]);
+    assert!(
+        !sub_buckets.starts_with("*0"),
+        "sub-bucket keys exist: {sub_buckets}"
+    );
 
     let (status, row) = admin(a, "GET", "/admin/rules/acme/api", None, None).await;
     assert_eq!((status, row["capacity"].as_i64()), (200, Some(41)));
