@@ -28,7 +28,7 @@ use crate::proxy::route::RouteTable;
 use crate::proxy::{self, ProxyState};
 use crate::redis_client::RedisConnector;
 use crate::rules::{self, RulesHandle};
-use crate::telemetry::{self, Metrics};
+use crate::telemetry::{self, Metrics, RequestCounters};
 
 /// Period of metric upkeep and local-bucket eviction.
 const HOUSEKEEPING_PERIOD: Duration = Duration::from_secs(5);
@@ -119,8 +119,17 @@ pub async fn run(
     let metrics = Metrics::new();
     let clock = SystemClock::shared();
 
-    let rules =
-        rules::cache::start(&config.rules, config.default_rule.into(), metrics.clone()).await?;
+    let requests = Arc::new(RequestCounters::new(
+        config.routes.iter().map(|r| r.id.as_str()),
+        config.metrics.max_tenant_labels,
+    ));
+    let rules = rules::cache::start(
+        &config.rules,
+        config.default_rule.into(),
+        metrics.clone(),
+        requests.clone(),
+    )
+    .await?;
 
     let redis = RedisConnector::new(&config.redis).context("cannot set up the Redis client")?;
     match &config.redis.target {
@@ -181,6 +190,7 @@ pub async fn run(
         routes: RouteTable::new(&config.routes),
         rules: rules.clone(),
         metrics: metrics.clone(),
+        requests,
         clock: clock.clone(),
     });
     let upstream = config.upstream.clone();

@@ -40,9 +40,10 @@ async fn live_ready_and_metrics_report_the_gateway() {
     assert_eq!(res.status(), 200);
     let text = String::from_utf8(res.body().await.unwrap().to_vec()).unwrap();
     for needle in [
-        "tollgate_requests_total{route=\"api\",outcome=\"allowed\"}",
-        "tollgate_requests_total{route=\"api\",outcome=\"rejected\"}",
-        "tollgate_requests_total{route=\"api\",outcome=\"unauthorized\"}",
+        "tollgate_requests_total{route=\"api\",tenant=\"_other\",outcome=\"allowed\"}",
+        "tollgate_requests_total{route=\"api\",tenant=\"_other\",outcome=\"rejected\"}",
+        "tollgate_requests_total{route=\"api\",tenant=\"_other\",outcome=\"unauthorized\"}",
+        "tollgate_requests_total{route=\"api\",tenant=\"a\",outcome=\"allowed\"}",
         "tollgate_decision_duration_seconds_bucket{source=\"redis\"",
         "tollgate_redis_call_duration_seconds_bucket",
         "tollgate_redis_errors_total{kind=\"timeout\"}",
@@ -55,6 +56,10 @@ async fn live_ready_and_metrics_report_the_gateway() {
             .filter(|l| !l.starts_with('#'))
             .all(|l| l.is_empty() || l.starts_with("tollgate_")),
         "every series is prefixed tollgate_"
+    );
+    assert!(
+        !text.contains("metrics-tenant"),
+        "a tenant without a rule never becomes a label"
     );
     promtool_accepts(&text);
 }

@@ -21,6 +21,7 @@ pub(crate) struct RawConfig {
     pub(crate) breaker: RawBreaker,
     pub(crate) fallback: RawFallback,
     pub(crate) lease: RawLease,
+    pub(crate) metrics: RawMetrics,
     pub(crate) upstream: RawUpstream,
     pub(crate) log: RawLog,
     pub(crate) routes: Vec<RawRoute>,
@@ -191,6 +192,21 @@ impl Default for RawLease {
             window_ms: 100,
             max_batch: 50,
             min_rate_per_second: 100,
+        }
+    }
+}
+
+/// `[metrics]`: label cardinality.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(crate) struct RawMetrics {
+    pub(crate) max_tenant_labels: i64,
+}
+
+impl Default for RawMetrics {
+    fn default() -> Self {
+        Self {
+            max_tenant_labels: 100,
         }
     }
 }

@@ -36,6 +36,8 @@ pub struct Config {
     pub fallback: FallbackSettings,
     /// Batched token leases for hot keys.
     pub lease: LeaseSettings,
+    /// Label cardinality.
+    pub metrics: MetricsSettings,
     /// Upstream connection behaviour.
     pub upstream: UpstreamSettings,
     /// Log verbosity.
@@ -162,6 +164,14 @@ pub struct LeaseSettings {
     pub max_batch: u32,
     /// Local rate (tokens/s) from which a key leases.
     pub min_rate_per_second: f64,
+}
+
+/// `[metrics]`.
+#[derive(Debug, Clone, Copy)]
+pub struct MetricsSettings {
+    /// Most tenants with their own `tenant` label (tenants with an explicit
+    /// rule, in sorted order); the rest are `tenant="_other"`.
+    pub max_tenant_labels: usize,
 }
 
 /// `[admin]`.
@@ -389,6 +399,18 @@ pub(crate) fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
             .map_or(1.0, |n| n as f64),
     };
 
+    let metrics = MetricsSettings {
+        max_tenant_labels: c
+            .range(
+                "metrics.max_tenant_labels",
+                raw.metrics.max_tenant_labels,
+                0,
+                100_000,
+            )
+            .and_then(|n| usize::try_from(n).ok())
+            .unwrap_or(0),
+    };
+
     let admin = AdminSettings {
         token: Some(raw.admin.token).filter(|t| !t.is_empty()),
     };
@@ -440,6 +462,7 @@ pub(crate) fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
             breaker,
             fallback,
             lease,
+            metrics,
             upstream,
             log,
             routes,

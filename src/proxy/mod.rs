@@ -16,6 +16,8 @@ pub mod forward;
 pub mod headers;
 pub mod route;
 
+use std::sync::Arc;
+
 use actix_web::http::header::HeaderName;
 use actix_web::{HttpRequest, HttpResponse, web};
 
@@ -23,7 +25,7 @@ use crate::bucket::Limiter;
 use crate::clock::SharedClock;
 use crate::key::TenantId;
 use crate::rules::RulesHandle;
-use crate::telemetry::{Metrics, Outcome};
+use crate::telemetry::{Metrics, Outcome, RequestCounters};
 use error::ProxyError;
 use forward::Forwarder;
 use headers::RateLimitHeaders;
@@ -40,6 +42,8 @@ pub struct ProxyState {
     pub rules: RulesHandle,
     /// Series outside any route.
     pub metrics: Metrics,
+    /// Requests by route, tenant and outcome.
+    pub requests: Arc<RequestCounters>,
     /// Times upstream calls.
     pub clock: SharedClock,
 }
@@ -70,7 +74,7 @@ async fn handle(
             } else {
                 Outcome::BadKey
             };
-            route.metrics.request(outcome);
+            state.requests.count(None, route.index, outcome);
             return e.response();
         }
     };
@@ -84,7 +88,9 @@ async fn handle(
         .await;
     let headers = RateLimitHeaders::new(route.spec.id.as_str(), &verdict);
     if !verdict.decision.allowed {
-        route.metrics.request(Outcome::Rejected);
+        state
+            .requests
+            .count(Some(tenant.as_str()), route.index, Outcome::Rejected);
         let rejected = ProxyError::RateLimited;
         let mut builder = rejected.builder();
         headers.apply(&mut builder);
@@ -97,16 +103,17 @@ async fn handle(
         .await;
     let elapsed = state.clock.now_micros().saturating_sub(started);
     route.metrics.upstream_seconds(elapsed as f64 / 1e6);
+    let outcome = match &forwarded {
+        Ok(_) => Outcome::Allowed,
+        Err(ProxyError::UpstreamTimeout) => Outcome::UpstreamTimeout,
+        Err(_) => Outcome::UpstreamError,
+    };
+    state
+        .requests
+        .count(Some(tenant.as_str()), route.index, outcome);
     match forwarded {
-        Ok(response) => {
-            route.metrics.request(Outcome::Allowed);
-            response
-        }
+        Ok(response) => response,
         Err(e) => {
-            route.metrics.request(match e {
-                ProxyError::UpstreamTimeout => Outcome::UpstreamTimeout,
-                _ => Outcome::UpstreamError,
-            });
             let mut builder = e.builder();
             headers.apply(&mut builder);
             e.finish(builder)

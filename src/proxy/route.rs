@@ -11,6 +11,8 @@ use crate::telemetry::RouteMetrics;
 
 /// A configured route with its metric handles.
 pub struct Route {
+    /// Position in the route table (indexes per-route counters).
+    pub index: usize,
     /// Id, methods, prefix, upstream and cost.
     pub spec: RouteSpec,
     /// Pre-registered series for this route.
@@ -29,7 +31,9 @@ impl RouteTable {
         Self {
             routes: specs
                 .iter()
-                .map(|spec| Route {
+                .enumerate()
+                .map(|(index, spec)| Route {
+                    index,
                     metrics: RouteMetrics::new(spec.id.as_str()),
                     spec: spec.clone(),
                 })

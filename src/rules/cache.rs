@@ -40,7 +40,7 @@ use super::pg::{CHANNEL, Change, RuleStore, RuleStoreError};
 use super::snapshot;
 use crate::clock::unix_now_seconds;
 use crate::config::{RuleSource, RulesSettings};
-use crate::telemetry::Metrics;
+use crate::telemetry::{Metrics, RequestCounters};
 
 /// How long a caller waits for the cache to answer a reload request.
 const RELOAD_TIMEOUT: Duration = Duration::from_secs(10);
@@ -134,6 +134,7 @@ pub async fn start(
     settings: &RulesSettings,
     default: Limit,
     metrics: Metrics,
+    labels: Arc<RequestCounters>,
 ) -> Result<RulesHandle, RulesError> {
     let (source, first, store) = match &settings.source {
         RuleSource::File(path) => {
@@ -166,6 +167,7 @@ pub async fn start(
             (source, first, Some(store))
         }
     };
+    labels.label_tenants(first.tenants());
     let snapshot = Arc::new(ArcSwap::from_pointee(first));
     let cache = RuleCache {
         source,
@@ -173,6 +175,7 @@ pub async fn start(
         snapshot: snapshot.clone(),
         watch_interval: settings.watch_interval,
         metrics,
+        labels,
         pending: Vec::new(),
     }
     .start();
@@ -338,6 +341,8 @@ struct RuleCache {
     watch_interval: Duration,
     /// Reload counters.
     metrics: Metrics,
+    /// Request counters, whose tenant labels follow the rules.
+    labels: Arc<RequestCounters>,
     /// Database changes not yet applied.
     pending: Vec<Change>,
 }
@@ -346,6 +351,7 @@ impl RuleCache {
     /// Replaces the snapshot with `set` and records the reload.
     fn publish(&mut self, set: RuleSet) -> usize {
         let n = set.len();
+        self.labels.label_tenants(set.tenants());
         let set = Arc::new(set);
         self.snapshot.store(set.clone());
         self.metrics.rule_reload(Some(n));

@@ -162,6 +162,14 @@ impl RuleSet {
         })
     }
 
+    /// The tenant of every rule (a tenant with several rules appears once
+    /// per rule).
+    pub fn tenants(&self) -> impl Iterator<Item = &str> + '_ {
+        self.rules
+            .keys()
+            .filter_map(|key| key.split_once(char::from(SEP)).map(|(t, _)| t))
+    }
+
     /// Number of explicit rules.
     pub fn len(&self) -> usize {
         self.rules.len()

@@ -12,7 +12,10 @@
 
 #![allow(clippy::disallowed_macros)] // The one module that names metrics.
 
-use std::sync::OnceLock;
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock};
+
+use arc_swap::ArcSwap;
 
 use metrics::{Counter, Gauge, Histogram, Unit};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
@@ -218,8 +221,6 @@ impl Outcome {
 /// Pre-registered series of one route.
 #[derive(Clone)]
 pub struct RouteMetrics {
-    /// `tollgate_requests_total{route, outcome}`, indexed like [`Outcome::ALL`].
-    requests: [Counter; 6],
     /// `tollgate_upstream_duration_seconds{route}`.
     upstream: Histogram,
 }
@@ -227,24 +228,86 @@ pub struct RouteMetrics {
 impl RouteMetrics {
     /// Registers the series of `route`.
     pub fn new(route: &str) -> Self {
-        let route = route.to_owned();
         Self {
-            requests: Outcome::ALL.map(|o| {
-                metrics::counter!(REQUESTS_TOTAL, "route" => route.clone(), "outcome" => o.label())
-            }),
-            upstream: metrics::histogram!(UPSTREAM_SECONDS, "route" => route.clone()),
+            upstream: metrics::histogram!(UPSTREAM_SECONDS, "route" => route.to_owned()),
         }
-    }
-
-    /// Counts one request with `outcome`.
-    pub fn request(&self, outcome: Outcome) {
-        self.requests[outcome as usize].increment(1);
     }
 
     /// Records the time to an upstream's response head.
     pub fn upstream_seconds(&self, seconds: f64) {
         self.upstream.record(seconds);
     }
+}
+
+/// `tollgate_requests_total{route, tenant, outcome}` with a bounded tenant
+/// label: tenants that have an explicit rule get their own label, up to
+/// `metrics.max_tenant_labels`; every other request counts under
+/// `tenant="_other"`. The rebalancer reads per-tenant demand from these.
+pub struct RequestCounters {
+    /// Route ids, by route index.
+    routes: Vec<String>,
+    /// `tenant="_other"` counters, by route index then outcome.
+    other: Vec<[Counter; 6]>,
+    /// Labelled tenants' counters, by route index then outcome.
+    labeled: ArcSwap<HashMap<Arc<str>, Vec<[Counter; 6]>>>,
+    /// Most tenants with their own label.
+    max_tenants: usize,
+}
+
+/// Label value for tenants without a label of their own.
+pub const OTHER_TENANTS: &str = "_other";
+
+impl RequestCounters {
+    /// Registers the `_other` series of every route.
+    pub fn new<'a>(routes: impl IntoIterator<Item = &'a str>, max_tenants: usize) -> Self {
+        let routes: Vec<String> = routes.into_iter().map(str::to_owned).collect();
+        let other = routes.iter().map(|r| register(r, OTHER_TENANTS)).collect();
+        Self {
+            routes,
+            other,
+            labeled: ArcSwap::from_pointee(HashMap::new()),
+            max_tenants,
+        }
+    }
+
+    /// Counts one request of `tenant` (when known) on route `route`.
+    pub fn count(&self, tenant: Option<&str>, route: usize, outcome: Outcome) {
+        let labeled = self.labeled.load();
+        let counters = tenant
+            .and_then(|t| labeled.get(t))
+            .and_then(|per_route| per_route.get(route))
+            .or_else(|| self.other.get(route));
+        if let Some(c) = counters {
+            c[outcome as usize].increment(1);
+        }
+    }
+
+    /// Gives the first `metrics.max_tenant_labels` of `tenants` (in sorted
+    /// order) a label of their own; the rest count as `_other`.
+    pub fn label_tenants<'a>(&self, tenants: impl IntoIterator<Item = &'a str>) {
+        let chosen: std::collections::BTreeSet<&str> = tenants.into_iter().collect();
+        let map = chosen
+            .into_iter()
+            .take(self.max_tenants)
+            .map(|t| {
+                let per_route = self.routes.iter().map(|r| register(r, t)).collect();
+                (Arc::from(t), per_route)
+            })
+            .collect();
+        self.labeled.store(Arc::new(map));
+    }
+}
+
+/// The six outcome counters of one (route, tenant) label pair.
+fn register(route: &str, tenant: &str) -> [Counter; 6] {
+    Outcome::ALL.map(|o| {
+        metrics::counter!(
+            REQUESTS_TOTAL,
+            "route" => route.to_owned(),
+            "tenant" => tenant.to_owned(),
+            "outcome" => o.label()
+        )
+    })
 }
 
 /// Pre-registered series outside any route.
@@ -319,7 +382,12 @@ impl Metrics {
     /// Registers the series (call after [`install`]).
     pub fn new() -> Self {
         Self {
-            no_route: metrics::counter!(REQUESTS_TOTAL, "route" => NO_ROUTE, "outcome" => "no_route"),
+            no_route: metrics::counter!(
+                REQUESTS_TOTAL,
+                "route" => NO_ROUTE,
+                "tenant" => OTHER_TENANTS,
+                "outcome" => "no_route"
+            ),
             decisions: DecisionSource::ALL
                 .map(|s| metrics::histogram!(DECISION_SECONDS, "source" => s.label())),
             leases: metrics::counter!(LEASES_TOTAL),
@@ -447,4 +515,32 @@ pub fn init_tracing(level: &str) -> anyhow::Result<()> {
         .with_target(false)
         .try_init()
         .map_err(|e| anyhow::anyhow!(e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_capped_rule_tenants_get_their_own_label() {
+        let handle = install();
+        let counters = RequestCounters::new(["cap-route"], 2);
+        counters.label_tenants(["zeta", "alpha", "beta", "alpha"]);
+        counters.count(Some("alpha"), 0, Outcome::Allowed);
+        counters.count(Some("zeta"), 0, Outcome::Allowed);
+        counters.count(None, 0, Outcome::Unauthorized);
+        let text = handle.render();
+        let series = |tenant: &str, outcome: &str| {
+            format!(
+                "tollgate_requests_total{{route=\"cap-route\",tenant=\"{tenant}\",outcome=\"{outcome}\"}} 1"
+            )
+        };
+        assert!(text.contains(&series("alpha", "allowed")), "{text}");
+        assert!(
+            text.contains(&series("_other", "allowed")),
+            "zeta is past the cap:\n{text}"
+        );
+        assert!(text.contains(&series("_other", "unauthorized")));
+        assert!(!text.contains("tenant=\"zeta\""));
+    }
 }
