@@ -17,7 +17,7 @@
 //!
 //! Layers, lowest first; a module uses only its own layer or lower ones:
 //! 1. [`config`], [`clock`], [`key`], [`telemetry`], [`redis_client`]
-//! 2. [`rules`], [`breaker`], [`cluster`]
+//! 2. [`rules`], [`breaker`], [`cluster`], [`region`]
 //! 3. [`bucket`]
 //! 4. [`proxy`], [`admin`]
 //! 5. [`app`], [`demo`]
@@ -38,5 +38,6 @@ pub mod demo;
 pub mod key;
 pub mod proxy;
 pub mod redis_client;
+pub mod region;
 pub mod rules;
 pub mod telemetry;

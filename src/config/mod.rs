@@ -26,8 +26,8 @@ use toml::{Table, Value};
 use raw::{RawConfig, RawRoute};
 pub use settings::{
     AdminSettings, BreakerSettings, Config, FallbackSettings, InstanceSettings, LeaseSettings,
-    LimitSettings, LogSettings, MetricsSettings, RedisSettings, RedisTarget, RouteSpec, RuleSource,
-    RulesSettings, ServerSettings, UpstreamSettings, database_url,
+    LimitSettings, LogSettings, MetricsSettings, RebalancerSettings, RedisSettings, RedisTarget,
+    RouteSpec, RuleSource, RulesSettings, ServerSettings, UpstreamSettings, database_url,
 };
 
 /// Prefix of environment variables that override config keys.

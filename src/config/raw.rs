@@ -22,6 +22,8 @@ pub(crate) struct RawConfig {
     pub(crate) fallback: RawFallback,
     pub(crate) lease: RawLease,
     pub(crate) metrics: RawMetrics,
+    pub(crate) regions: RawRegions,
+    pub(crate) rebalancer: RawRebalancer,
     pub(crate) upstream: RawUpstream,
     pub(crate) log: RawLog,
     pub(crate) routes: Vec<RawRoute>,
@@ -207,6 +209,48 @@ impl Default for RawMetrics {
     fn default() -> Self {
         Self {
             max_tenant_labels: 100,
+        }
+    }
+}
+
+/// `[regions]`: where region files live.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(crate) struct RawRegions {
+    pub(crate) dir: String,
+}
+
+impl Default for RawRegions {
+    fn default() -> Self {
+        Self {
+            dir: "regions".into(),
+        }
+    }
+}
+
+/// `[rebalancer]`: moving shares between regions with traffic.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(crate) struct RawRebalancer {
+    pub(crate) enabled: bool,
+    pub(crate) prometheus_url: String,
+    pub(crate) interval_seconds: i64,
+    pub(crate) window_seconds: i64,
+    pub(crate) smoothing_percent: i64,
+    pub(crate) max_step_percent: i64,
+    pub(crate) floor_percent: i64,
+}
+
+impl Default for RawRebalancer {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            prometheus_url: "http://127.0.0.1:9090".into(),
+            interval_seconds: 300,
+            window_seconds: 300,
+            smoothing_percent: 50,
+            max_step_percent: 20,
+            floor_percent: 5,
         }
     }
 }

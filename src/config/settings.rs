@@ -38,6 +38,10 @@ pub struct Config {
     pub lease: LeaseSettings,
     /// Label cardinality.
     pub metrics: MetricsSettings,
+    /// Where region files live (used when `instance.region` is set).
+    pub regions_dir: PathBuf,
+    /// Moving shares between regions with traffic.
+    pub rebalancer: RebalancerSettings,
     /// Upstream connection behaviour.
     pub upstream: UpstreamSettings,
     /// Log verbosity.
@@ -172,6 +176,26 @@ pub struct MetricsSettings {
     /// Most tenants with their own `tenant` label (tenants with an explicit
     /// rule, in sorted order); the rest are `tenant="_other"`.
     pub max_tenant_labels: usize,
+}
+
+/// `[rebalancer]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RebalancerSettings {
+    /// Whether this instance takes part (one leader acts at a time).
+    pub enabled: bool,
+    /// Prometheus server whose HTTP API gives per-region demand.
+    pub prometheus_url: String,
+    /// Time between rounds.
+    pub interval: Duration,
+    /// Rate window of the demand query.
+    pub window: Duration,
+    /// Fraction of the way to the demand-proportional target moved per
+    /// round (0 < s ≤ 1).
+    pub smoothing: f64,
+    /// Largest change of any region's share in one round (0 < m ≤ 1).
+    pub max_step: f64,
+    /// Smallest share any region keeps (0 ≤ f; regions × f ≤ 1).
+    pub floor: f64,
 }
 
 /// `[admin]`.
@@ -411,6 +435,39 @@ pub(crate) fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
             .unwrap_or(0),
     };
 
+    let r = &raw.rebalancer;
+    let percent = |c: &mut Check, key: &str, v: i64, min: i64| {
+        c.range(key, v, min, 100).map_or(0.0, |p| p as f64 / 100.0)
+    };
+    if r.enabled
+        && !(r.prometheus_url.starts_with("http://") || r.prometheus_url.starts_with("https://"))
+    {
+        c.bad(
+            "rebalancer.prometheus_url",
+            format!("expected http://host:port, found {:?}", r.prometheus_url),
+        );
+    }
+    if r.enabled && raw.rules.database_url.is_empty() {
+        c.bad(
+            "rebalancer.enabled",
+            "the rebalancer writes shares to PostgreSQL: set rules.database_url",
+        );
+    }
+    let rebalancer = RebalancerSettings {
+        enabled: r.enabled,
+        prometheus_url: r.prometheus_url.trim_end_matches('/').to_owned(),
+        interval: c.seconds("rebalancer.interval_seconds", r.interval_seconds, 86_400),
+        window: c.seconds("rebalancer.window_seconds", r.window_seconds, 86_400),
+        smoothing: percent(
+            &mut c,
+            "rebalancer.smoothing_percent",
+            r.smoothing_percent,
+            1,
+        ),
+        max_step: percent(&mut c, "rebalancer.max_step_percent", r.max_step_percent, 1),
+        floor: percent(&mut c, "rebalancer.floor_percent", r.floor_percent, 0),
+    };
+
     let admin = AdminSettings {
         token: Some(raw.admin.token).filter(|t| !t.is_empty()),
     };
@@ -463,6 +520,8 @@ pub(crate) fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
             fallback,
             lease,
             metrics,
+            regions_dir: PathBuf::from(&raw.regions.dir),
+            rebalancer,
             upstream,
             log,
             routes,

@@ -30,10 +30,8 @@ use actix::{
     Actor, Addr, AsyncContext, AtomicResponse, Context, Handler, Message, ResponseActFuture,
 };
 use arc_swap::{ArcSwap, Guard};
-use sqlx::postgres::PgListener;
-use tokio::sync::watch;
-use tokio::task::JoinHandle;
 
+use super::feed::{Feed, Notified, Resync};
 use super::file::{self, FileFingerprint, RuleFileError};
 use super::model::{Limit, Rule, RuleSet, SnapshotOrigin};
 use super::pg::{CHANNEL, Change, RuleStore, RuleStoreError};
@@ -46,8 +44,6 @@ use crate::telemetry::{Metrics, RequestCounters};
 const RELOAD_TIMEOUT: Duration = Duration::from_secs(10);
 /// Changes arriving within this window are applied as one new snapshot.
 pub const BATCH_WINDOW: Duration = Duration::from_millis(20);
-/// First and longest pause between attempts to re-subscribe to changes.
-const LISTEN_BACKOFF: (Duration, Duration) = (Duration::from_millis(100), Duration::from_secs(5));
 
 /// Why rules could not be (re)loaded.
 #[derive(Debug, thiserror::Error)]
@@ -72,10 +68,8 @@ pub struct RulesHandle {
     cache: Addr<RuleCache>,
     /// The database, when rules come from one.
     store: Option<RuleStore>,
-    /// Tells the change listener to stop.
-    stop: Arc<watch::Sender<bool>>,
-    /// The change listener task, until it is stopped.
-    follower: Arc<Mutex<Option<JoinHandle<()>>>>,
+    /// The change feed, when rules come from a database.
+    feed: Option<Feed>,
 }
 
 impl RulesHandle {
@@ -92,14 +86,8 @@ impl RulesHandle {
     /// Stops following database changes and closes the database pool, so
     /// no connection outlives the runtime.
     pub async fn shutdown(&self) {
-        let _ = self.stop.send(true);
-        let task = self
-            .follower
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
-        if let Some(task) = task {
-            let _ = task.await;
+        if let Some(feed) = &self.feed {
+            feed.stop().await;
         }
         if let Some(store) = &self.store
             && tokio::time::timeout(Duration::from_secs(2), store.close())
@@ -179,16 +167,14 @@ pub async fn start(
         pending: Vec::new(),
     }
     .start();
-    let (stop, stopped) = watch::channel(false);
-    let follower = store
+    let feed = store
         .as_ref()
-        .map(|s| actix::spawn(follow_changes(s.url().to_owned(), cache.clone(), stopped)));
+        .map(|s| Feed::start(s.url().to_owned(), CHANNEL, cache.clone()));
     Ok(RulesHandle {
         snapshot,
         cache,
         store,
-        stop: Arc::new(stop),
-        follower: Arc::new(Mutex::new(follower)),
+        feed,
     })
 }
 
@@ -463,12 +449,6 @@ impl Handler<Reload> for RuleCache {
     }
 }
 
-/// The change listener (re)subscribed: reload everything, since changes
-/// made while it was away were not announced to it.
-#[derive(Message)]
-#[rtype(result = "()")]
-struct Resync;
-
 impl Handler<Resync> for RuleCache {
     type Result = AtomicResponse<Self, ()>;
 
@@ -480,15 +460,14 @@ impl Handler<Resync> for RuleCache {
     }
 }
 
-/// One announced database change.
-#[derive(Message)]
-#[rtype(result = "()")]
-struct Notified(Change);
-
 impl Handler<Notified> for RuleCache {
     type Result = ();
 
-    fn handle(&mut self, Notified(change): Notified, ctx: &mut Context<Self>) {
+    fn handle(&mut self, Notified(payload): Notified, ctx: &mut Context<Self>) {
+        let Some(change) = Change::parse(&payload) else {
+            tracing::warn!(payload, "Ignoring an unknown rule notification.");
+            return;
+        };
         if change == Change::Reload {
             ctx.notify(Resync);
             return;
@@ -498,75 +477,4 @@ impl Handler<Notified> for RuleCache {
         }
         self.pending.push(change);
     }
-}
-
-/// Follows `NOTIFY tollgate_rules` until `stop` says so, re-subscribing
-/// with backoff whenever the connection is lost.
-async fn follow_changes(url: String, cache: Addr<RuleCache>, mut stop: watch::Receiver<bool>) {
-    let (min, max) = LISTEN_BACKOFF;
-    let mut backoff = min;
-    let mut announced_down = false;
-    loop {
-        let subscribed = tokio::select! {
-            _ = stop.changed() => return,
-            s = subscribe(&url) => s,
-        };
-        match subscribed {
-            Ok(mut listener) => {
-                backoff = min;
-                announced_down = false;
-                if cache.send(Resync).await.is_err() {
-                    return;
-                }
-                loop {
-                    let received = tokio::select! {
-                        _ = stop.changed() => return,
-                        r = listener.try_recv() => r,
-                    };
-                    match received {
-                        Ok(Some(note)) => match Change::parse(note.payload()) {
-                            Some(change) => {
-                                if cache.send(Notified(change)).await.is_err() {
-                                    return;
-                                }
-                            }
-                            None => tracing::warn!(
-                                payload = note.payload(),
-                                "Ignoring an unknown rule notification."
-                            ),
-                        },
-                        Ok(None) => {
-                            tracing::warn!("Lost the PostgreSQL change feed; re-subscribing.");
-                            break;
-                        }
-                        Err(e) => {
-                            tracing::warn!(error = %e, "PostgreSQL change feed failed; re-subscribing.");
-                            break;
-                        }
-                    }
-                }
-            }
-            Err(e) => {
-                if !announced_down {
-                    tracing::warn!(error = %e, "Cannot follow rule changes: PostgreSQL unreachable; retrying.");
-                    announced_down = true;
-                }
-            }
-        }
-        if !cache.connected() {
-            return;
-        }
-        tokio::select! {
-            _ = stop.changed() => return,
-            () = tokio::time::sleep(backoff) => {}
-        }
-        backoff = (backoff * 2).min(max);
-    }
-}
-
-/// A listener subscribed to [`CHANNEL`].
-async fn subscribe(url: &str) -> Result<PgListener, sqlx::Error> {
-    let mut listener = PgListener::connect(url).await?;
-    listener.listen(CHANNEL).await?;
-    Ok(listener)
 }

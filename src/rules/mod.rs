@@ -5,6 +5,7 @@
 //! the request path.
 
 pub mod cache;
+pub mod feed;
 pub mod file;
 pub mod model;
 pub mod pg;
