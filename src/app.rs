@@ -1,8 +1,8 @@
 //! Composition root: builds every part, starts them in order, serves, and
 //! shuts down gracefully.
 //!
-//! Owns startup order (telemetry → rules → Redis client → membership and
-//! breaker actors → limiter →
+//! Owns startup order (telemetry → rules → regions and shares → Redis
+//! client → membership and breaker actors → limiter → rebalancer →
 //! scheduled jobs → proxy and admin listeners) and shutdown order (stop
 //! accepting, drain in-flight requests, stop jobs). [`run`] takes its
 //! listeners and shutdown signal as arguments, so tests bind port 0 and stop
@@ -27,6 +27,9 @@ use crate::proxy::forward::Forwarder;
 use crate::proxy::route::RouteTable;
 use crate::proxy::{self, ProxyState};
 use crate::redis_client::RedisConnector;
+use crate::region;
+use crate::region::model::{RegionSpec, Regions};
+use crate::region::shares::SharesHandle;
 use crate::rules::{self, RulesHandle};
 use crate::telemetry::{self, Metrics, RequestCounters};
 
@@ -82,18 +85,46 @@ impl Listeners {
 /// # Errors
 /// One line per problem.
 pub fn check(config: &Config) -> Result<String, Vec<String>> {
+    let regions = match regions(config) {
+        Ok(None) => String::new(),
+        Ok(Some((region, all))) => format!(", region {} of {}", region.id, all.all.len()),
+        Err(problems) => return Err(problems),
+    };
     let path = match &config.rules.source {
         RuleSource::File(path) => path,
-        RuleSource::Database(_) => return Ok("rules from PostgreSQL".to_owned()),
+        RuleSource::Database(_) => return Ok(format!("rules from PostgreSQL{regions}")),
     };
     match rules::file::load(path) {
-        Ok(rules) => Ok(format!("{} rules in {}", rules.len(), path.display())),
+        Ok(rules) => Ok(format!(
+            "{} rules in {}{regions}",
+            rules.len(),
+            path.display()
+        )),
         Err(rules::file::RuleFileError::Invalid { path, problems }) => Err(problems
             .into_iter()
             .map(|p| format!("{}: {p}", path.display()))
             .collect()),
         Err(e) => Err(vec![e.to_string()]),
     }
+}
+
+/// This instance's region and every region, when `instance.region` is set.
+///
+/// # Errors
+/// One line per problem with the region files or the region id.
+fn regions(config: &Config) -> Result<Option<(RegionSpec, Arc<Regions>)>, Vec<String>> {
+    let Some(id) = &config.instance.region else {
+        return Ok(None);
+    };
+    let all = region::model::load_dir(&config.regions_dir).map_err(|e| e.problems)?;
+    let Some(this) = all.get(id).cloned() else {
+        return Err(vec![format!(
+            "instance.region: no region {id:?} in {} (found: {})",
+            config.regions_dir.display(),
+            all.ids().collect::<Vec<_>>().join(", ")
+        )]);
+    };
+    Ok(Some((this, Arc::new(all))))
 }
 
 /// Applies the SQL migrations to the database at `url`.
@@ -131,8 +162,20 @@ pub async fn run(
     )
     .await?;
 
-    let redis = RedisConnector::new(&config.redis).context("cannot set up the Redis client")?;
-    match &config.redis.target {
+    let region = regions(&config).map_err(|p| anyhow::anyhow!(p.join("; ")))?;
+    // A region brings its own Redis.
+    let redis_settings = match &region {
+        Some((this, _)) => this.redis_settings(&config.redis),
+        None => config.redis.clone(),
+    };
+    let shares = match &region {
+        Some((this, all)) => {
+            region::shares::start(&this.id, all.clone(), rules.store(), metrics.clone())
+        }
+        None => SharesHandle::whole(),
+    };
+    let redis = RedisConnector::new(&redis_settings).context("cannot set up the Redis client")?;
+    match &redis_settings.target {
         RedisTarget::LocalOnly => tracing::warn!(
             instances = config.instance.expected_count.get(),
             "No Redis configured: every limit is enforced by this instance alone, at 1/N."
@@ -182,19 +225,33 @@ pub async fn run(
         metrics.clone(),
     ));
 
-    let mut scheduler = schedule(&config, &rules, &limiter, &prometheus).await?;
+    // The rebalancer writes shares: it needs regions and a database.
+    let rebalancer = match (&region, shares.store(), &config.rules.source) {
+        (Some((_, all)), Some(store), RuleSource::Database(url)) if config.rebalancer.enabled => {
+            Some(region::rebalancer::start(
+                config.rebalancer.clone(),
+                all.clone(),
+                store.clone(),
+                url.clone(),
+                metrics.clone(),
+            ))
+        }
+        _ => None,
+    };
+    let mut scheduler = schedule(&config, &rules, &limiter, &prometheus, rebalancer).await?;
 
     let proxy_addr = listeners.proxy_addr()?;
     let admin_addr = listeners.admin_addr()?;
     let proxy_state = web::Data::new(ProxyState {
         routes: RouteTable::new(&config.routes),
         rules: rules.clone(),
+        shares: shares.clone(),
         metrics: metrics.clone(),
         requests,
         clock: clock.clone(),
     });
     let upstream = config.upstream.clone();
-    let request_timeout = config.redis.timeout;
+    let request_timeout = redis_settings.timeout;
     let core = limiter.clone();
     let proxy = HttpServer::new(move || {
         // Per worker: its own upstream pool and Redis connection.
@@ -220,6 +277,7 @@ pub async fn run(
         limiter,
         instance_id: config.instance.id.clone(),
         region: config.instance.region.clone(),
+        shares: shares.clone(),
         token: config.admin.token.clone(),
     });
     let admin = HttpServer::new(move || {
@@ -255,6 +313,7 @@ pub async fn run(
         tracing::warn!(error = %e, "Scheduled jobs did not stop cleanly.");
     }
     membership.leave().await;
+    shares.shutdown().await;
     rules.shutdown().await;
     tracing::info!("Stopped.");
     Ok(())
@@ -267,8 +326,34 @@ async fn schedule(
     rules: &RulesHandle,
     limiter: &Arc<LimiterCore>,
     prometheus: &metrics_exporter_prometheus::PrometheusHandle,
+    rebalancer: Option<actix::Addr<region::rebalancer::Rebalancer>>,
 ) -> anyhow::Result<JobScheduler> {
     let scheduler = JobScheduler::new().await?;
+
+    if let Some(rebalancer) = rebalancer {
+        tracing::info!(
+            every_seconds = config.rebalancer.interval.as_secs(),
+            prometheus = %config.rebalancer.prometheus_url,
+            "Region rebalancing is on."
+        );
+        scheduler
+            .add(Job::new_repeated_async(
+                config.rebalancer.interval,
+                move |_, _| {
+                    let rebalancer = rebalancer.clone();
+                    Box::pin(async move {
+                        let round = rebalancer.send(region::rebalancer::Round);
+                        if tokio::time::timeout(Duration::from_secs(5), round)
+                            .await
+                            .is_err()
+                        {
+                            tracing::warn!("The rebalancer did not take the round in time.");
+                        }
+                    })
+                },
+            )?)
+            .await?;
+    }
 
     let rules = rules.clone();
     scheduler

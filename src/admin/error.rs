@@ -9,6 +9,7 @@ use actix_web::http::header::{HeaderValue, WWW_AUTHENTICATE};
 use actix_web::{HttpResponse, ResponseError};
 use serde_json::json;
 
+use crate::region::shares::ShareStoreError;
 use crate::rules::RuleStoreError;
 
 /// Why an admin request was refused or failed.
@@ -23,6 +24,9 @@ pub enum AdminError {
     /// Rules come from a file; the API cannot change them.
     #[error("rules come from a file")]
     FileMode,
+    /// Shares need regions (`instance.region`) and a database.
+    #[error("region shares are not stored here")]
+    NoShareStore,
     /// A field of the request is invalid.
     #[error("invalid {field}: {message}")]
     Invalid {
@@ -37,6 +41,9 @@ pub enum AdminError {
     /// The database failed or is unreachable.
     #[error("database unavailable")]
     Database(#[from] RuleStoreError),
+    /// The shares table failed or is unreachable.
+    #[error("database unavailable")]
+    ShareDatabase(#[from] ShareStoreError),
 }
 
 impl AdminError {
@@ -53,9 +60,10 @@ impl AdminError {
             Self::Unauthorized => "unauthorized",
             Self::WritesDisabled => "writes_disabled",
             Self::FileMode => "rules_from_file",
+            Self::NoShareStore => "shares_unavailable",
             Self::Invalid { .. } => "invalid_request",
             Self::NotFound => "not_found",
-            Self::Database(_) => "database_unavailable",
+            Self::Database(_) | Self::ShareDatabase(_) => "database_unavailable",
         }
     }
 }
@@ -65,10 +73,10 @@ impl ResponseError for AdminError {
         match self {
             Self::Unauthorized => StatusCode::UNAUTHORIZED,
             Self::WritesDisabled => StatusCode::FORBIDDEN,
-            Self::FileMode => StatusCode::CONFLICT,
+            Self::FileMode | Self::NoShareStore => StatusCode::CONFLICT,
             Self::Invalid { .. } => StatusCode::BAD_REQUEST,
             Self::NotFound => StatusCode::NOT_FOUND,
-            Self::Database(_) => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Database(_) | Self::ShareDatabase(_) => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 
@@ -80,10 +88,11 @@ impl ResponseError for AdminError {
                 "Rules come from a file (rules.file); edit the file instead, it is reloaded on change."
                     .to_owned()
             }
+            Self::NoShareStore => "Region shares need instance.region and rules.database_url.".to_owned(),
             Self::Invalid { message, .. } => message.clone(),
             Self::NotFound => "No rule exists for this tenant and route.".to_owned(),
-            Self::Database(e) => {
-                tracing::warn!(error = %e, "Admin request failed on the database.");
+            Self::Database(_) | Self::ShareDatabase(_) => {
+                tracing::warn!(error = %self, "Admin request failed on the database.");
                 "PostgreSQL did not answer; nothing was changed. Retry later.".to_owned()
             }
         };

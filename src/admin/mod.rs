@@ -8,17 +8,20 @@
 
 pub mod error;
 pub mod rules;
+pub mod shares;
 
 use std::sync::Arc;
 
-use actix_web::http::header::ContentType;
-use actix_web::{HttpResponse, web};
+use actix_web::http::header::{AUTHORIZATION, ContentType};
+use actix_web::{HttpRequest, HttpResponse, web};
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde_json::json;
 
 use crate::bucket::LimiterCore;
 use crate::clock::unix_now_seconds;
+use crate::region::shares::SharesHandle;
 use crate::rules::RulesHandle;
+use error::AdminError;
 
 /// What the admin endpoints read.
 pub struct AdminState {
@@ -34,6 +37,37 @@ pub struct AdminState {
     pub region: Option<String>,
     /// Bearer token for writes; `None` disables writes.
     pub token: Option<String>,
+    /// Region shares.
+    pub shares: SharesHandle,
+}
+
+/// Checks the bearer token of an admin write.
+///
+/// # Errors
+/// [`AdminError::WritesDisabled`] without a configured token,
+/// [`AdminError::Unauthorized`] when the request's token is missing or wrong.
+fn authorize(req: &HttpRequest, state: &AdminState) -> Result<(), AdminError> {
+    let token = state.token.as_deref().ok_or(AdminError::WritesDisabled)?;
+    let presented = req
+        .headers()
+        .get(AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .ok_or(AdminError::Unauthorized)?;
+    if constant_time_eq(presented.trim().as_bytes(), token.as_bytes()) {
+        Ok(())
+    } else {
+        Err(AdminError::Unauthorized)
+    }
+}
+
+/// Compares two secrets in time that depends only on the longer length.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    let mut diff = u8::from(a.len() != b.len());
+    for i in 0..a.len().max(b.len()) {
+        diff |= a.get(i).copied().unwrap_or(0) ^ b.get(i).copied().unwrap_or(0);
+    }
+    diff == 0
 }
 
 /// Adds the admin routes to an actix `App`.
@@ -41,7 +75,8 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
     cfg.route("/live", web::get().to(live))
         .route("/ready", web::get().to(ready))
         .route("/metrics", web::get().to(metrics))
-        .configure(rules::configure);
+        .configure(rules::configure)
+        .configure(shares::configure);
 }
 
 /// 200 whenever the process serves HTTP.
@@ -77,4 +112,17 @@ async fn metrics(state: web::Data<AdminState>) -> HttpResponse {
     HttpResponse::Ok()
         .content_type("text/plain; version=0.0.4; charset=utf-8")
         .body(state.prometheus.render())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_compare_equal_only_when_identical() {
+        assert!(constant_time_eq(b"secret", b"secret"));
+        assert!(!constant_time_eq(b"secret", b"secreT"));
+        assert!(!constant_time_eq(b"secret", b"secret2"));
+        assert!(!constant_time_eq(b"", b"x"));
+    }
 }

@@ -10,12 +10,11 @@
 use std::collections::HashMap;
 use std::num::NonZeroU32;
 
-use actix_web::http::header::AUTHORIZATION;
 use actix_web::{HttpRequest, HttpResponse, web};
 use serde_json::{Value, json};
 
-use super::AdminState;
 use super::error::AdminError;
+use super::{AdminState, authorize};
 use crate::key::{RouteId, TenantId};
 use crate::rules::model::{MAX_SHARDS, positive_i32, shard_count};
 use crate::rules::{Limit, RuleStore, StoredRule};
@@ -170,30 +169,12 @@ async fn delete(
 
 /// Checks the bearer token, then that rules live in a database.
 fn writable<'a>(req: &HttpRequest, state: &'a AdminState) -> Result<&'a RuleStore, AdminError> {
-    let token = state.token.as_deref().ok_or(AdminError::WritesDisabled)?;
-    let presented = req
-        .headers()
-        .get(AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .ok_or(AdminError::Unauthorized)?;
-    if !constant_time_eq(presented.trim().as_bytes(), token.as_bytes()) {
-        return Err(AdminError::Unauthorized);
-    }
+    authorize(req, state)?;
     state.rules.store().ok_or(AdminError::FileMode)
 }
 
-/// Compares two secrets in time that depends only on the longer length.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    let mut diff = u8::from(a.len() != b.len());
-    for i in 0..a.len().max(b.len()) {
-        diff |= a.get(i).copied().unwrap_or(0) ^ b.get(i).copied().unwrap_or(0);
-    }
-    diff == 0
-}
-
 /// Validates an id from the path or query.
-fn id<T>(
+pub(super) fn id<T>(
     field: &str,
     raw: &str,
     parse: fn(&str) -> Result<T, crate::key::IdError>,
@@ -304,13 +285,5 @@ mod tests {
             field_of(r#"{"capacity": 5, "refill_per_second": 1, "burst": 3}"#),
             "burst"
         );
-    }
-
-    #[test]
-    fn tokens_compare_equal_only_when_identical() {
-        assert!(constant_time_eq(b"secret", b"secret"));
-        assert!(!constant_time_eq(b"secret", b"secreT"));
-        assert!(!constant_time_eq(b"secret", b"secret2"));
-        assert!(!constant_time_eq(b"", b"x"));
     }
 }

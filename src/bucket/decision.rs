@@ -25,6 +25,20 @@ impl BucketSpec {
         }
     }
 
+    /// This bucket's `share` (0 < share ≤ 1): capacity × share (floored, at
+    /// least 1) and refill × share.
+    pub fn scaled(&self, share: f64) -> Self {
+        if share >= 1.0 || share.is_nan() || share <= 0.0 {
+            return *self;
+        }
+        // Saturating float-to-int cast of a finite, non-negative value.
+        let capacity = (f64::from(self.capacity.get()) * share).floor() as u32;
+        Self {
+            capacity: NonZeroU32::new(capacity).unwrap_or(NonZeroU32::MIN),
+            refill_per_second: self.refill_per_second * share,
+        }
+    }
+
     /// This bucket split `n` ways: capacity / n (floored, at least 1) and
     /// refill / n.
     pub fn divided(&self, n: NonZeroU32) -> Self {
@@ -71,6 +85,18 @@ mod tests {
         assert_eq!(third.capacity.get(), 6);
         assert!((third.refill_per_second - 10.0 / 3.0).abs() < 1e-9);
         assert_eq!(spec.divided(nz(50)).capacity.get(), 1);
+    }
+
+    #[test]
+    fn a_regional_share_scales_capacity_and_refill() {
+        let spec = BucketSpec::of(nz(200), nz(100)).scaled(0.7);
+        assert_eq!(spec.capacity.get(), 140);
+        assert!((spec.refill_per_second - 70.0).abs() < 1e-9);
+        assert_eq!(BucketSpec::of(nz(1), nz(1)).scaled(0.3).capacity.get(), 1);
+        assert_eq!(
+            BucketSpec::of(nz(5), nz(5)).scaled(1.0),
+            BucketSpec::of(nz(5), nz(5))
+        );
     }
 
     #[test]

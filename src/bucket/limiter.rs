@@ -159,20 +159,22 @@ impl Limiter {
     }
 
     /// Takes `cost` tokens from the bucket of `tenant` on `route` under
-    /// `limit`.
+    /// this region's `share` of `limit`.
     pub async fn check(
         &self,
         tenant: &TenantId,
         route: &RouteId,
         limit: Limit,
+        share: f64,
         cost: NonZeroU32,
     ) -> Verdict {
         let core = &self.core;
         let started = core.clock.now_micros();
-        let whole = BucketSpec::of(limit.capacity, limit.refill_per_second);
+        let whole = BucketSpec::of(limit.capacity, limit.refill_per_second).scaled(share);
         let verdict = match (&self.redis, &core.breaker) {
             (Some(redis), Some(gate)) if gate.allows() => {
-                self.shared(redis, gate, tenant, route, limit, cost).await
+                self.shared(redis, gate, tenant, route, limit, whole, cost)
+                    .await
             }
             (Some(_), _) => core.fallback(&BucketKey::new(tenant, route), &whole, cost),
             (None, _) => core.local(&BucketKey::new(tenant, route), &whole, cost),
@@ -182,7 +184,9 @@ impl Limiter {
         verdict
     }
 
-    /// Steps 1 and 3–5 with the breaker closed.
+    /// Steps 1 and 3–5 with the breaker closed; `whole` is this region's
+    /// share of `limit`.
+    #[allow(clippy::too_many_arguments)] // One request's facts, each needed.
     async fn shared(
         &self,
         redis: &RedisBucket,
@@ -190,10 +194,10 @@ impl Limiter {
         tenant: &TenantId,
         route: &RouteId,
         limit: Limit,
+        whole: BucketSpec,
         cost: NonZeroU32,
     ) -> Verdict {
         let core = &self.core;
-        let whole = BucketSpec::of(limit.capacity, limit.refill_per_second);
         let shards = limit.shards;
         let (key, spec) = if shards.get() == 1 {
             (BucketKey::new(tenant, route), whole)

@@ -24,6 +24,7 @@ use actix_web::{HttpRequest, HttpResponse, web};
 use crate::bucket::Limiter;
 use crate::clock::SharedClock;
 use crate::key::TenantId;
+use crate::region::shares::SharesHandle;
 use crate::rules::RulesHandle;
 use crate::telemetry::{Metrics, Outcome, RequestCounters};
 use error::ProxyError;
@@ -40,6 +41,8 @@ pub struct ProxyState {
     pub routes: RouteTable,
     /// Rules in force.
     pub rules: RulesHandle,
+    /// This region's share of every limit.
+    pub shares: SharesHandle,
     /// Series outside any route.
     pub metrics: Metrics,
     /// Requests by route, tenant and outcome.
@@ -83,8 +86,12 @@ async fn handle(
         .rules
         .snapshot()
         .limit_for(tenant.as_str(), route.spec.id.as_str());
+    let share = state
+        .shares
+        .snapshot()
+        .share_for(tenant.as_str(), route.spec.id.as_str());
     let verdict = limiter
-        .check(&tenant, &route.spec.id, limit, route.spec.cost)
+        .check(&tenant, &route.spec.id, limit, share, route.spec.cost)
         .await;
     let headers = RateLimitHeaders::new(route.spec.id.as_str(), &verdict);
     if !verdict.decision.allowed {

@@ -7,4 +7,7 @@
 //! [`rebalancer`] applies from Prometheus demand.
 
 pub mod model;
+pub mod prom;
+pub mod rebalancer;
+pub mod shares;
 pub mod split;

@@ -90,6 +90,11 @@ impl RuleStore {
         &self.url
     }
 
+    /// The connection pool, shared with the other tables' queries.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
     /// Closes every pooled connection.
     pub async fn close(&self) {
         self.pool.close().await;

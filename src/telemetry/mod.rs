@@ -49,6 +49,10 @@ pub const LEASES_TOTAL: &str = "tollgate_leases_total";
 pub const LEASED_TOKENS_TOTAL: &str = "tollgate_leased_tokens_total";
 /// Leased tokens that expired unspent (counter).
 pub const LEASE_EXPIRED_TOKENS_TOTAL: &str = "tollgate_lease_expired_tokens_total";
+/// Each region's share of a limit, by scope (gauge).
+pub const REGION_SHARE: &str = "tollgate_region_share";
+/// Rebalancer rounds by result (counter).
+pub const REBALANCE_ROUNDS_TOTAL: &str = "tollgate_rebalance_rounds_total";
 /// Live gateway instances seen by the membership heartbeat (gauge).
 pub const LIVE_INSTANCES: &str = "tollgate_live_instances";
 
@@ -159,6 +163,16 @@ fn describe() {
         LEASE_EXPIRED_TOKENS_TOTAL,
         Unit::Count,
         "Leased tokens that expired unspent."
+    );
+    describe_counter!(
+        REBALANCE_ROUNDS_TOTAL,
+        Unit::Count,
+        "Region rebalancer rounds by result (applied, unchanged, not_leader, prometheus_error, no_data, database_error)."
+    );
+    describe_gauge!(
+        REGION_SHARE,
+        Unit::Count,
+        "Each region's share of a limit, by tenant and route scope (_all = every)."
     );
     describe_gauge!(
         BREAKER_STATE,
@@ -475,6 +489,30 @@ impl Metrics {
     /// Counts leased tokens that expired unspent.
     pub fn lease_expired(&self, tokens: u32) {
         self.lease_expired_tokens.increment(u64::from(tokens));
+    }
+
+    /// Sets `region`'s share of the scope (`None` = every tenant/route,
+    /// shown as `_all`). Scopes are bounded: global, and the rows the
+    /// rebalancer writes for labelled tenants.
+    pub fn region_share(
+        &self,
+        region: &str,
+        tenant: Option<&str>,
+        route: Option<&str>,
+        share: f64,
+    ) {
+        metrics::gauge!(
+            REGION_SHARE,
+            "region" => region.to_owned(),
+            "tenant" => tenant.unwrap_or("_all").to_owned(),
+            "route" => route.unwrap_or("_all").to_owned()
+        )
+        .set(share);
+    }
+
+    /// Counts a rebalancer round ending with `result` (a fixed word).
+    pub fn rebalance_round(&self, result: &'static str) {
+        metrics::counter!(REBALANCE_ROUNDS_TOTAL, "result" => result).increment(1);
     }
 
     /// Sets the live instance count.

@@ -1,0 +1,189 @@
+//! `/admin/shares`: each region's share of the limits.
+//!
+//! `GET` shows every region (its default and current global share) and
+//! every `region_share` row. `PUT` sets the shares of one scope (global, a
+//! tenant, a route, or a tenant's route) for all regions at once, in one
+//! transaction; they must name every region, lie in (0, 1] and sum to 1.
+//! `DELETE` removes a scope's rows (back to the next broader scope). Writes
+//! need the bearer token, regions and a database.
+
+use std::collections::{BTreeMap, HashMap};
+
+use actix_web::{HttpRequest, HttpResponse, web};
+use serde_json::{Value, json};
+
+use super::error::AdminError;
+use super::rules::id;
+use super::{AdminState, authorize};
+use crate::key::{RouteId, TenantId};
+use crate::region::model::SUM_TOLERANCE;
+use crate::region::shares::{Scope, ShareStore};
+
+/// Adds the share routes to an actix `App`.
+pub fn configure(cfg: &mut web::ServiceConfig) {
+    cfg.route("/admin/shares", web::get().to(list))
+        .route("/admin/shares", web::put().to(put))
+        .route("/admin/shares", web::delete().to(delete));
+}
+
+/// `GET /admin/shares`.
+async fn list(state: web::Data<AdminState>) -> HttpResponse {
+    let snapshot = state.shares.snapshot();
+    let regions: Vec<Value> = state
+        .shares
+        .regions()
+        .map(|all| {
+            all.all
+                .iter()
+                .map(|r| {
+                    let global = snapshot
+                        .rows()
+                        .iter()
+                        .find(|row| {
+                            row.region == r.id && row.tenant.is_none() && row.route.is_none()
+                        })
+                        .map_or(r.default_share, |row| row.share);
+                    json!({ "id": r.id, "default_share": r.default_share, "share": global })
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    HttpResponse::Ok().json(json!({
+        "region": state.region,
+        "regions": regions,
+        "rows": snapshot.rows(),
+    }))
+}
+
+/// `PUT /admin/shares` with
+/// `{"tenant": "…"|null, "route": "…"|null, "shares": {"<region>": 0.7, …}}`.
+async fn put(
+    req: HttpRequest,
+    state: web::Data<AdminState>,
+    body: web::Bytes,
+) -> Result<HttpResponse, AdminError> {
+    let store = writable(&req, &state)?;
+    let value: Value = serde_json::from_slice(&body)
+        .map_err(|e| AdminError::invalid("body", format!("not valid JSON: {e}")))?;
+    let object = value.as_object().ok_or_else(|| {
+        AdminError::invalid(
+            "body",
+            "expected {\"tenant\": …, \"route\": …, \"shares\": {…}}",
+        )
+    })?;
+    if let Some(unknown) = object
+        .keys()
+        .find(|k| !["tenant", "route", "shares"].contains(&k.as_str()))
+    {
+        return Err(AdminError::invalid(unknown.as_str(), "unknown field"));
+    }
+    let text = |field: &'static str| -> Result<Option<&str>, AdminError> {
+        match object.get(field) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s)),
+            Some(other) => Err(AdminError::invalid(
+                field,
+                format!("must be a string or null, found {other}"),
+            )),
+        }
+    };
+    let scope = Scope {
+        tenant: text("tenant")?
+            .map(|t| id("tenant", t, TenantId::parse))
+            .transpose()?,
+        route: text("route")?
+            .map(|r| id("route", r, RouteId::parse))
+            .transpose()?,
+    };
+    let shares = parse_shares(object.get("shares"), &state)?;
+    store.replace(&[(scope.clone(), shares.clone())]).await?;
+    tracing::info!(
+        ?scope,
+        ?shares,
+        "Region shares written through the admin API."
+    );
+    Ok(HttpResponse::Ok().json(json!({
+        "tenant": scope.tenant.as_ref().map(TenantId::as_str),
+        "route": scope.route.as_ref().map(RouteId::as_str),
+        "shares": shares,
+    })))
+}
+
+/// `DELETE /admin/shares?tenant=&route=`: 204, or 404 when nothing was set.
+async fn delete(
+    req: HttpRequest,
+    state: web::Data<AdminState>,
+    query: web::Query<HashMap<String, String>>,
+) -> Result<HttpResponse, AdminError> {
+    let store = writable(&req, &state)?;
+    let mut scope = Scope {
+        tenant: None,
+        route: None,
+    };
+    for (key, value) in query.iter() {
+        match key.as_str() {
+            "tenant" => scope.tenant = Some(id("tenant", value, TenantId::parse)?),
+            "route" => scope.route = Some(id("route", value, RouteId::parse)?),
+            other => return Err(AdminError::invalid(other, "unknown query parameter")),
+        }
+    }
+    if store.delete(&scope).await? {
+        Ok(HttpResponse::NoContent().finish())
+    } else {
+        Err(AdminError::NotFound)
+    }
+}
+
+/// Checks the bearer token, then that shares have a store.
+fn writable<'a>(req: &HttpRequest, state: &'a AdminState) -> Result<&'a ShareStore, AdminError> {
+    authorize(req, state)?;
+    state.shares.store().ok_or(AdminError::NoShareStore)
+}
+
+/// Validates `{"<region>": share, …}`: every region named once, each share
+/// in (0, 1], summing to 1.
+fn parse_shares(
+    value: Option<&Value>,
+    state: &AdminState,
+) -> Result<BTreeMap<String, f64>, AdminError> {
+    let regions = state.shares.regions().ok_or(AdminError::NoShareStore)?;
+    let object = value.and_then(Value::as_object).ok_or_else(|| {
+        AdminError::invalid(
+            "shares",
+            "expected an object such as {\"eu-west\": 0.7, \"us-east\": 0.3}",
+        )
+    })?;
+    let mut shares = BTreeMap::new();
+    for (region, share) in object {
+        if regions.get(region).is_none() {
+            return Err(AdminError::invalid(
+                "shares",
+                format!("unknown region {region:?}"),
+            ));
+        }
+        let share = share
+            .as_f64()
+            .filter(|s| *s > 0.0 && *s <= 1.0)
+            .ok_or_else(|| {
+                AdminError::invalid(
+                    "shares",
+                    format!("{region}: must be a number in (0, 1], found {share}"),
+                )
+            })?;
+        shares.insert(region.clone(), share);
+    }
+    if let Some(missing) = regions.ids().find(|id| !shares.contains_key(*id)) {
+        return Err(AdminError::invalid(
+            "shares",
+            format!("missing region {missing:?}"),
+        ));
+    }
+    let sum: f64 = shares.values().sum();
+    if (sum - 1.0).abs() > SUM_TOLERANCE {
+        return Err(AdminError::invalid(
+            "shares",
+            format!("must sum to 1, found {sum}"),
+        ));
+    }
+    Ok(shares)
+}

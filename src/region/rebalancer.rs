@@ -1,0 +1,408 @@
+//! The rebalancer: moves each region's share with real traffic.
+//!
+//! Owns the scheduled round. Every instance runs the actor, but only the
+//! one holding a PostgreSQL advisory lock acts (the lock lives as long as
+//! its session, so a dead leader frees it). A round asks Prometheus for the
+//! demand that reached the limiter, by region, tenant and route, over
+//! `rebalancer.window_seconds`; moves every scope's shares toward that
+//! demand with [`super::split::rebalance`] (labelled tenants per route; the
+//! rest, `tenant="_other"`, moves the global default share); writes every
+//! change in one transaction; and logs and counts the outcome. The table's
+//! trigger then carries the new shares to every gateway.
+//!
+//! Invariant: when Prometheus is unreachable or has no data, nothing is
+//! written; the shares hold still.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use actix::fut::{ActorFutureExt, WrapFuture};
+use actix::{Actor, Addr, AsyncContext, Context, Handler, Message};
+use sqlx::Connection as _;
+use sqlx::postgres::PgConnection;
+
+use super::model::Regions;
+use super::prom::{Demand, Prometheus};
+use super::shares::{Scope, ShareRow, ShareStore};
+use super::split::{SplitParams, rebalance};
+use crate::config::RebalancerSettings;
+use crate::key::{RouteId, TenantId};
+use crate::telemetry::{Metrics, OTHER_TENANTS};
+
+/// The advisory lock that makes one instance the leader ("tollgate").
+const LEADER_LOCK: i64 = 0x746F_6C6C_6761_7465;
+/// A scope as (tenant, route) labels; `None` for every tenant/route.
+type ScopeKey = (Option<String>, Option<String>);
+
+/// Changes smaller than this are not written.
+const MIN_CHANGE: f64 = 1e-4;
+
+/// How a round ended, as a metric label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RoundResult {
+    /// New shares were written.
+    Applied,
+    /// The shares already match the demand.
+    Unchanged,
+    /// Another instance leads.
+    NotLeader,
+    /// Prometheus could not be asked.
+    PrometheusError,
+    /// Prometheus had no demand to go by.
+    NoData,
+    /// PostgreSQL failed.
+    DatabaseError,
+}
+
+impl RoundResult {
+    /// The label value.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Applied => "applied",
+            Self::Unchanged => "unchanged",
+            Self::NotLeader => "not_leader",
+            Self::PrometheusError => "prometheus_error",
+            Self::NoData => "no_data",
+            Self::DatabaseError => "database_error",
+        }
+    }
+}
+
+/// The effective share of `region` (default `default`) for a scope: the most
+/// specific row that covers it.
+fn effective(
+    rows: &[ShareRow],
+    region: &str,
+    default: f64,
+    tenant: Option<&str>,
+    route: Option<&str>,
+) -> f64 {
+    let candidates = [(tenant, route), (tenant, None), (None, route), (None, None)];
+    candidates
+        .iter()
+        .find_map(|(t, r)| {
+            rows.iter()
+                .find(|row| {
+                    row.region == region
+                        && row.tenant.as_deref() == *t
+                        && row.route.as_deref() == *r
+                })
+                .map(|row| row.share)
+        })
+        .unwrap_or(default)
+}
+
+/// New shares for every scope whose demand calls for a change.
+pub fn plan_round(
+    regions: &Regions,
+    rows: &[ShareRow],
+    demand: &[Demand],
+    params: SplitParams,
+) -> Vec<(Scope, BTreeMap<String, f64>)> {
+    // Demand by scope, then region. `_other` drives the global share.
+    let mut by_scope: BTreeMap<ScopeKey, HashMap<&str, f64>> = BTreeMap::new();
+    for d in demand {
+        if regions.get(&d.region).is_none() {
+            continue;
+        }
+        let key = if d.tenant == OTHER_TENANTS {
+            (None, None)
+        } else {
+            (Some(d.tenant.clone()), Some(d.route.clone()))
+        };
+        *by_scope
+            .entry(key)
+            .or_default()
+            .entry(d.region.as_str())
+            .or_default() += d.rate;
+    }
+    by_scope
+        .into_iter()
+        .filter_map(|((tenant, route), per_region)| {
+            let scope = Scope {
+                tenant: tenant.as_deref().map(TenantId::parse).transpose().ok()?,
+                route: route.as_deref().map(RouteId::parse).transpose().ok()?,
+            };
+            let current: Vec<f64> = regions
+                .all
+                .iter()
+                .map(|r| {
+                    effective(
+                        rows,
+                        &r.id,
+                        r.default_share,
+                        tenant.as_deref(),
+                        route.as_deref(),
+                    )
+                })
+                .collect();
+            let wanted: Vec<f64> = regions
+                .all
+                .iter()
+                .map(|r| per_region.get(r.id.as_str()).copied().unwrap_or(0.0))
+                .collect();
+            let next = rebalance(&current, &wanted, params)?;
+            let moved = current
+                .iter()
+                .zip(&next)
+                .any(|(c, n)| (c - n).abs() > MIN_CHANGE);
+            moved.then(|| {
+                let shares = regions.all.iter().map(|r| r.id.clone()).zip(next).collect();
+                (scope, shares)
+            })
+        })
+        .collect()
+}
+
+/// Starts the rebalancer on the current arbiter; send it [`Round`] on a
+/// schedule.
+pub fn start(
+    settings: RebalancerSettings,
+    regions: Arc<Regions>,
+    store: ShareStore,
+    database_url: String,
+    metrics: Metrics,
+) -> Addr<Rebalancer> {
+    Rebalancer {
+        settings,
+        regions,
+        store,
+        database_url,
+        lock: None,
+        running: false,
+        prometheus: None,
+        metrics,
+    }
+    .start()
+}
+
+/// The rebalancing actor.
+pub struct Rebalancer {
+    /// Knobs.
+    settings: RebalancerSettings,
+    /// Every region.
+    regions: Arc<Regions>,
+    /// Where shares are written.
+    store: ShareStore,
+    /// For the leader lock's own session.
+    database_url: String,
+    /// The session holding the leader lock, while this instance leads.
+    lock: Option<PgConnection>,
+    /// Whether a round is under way.
+    running: bool,
+    /// The Prometheus client (created on the actor's thread).
+    prometheus: Option<Prometheus>,
+    /// Round counter.
+    metrics: Metrics,
+}
+
+impl Actor for Rebalancer {
+    type Context = Context<Self>;
+
+    fn started(&mut self, _: &mut Self::Context) {
+        self.prometheus = Some(Prometheus::new(&self.settings.prometheus_url));
+    }
+}
+
+/// Run one round now.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Round;
+
+impl Handler<Round> for Rebalancer {
+    type Result = ();
+
+    fn handle(&mut self, _: Round, ctx: &mut Context<Self>) {
+        let Some(prometheus) = self.prometheus.clone() else {
+            return;
+        };
+        if self.running {
+            return;
+        }
+        self.running = true;
+        let lock = self.lock.take();
+        let (url, store, regions) = (
+            self.database_url.clone(),
+            self.store.clone(),
+            self.regions.clone(),
+        );
+        let settings = self.settings.clone();
+        let round = async move {
+            let (lock, leader) = lead(lock, &url).await;
+            if !leader {
+                return (lock, RoundResult::NotLeader);
+            }
+            let result = run(&prometheus, &store, &regions, &settings).await;
+            (lock, result)
+        };
+        ctx.spawn(round.into_actor(self).map(|(lock, result), actor, _| {
+            actor.lock = lock;
+            actor.running = false;
+            actor.metrics.rebalance_round(result.label());
+        }));
+    }
+}
+
+/// Keeps or takes the leader lock; returns the session holding it.
+async fn lead(lock: Option<PgConnection>, url: &str) -> (Option<PgConnection>, bool) {
+    if let Some(mut conn) = lock {
+        if conn.ping().await.is_ok() {
+            return (Some(conn), true);
+        }
+        tracing::warn!("Lost the rebalancer's leader session; trying to lead again.");
+    }
+    let Ok(mut conn) = PgConnection::connect(url).await else {
+        return (None, false);
+    };
+    let locked: Result<bool, _> = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+        .bind(LEADER_LOCK)
+        .fetch_one(&mut conn)
+        .await;
+    match locked {
+        Ok(true) => {
+            tracing::info!("This instance now leads region rebalancing.");
+            (Some(conn), true)
+        }
+        _ => {
+            let _ = conn.close().await;
+            (None, false)
+        }
+    }
+}
+
+/// One round as leader.
+async fn run(
+    prometheus: &Prometheus,
+    store: &ShareStore,
+    regions: &Regions,
+    settings: &RebalancerSettings,
+) -> RoundResult {
+    let demand = match prometheus.demand(settings.window).await {
+        Ok(d) if d.iter().any(|d| d.rate > 0.0) => d,
+        Ok(_) => {
+            tracing::warn!("Prometheus has no request rates yet; region shares stay as they are.");
+            return RoundResult::NoData;
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "Prometheus is unreachable; region shares stay as they are.");
+            return RoundResult::PrometheusError;
+        }
+    };
+    let rows = match store.load_all().await {
+        Ok(rows) => rows,
+        Err(e) => {
+            tracing::warn!(error = %e, "Cannot read region shares; skipping this round.");
+            return RoundResult::DatabaseError;
+        }
+    };
+    let params = SplitParams {
+        smoothing: settings.smoothing,
+        max_step: settings.max_step,
+        floor: settings.floor,
+    };
+    let changes = plan_round(regions, &rows, &demand, params);
+    if changes.is_empty() {
+        return RoundResult::Unchanged;
+    }
+    match store.replace(&changes).await {
+        Ok(()) => {
+            for (scope, shares) in &changes {
+                tracing::info!(
+                    tenant = scope.tenant.as_ref().map_or("*", TenantId::as_str),
+                    route = scope.route.as_ref().map_or("*", RouteId::as_str),
+                    shares = ?shares,
+                    "Region shares rebalanced."
+                );
+            }
+            RoundResult::Applied
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "Cannot write region shares; they stay as they were.");
+            RoundResult::DatabaseError
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::region::model::RegionSpec;
+
+    fn regions() -> Regions {
+        let spec = |id: &str, share| RegionSpec {
+            id: id.into(),
+            default_share: share,
+            redis_url: String::new(),
+            cluster_nodes: Vec::new(),
+        };
+        Regions {
+            all: vec![spec("eu", 0.5), spec("us", 0.5)],
+        }
+    }
+
+    fn demand(region: &str, tenant: &str, rate: f64) -> Demand {
+        Demand {
+            region: region.into(),
+            tenant: tenant.into(),
+            route: "api".into(),
+            rate,
+        }
+    }
+
+    const P: SplitParams = SplitParams {
+        smoothing: 0.5,
+        max_step: 0.2,
+        floor: 0.05,
+    };
+
+    #[test]
+    fn other_tenants_move_the_global_share_and_labelled_ones_their_own() {
+        let changes = plan_round(
+            &regions(),
+            &[],
+            &[
+                demand("eu", "_other", 70.0),
+                demand("us", "_other", 30.0),
+                demand("eu", "big", 10.0),
+                demand("us", "big", 90.0),
+                demand("mars", "big", 1000.0),
+            ],
+            P,
+        );
+        assert_eq!(changes.len(), 2, "{changes:?}");
+        let global = &changes.iter().find(|(s, _)| s.tenant.is_none()).unwrap().1;
+        assert!((global["eu"] - 0.6).abs() < 1e-9, "{global:?}");
+        let big = &changes.iter().find(|(s, _)| s.tenant.is_some()).unwrap();
+        assert_eq!(big.0.route.as_ref().map(RouteId::as_str), Some("api"));
+        assert!((big.1["us"] - 0.7).abs() < 1e-9, "{:?}", big.1);
+    }
+
+    #[test]
+    fn current_shares_come_from_the_most_specific_row() {
+        let row = |region: &str, tenant: Option<&str>, share| ShareRow {
+            region: region.into(),
+            tenant: tenant.map(Into::into),
+            route: None,
+            share,
+            updated_at: None,
+        };
+        let rows = [
+            row("eu", None, 0.8),
+            row("us", None, 0.2),
+            row("eu", Some("t"), 0.3),
+        ];
+        assert_eq!(effective(&rows, "eu", 0.5, Some("t"), Some("api")), 0.3);
+        assert_eq!(effective(&rows, "eu", 0.5, Some("x"), Some("api")), 0.8);
+        assert_eq!(effective(&rows, "us", 0.5, None, None), 0.2);
+        assert_eq!(effective(&[], "us", 0.5, None, None), 0.5);
+        // Already at the demand ratio: nothing to write.
+        let settled = [row("eu", None, 0.7), row("us", None, 0.3)];
+        let none = plan_round(
+            &regions(),
+            &settled,
+            &[demand("eu", "_other", 7.0), demand("us", "_other", 3.0)],
+            P,
+        );
+        assert!(none.is_empty(), "{none:?}");
+    }
+}

@@ -1,0 +1,424 @@
+//! Region shares: the `region_share` table and the snapshot the request
+//! path reads.
+//!
+//! Owns this region's share of every limit. The splitter actor loads every
+//! `region_share` row, follows `NOTIFY tollgate_shares` (any change reloads
+//! every row: the table holds at most a row per region and labelled tenant),
+//! and publishes a [`ShareSet`]; requests read it with one atomic load and
+//! at most four hash probes (tenant+route, tenant, route, global), then
+//! scale their rule by the share. Without regions every share is 1.
+//!
+//! Invariant: a share is in (0, 1]; the shares of one scope across regions
+//! sum to 1 when written through the admin API or the rebalancer.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::fut::{ActorFutureExt, WrapFuture};
+use actix::{Actor, AsyncContext, AtomicResponse, Context, Handler};
+use arc_swap::{ArcSwap, Guard};
+use serde::Serialize;
+use sqlx::postgres::PgPool;
+
+use super::model::Regions;
+use crate::key::{MAX_ID_LEN, RouteId, TenantId};
+use crate::rules::RuleStore;
+use crate::rules::feed::{Feed, Notified, Resync};
+use crate::telemetry::Metrics;
+
+/// The `NOTIFY` channel of share changes.
+pub const CHANNEL: &str = "tollgate_shares";
+/// Changes arriving within this window cause one reload.
+const BATCH_WINDOW: Duration = Duration::from_millis(20);
+
+/// Why shares could not be read or written.
+#[derive(Debug, thiserror::Error)]
+#[error("region share query failed: {0}")]
+pub struct ShareStoreError(#[from] sqlx::Error);
+
+/// One `region_share` row.
+#[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
+pub struct ShareRow {
+    /// Region id.
+    pub region: String,
+    /// Tenant, or `None` for every tenant.
+    pub tenant: Option<String>,
+    /// Route, or `None` for every route.
+    pub route: Option<String>,
+    /// Share in (0, 1].
+    pub share: f64,
+    /// Last change, RFC 3339 in UTC.
+    pub updated_at: Option<String>,
+}
+
+/// The scope of a share: a tenant and/or route, or everything.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Scope {
+    /// Tenant, or `None` for every tenant.
+    pub tenant: Option<TenantId>,
+    /// Route, or `None` for every route.
+    pub route: Option<RouteId>,
+}
+
+/// Queries on `region_share`.
+#[derive(Clone)]
+pub struct ShareStore {
+    /// The rules store's pool.
+    pool: PgPool,
+}
+
+impl ShareStore {
+    /// Queries over the rules store's pool.
+    pub fn new(rules: &RuleStore) -> Self {
+        Self {
+            pool: rules.pool().clone(),
+        }
+    }
+
+    /// Every row.
+    ///
+    /// # Errors
+    /// When the database fails.
+    pub async fn load_all(&self) -> Result<Vec<ShareRow>, ShareStoreError> {
+        Ok(sqlx::query_as(
+            "SELECT region_id AS region, tenant_id AS tenant, route_id AS route, share, \
+             to_char(updated_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') AS updated_at \
+             FROM region_share ORDER BY tenant_id NULLS FIRST, route_id NULLS FIRST, region_id",
+        )
+        .fetch_all(&self.pool)
+        .await?)
+    }
+
+    /// Replaces the shares of each scope with the given per-region shares,
+    /// all in one transaction.
+    ///
+    /// # Errors
+    /// When the database fails; nothing is written then.
+    pub async fn replace(
+        &self,
+        changes: &[(Scope, BTreeMap<String, f64>)],
+    ) -> Result<(), ShareStoreError> {
+        let mut tx = self.pool.begin().await?;
+        for (scope, shares) in changes {
+            for (region, share) in shares {
+                sqlx::query(
+                    "INSERT INTO region_share (region_id, tenant_id, route_id, share) VALUES ($1, $2, $3, $4) \
+                     ON CONFLICT ON CONSTRAINT region_share_scope \
+                     DO UPDATE SET share = EXCLUDED.share, updated_at = now()",
+                )
+                .bind(region)
+                .bind(scope.tenant.as_ref().map(TenantId::as_str))
+                .bind(scope.route.as_ref().map(RouteId::as_str))
+                .bind(share)
+                .execute(&mut *tx)
+                .await?;
+            }
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Deletes every region's share of `scope`; returns whether any existed.
+    ///
+    /// # Errors
+    /// When the database fails.
+    pub async fn delete(&self, scope: &Scope) -> Result<bool, ShareStoreError> {
+        let done = sqlx::query(
+            "DELETE FROM region_share WHERE tenant_id IS NOT DISTINCT FROM $1 AND route_id IS NOT DISTINCT FROM $2",
+        )
+        .bind(scope.tenant.as_ref().map(TenantId::as_str))
+        .bind(scope.route.as_ref().map(RouteId::as_str))
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected() > 0)
+    }
+}
+
+/// The shares in force.
+#[derive(Debug, Clone)]
+pub struct ShareSet {
+    /// This region's share where no row applies.
+    default: f64,
+    /// This region's shares by scope key (`t/r`, `t/`, `/r`, `/`).
+    local: HashMap<Arc<str>, f64>,
+    /// Every row of every region, for `/admin/shares`.
+    rows: Vec<ShareRow>,
+}
+
+/// Room for `tenant/route` with both ids at their longest.
+const KEY_BUF: usize = 2 * MAX_ID_LEN + 1;
+
+/// Writes the scope key `tenant/route` (either side may be empty).
+fn scope_key<'a>(buf: &'a mut [u8; KEY_BUF], tenant: &str, route: &str) -> Option<&'a str> {
+    let (t, r) = (tenant.as_bytes(), route.as_bytes());
+    if t.len() > MAX_ID_LEN || r.len() > MAX_ID_LEN {
+        return None;
+    }
+    buf[..t.len()].copy_from_slice(t);
+    buf[t.len()] = b'/';
+    buf[t.len() + 1..t.len() + 1 + r.len()].copy_from_slice(r);
+    std::str::from_utf8(&buf[..t.len() + 1 + r.len()]).ok()
+}
+
+impl ShareSet {
+    /// Every share is 1: no regions.
+    pub fn whole() -> Self {
+        Self {
+            default: 1.0,
+            local: HashMap::new(),
+            rows: Vec::new(),
+        }
+    }
+
+    /// The shares of `region` (whose default is `default`) from `rows`.
+    pub fn new(region: &str, default: f64, rows: Vec<ShareRow>) -> Self {
+        let local = rows
+            .iter()
+            .filter(|r| r.region == region)
+            .map(|r| {
+                let key = format!(
+                    "{}/{}",
+                    r.tenant.as_deref().unwrap_or(""),
+                    r.route.as_deref().unwrap_or("")
+                );
+                (Arc::from(key), r.share)
+            })
+            .collect();
+        Self {
+            default,
+            local,
+            rows,
+        }
+    }
+
+    /// This region's share of `tenant`'s limit on `route`: the most
+    /// specific row, else the region's default.
+    pub fn share_for(&self, tenant: &str, route: &str) -> f64 {
+        if self.local.is_empty() {
+            return self.default;
+        }
+        let mut buf = [0; KEY_BUF];
+        for (t, r) in [(tenant, route), (tenant, ""), ("", route), ("", "")] {
+            if let Some(share) = scope_key(&mut buf, t, r).and_then(|k| self.local.get(k)) {
+                return *share;
+            }
+        }
+        self.default
+    }
+
+    /// Every row.
+    pub fn rows(&self) -> &[ShareRow] {
+        &self.rows
+    }
+}
+
+/// Read access to the shares in force.
+#[derive(Clone)]
+pub struct SharesHandle {
+    /// The published snapshot.
+    snapshot: Arc<ArcSwap<ShareSet>>,
+    /// The database, in database mode with regions.
+    store: Option<ShareStore>,
+    /// The change feed, with it.
+    feed: Option<Feed>,
+    /// Every region, when regions are used.
+    regions: Option<Arc<Regions>>,
+}
+
+impl SharesHandle {
+    /// Shares that are always 1 (no regions).
+    pub fn whole() -> Self {
+        Self {
+            snapshot: Arc::new(ArcSwap::from_pointee(ShareSet::whole())),
+            store: None,
+            feed: None,
+            regions: None,
+        }
+    }
+
+    /// The shares in force now; cheap enough for every request.
+    pub fn snapshot(&self) -> Guard<Arc<ShareSet>> {
+        self.snapshot.load()
+    }
+
+    /// Where shares are stored; `None` without regions or a database.
+    pub fn store(&self) -> Option<&ShareStore> {
+        self.store.as_ref()
+    }
+
+    /// Every region; `None` when regions are not used.
+    pub fn regions(&self) -> Option<&Regions> {
+        self.regions.as_deref()
+    }
+
+    /// Stops following share changes.
+    pub async fn shutdown(&self) {
+        if let Some(feed) = &self.feed {
+            feed.stop().await;
+        }
+    }
+}
+
+/// Starts the splitter for `region` (one of `regions`): with `rules` (a
+/// database), it loads and follows `region_share`; without, every share is
+/// the region's default.
+pub fn start(
+    region: &str,
+    regions: Arc<Regions>,
+    rules: Option<&RuleStore>,
+    metrics: Metrics,
+) -> SharesHandle {
+    let default = regions.get(region).map_or(1.0, |r| r.default_share);
+    let first = ShareSet::new(region, default, Vec::new());
+    export(&regions, &first, &metrics);
+    let snapshot = Arc::new(ArcSwap::from_pointee(first));
+    let Some(rules) = rules else {
+        return SharesHandle {
+            snapshot,
+            store: None,
+            feed: None,
+            regions: Some(regions),
+        };
+    };
+    let store = ShareStore::new(rules);
+    let splitter = Splitter {
+        region: region.to_owned(),
+        default,
+        regions: regions.clone(),
+        store: store.clone(),
+        snapshot: snapshot.clone(),
+        metrics,
+        reload_scheduled: false,
+    }
+    .start();
+    let feed = Feed::start(rules.url().to_owned(), CHANNEL, splitter);
+    SharesHandle {
+        snapshot,
+        store: Some(store),
+        feed: Some(feed),
+        regions: Some(regions),
+    }
+}
+
+/// Sets `tollgate_region_share` for every region's global share, and for
+/// every row with a tenant or route.
+fn export(regions: &Regions, set: &ShareSet, metrics: &Metrics) {
+    for region in &regions.all {
+        let global = set
+            .rows
+            .iter()
+            .find(|r| r.region == region.id && r.tenant.is_none() && r.route.is_none())
+            .map_or(region.default_share, |r| r.share);
+        metrics.region_share(&region.id, None, None, global);
+    }
+    for row in set
+        .rows
+        .iter()
+        .filter(|r| r.tenant.is_some() || r.route.is_some())
+    {
+        metrics.region_share(
+            &row.region,
+            row.tenant.as_deref(),
+            row.route.as_deref(),
+            row.share,
+        );
+    }
+}
+
+/// The actor that owns this region's share snapshot.
+struct Splitter {
+    /// This region.
+    region: String,
+    /// Its default share.
+    default: f64,
+    /// Every region.
+    regions: Arc<Regions>,
+    /// Queries.
+    store: ShareStore,
+    /// Where snapshots are published.
+    snapshot: Arc<ArcSwap<ShareSet>>,
+    /// The share gauge.
+    metrics: Metrics,
+    /// Whether a reload is already queued.
+    reload_scheduled: bool,
+}
+
+impl Splitter {
+    fn reload(&mut self) -> actix::ResponseActFuture<Self, ()> {
+        let store = self.store.clone();
+        Box::pin(async move { store.load_all().await }.into_actor(self).map(|result, s, _| {
+            s.reload_scheduled = false;
+            match result {
+                Ok(rows) => {
+                    let set = ShareSet::new(&s.region, s.default, rows);
+                    export(&s.regions, &set, &s.metrics);
+                    s.snapshot.store(Arc::new(set));
+                }
+                Err(e) => tracing::warn!(error = %e, "Cannot load region shares; the previous ones stay."),
+            }
+        }))
+    }
+}
+
+impl Actor for Splitter {
+    type Context = Context<Self>;
+}
+
+impl Handler<Resync> for Splitter {
+    type Result = AtomicResponse<Self, ()>;
+
+    fn handle(&mut self, _: Resync, _: &mut Context<Self>) -> Self::Result {
+        AtomicResponse::new(self.reload())
+    }
+}
+
+impl Handler<Notified> for Splitter {
+    type Result = ();
+
+    fn handle(&mut self, _: Notified, ctx: &mut Context<Self>) {
+        if !self.reload_scheduled {
+            self.reload_scheduled = true;
+            ctx.run_later(BATCH_WINDOW, |_, ctx| ctx.notify(Resync));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(region: &str, tenant: Option<&str>, route: Option<&str>, share: f64) -> ShareRow {
+        ShareRow {
+            region: region.into(),
+            tenant: tenant.map(Into::into),
+            route: route.map(Into::into),
+            share,
+            updated_at: None,
+        }
+    }
+
+    #[test]
+    fn the_most_specific_row_wins_then_the_default() {
+        let set = ShareSet::new(
+            "eu",
+            0.7,
+            vec![
+                row("eu", None, None, 0.6),
+                row("us", None, None, 0.4),
+                row("eu", Some("big"), None, 0.9),
+                row("eu", None, Some("search"), 0.5),
+                row("eu", Some("big"), Some("search"), 0.8),
+            ],
+        );
+        assert_eq!(set.share_for("big", "search"), 0.8);
+        assert_eq!(set.share_for("big", "orders"), 0.9);
+        assert_eq!(set.share_for("small", "search"), 0.5);
+        assert_eq!(set.share_for("small", "orders"), 0.6);
+        assert_eq!(
+            ShareSet::new("eu", 0.7, vec![row("us", None, None, 0.4)]).share_for("x", "y"),
+            0.7
+        );
+        assert_eq!(ShareSet::whole().share_for("x", "y"), 1.0);
+    }
+}
