@@ -856,3 +856,143 @@ pub async fn metric(gw: &Gateway, series: &str) -> f64 {
         .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
         .unwrap_or(0.0)
 }
+
+/// A gateway running as its own `tollgate serve` process (its own metrics
+/// registry, as in production); killed on drop.
+pub struct GatewayProcess {
+    pub name: String,
+    pub proxy: u16,
+    pub admin: u16,
+    child: Child,
+}
+
+impl GatewayProcess {
+    /// Writes `toml` (with `{proxy}` and `{admin}` filled in) and starts
+    /// `tollgate serve` on it; waits until `/live` answers.
+    pub fn start(name: &str, dir: &TempDir, toml: &str) -> Self {
+        let (proxy, admin) = (free_port(), free_port());
+        let toml = toml
+            .replace("{proxy}", &proxy.to_string())
+            .replace("{admin}", &admin.to_string());
+        let path = dir.file(&format!("{name}.toml"), &toml);
+        let log = std::fs::File::create(dir.0.join(format!("{name}.log"))).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+            .args(["serve", "--config"])
+            .arg(&path)
+            .env_remove("RUST_LOG")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("the tollgate binary runs");
+        let gateway = Self {
+            name: name.to_owned(),
+            proxy,
+            admin,
+            child,
+        };
+        let admin_addr: SocketAddr = ([127, 0, 0, 1], admin).into();
+        assert!(
+            wait_until(Duration::from_secs(20), || http_status(admin_addr, "/live")
+                == Some(200)),
+            "gateway {name} did not start; see {}",
+            dir.0.join(format!("{name}.log")).display()
+        );
+        gateway
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.proxy)
+    }
+
+    pub fn admin_url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.admin)
+    }
+}
+
+impl Drop for GatewayProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A real Prometheus server scraping `targets` (admin port, region label)
+/// every second; killed on drop.
+pub struct PrometheusServer {
+    pub port: u16,
+    child: Option<Child>,
+}
+
+impl PrometheusServer {
+    /// Starts on `port` (chosen beforehand, so gateways can be told where
+    /// it will be).
+    pub fn start_on(dir: &TempDir, targets: &[(u16, &str)], port: u16) -> Self {
+        let mut config = String::from(
+            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n  - job_name: tollgate\n    static_configs:\n",
+        );
+        for (port, region) in targets {
+            config.push_str(&format!(
+                "      - targets: [\"127.0.0.1:{port}\"]\n        labels:\n          region: {region}\n"
+            ));
+        }
+        let config = dir.file("prometheus.yml", &config);
+        let child = Command::new("prometheus")
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.0.join("prometheus-data").display()
+            ))
+            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!(
+                    "cannot run prometheus ({e}); install it with `apt-get install -y prometheus`"
+                )
+            });
+        let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+        assert!(
+            wait_until(Duration::from_secs(20), || http_status(addr, "/-/ready")
+                == Some(200)),
+            "prometheus did not become ready"
+        );
+        Self {
+            port,
+            child: Some(child),
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// Stops the server, as an outage would.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Runs an instant query; returns the JSON answer.
+    pub async fn query(&self, promql: &str) -> serde_json::Value {
+        client()
+            .get(format!("{}/api/v1/query", self.url()))
+            .query(&[("query", promql)])
+            .unwrap()
+            .send()
+            .await
+            .expect("prometheus answers")
+            .json()
+            .limit(16 * 1024 * 1024)
+            .await
+            .expect("prometheus answers JSON")
+    }
+}
+
+impl Drop for PrometheusServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

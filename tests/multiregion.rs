@@ -1,0 +1,357 @@
+//! The two-region cluster, with real processes: two Redis servers,
+//! PostgreSQL, four gateway processes (two per region) and a real
+//! Prometheus scraping them. Starting from 50/50 with traffic split 70/30,
+//! the rebalancer moves the shares to the traffic ratio; the total admitted
+//! across both regions stays within 5 % of the global limit; with
+//! Prometheus stopped the shares hold still. The Grafana dashboard's every
+//! PromQL expression is checked against this Prometheus, and every metric
+//! name it uses against a gateway's `/metrics`.
+
+#![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
+
+mod common;
+
+use std::cell::Cell;
+use std::collections::BTreeSet;
+use std::rc::Rc;
+use std::time::Duration;
+
+use common::{
+    GatewayProcess, PrometheusServer, RedisServer, TempDir, TestDatabase, Upstream, client,
+};
+use tollgate::clock::{Clock, SystemClock};
+
+const TOKEN: &str = "mr-token";
+/// Seconds between rebalancer rounds.
+const INTERVAL: u64 = 2;
+
+fn gateway_config(
+    region: &str,
+    dir: &TempDir,
+    db: &TestDatabase,
+    prometheus: &str,
+    upstream: &str,
+) -> String {
+    format!(
+        "[server]\nlisten = \"127.0.0.1:{{proxy}}\"\nadmin_listen = \"127.0.0.1:{{admin}}\"\nworkers = 1\n\
+         [instance]\nregion = \"{region}\"\nheartbeat_ms = 1000\n\
+         [regions]\ndir = \"{regions}\"\n\
+         [rules]\ndatabase_url = \"{db}\"\nsnapshot_file = \"\"\n\
+         [admin]\ntoken = \"{TOKEN}\"\n\
+         [rebalancer]\nenabled = true\nprometheus_url = \"{prometheus}\"\ninterval_seconds = {INTERVAL}\nwindow_seconds = 8\n\
+         [[routes]]\nid = \"api\"\npath_prefix = \"/\"\nupstream = \"{upstream}\"\n",
+        regions = dir.0.join("regions").display(),
+        db = db.url(),
+    )
+}
+
+/// Sends `per_second` requests per second for `tenant` to `url` until
+/// `stop`, counting admissions while `counting` is set.
+fn load(
+    url: String,
+    tenant: &'static str,
+    per_second: u64,
+    stop: Rc<Cell<bool>>,
+    counting: Rc<Cell<bool>>,
+    admitted: Rc<Cell<u64>>,
+) {
+    actix_web::rt::spawn(async move {
+        let c = client();
+        let period = Duration::from_micros(1_000_000 / per_second);
+        let mut next = actix_web::rt::time::Instant::now();
+        while !stop.get() {
+            let status = c
+                .get(&url)
+                .insert_header(("x-api-key", tenant))
+                .send()
+                .await
+                .map(|r| r.status().as_u16())
+                .unwrap_or(0);
+            assert!(status == 200 || status == 429, "status {status} from {url}");
+            if status == 200 && counting.get() {
+                admitted.set(admitted.get() + 1);
+            }
+            next += period;
+            actix_web::rt::time::sleep_until(next).await;
+        }
+    });
+}
+
+/// eu-west's global share, as `/admin/shares` shows it.
+async fn global_share(gw: &GatewayProcess) -> f64 {
+    let shares: serde_json::Value = client()
+        .get(gw.admin_url("/admin/shares"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    shares["regions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["id"] == "eu-west")
+        .and_then(|r| r["share"].as_f64())
+        .unwrap()
+}
+
+async fn metrics_text(gw: &GatewayProcess) -> String {
+    let body = client()
+        .get(gw.admin_url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .body()
+        .await
+        .unwrap();
+    String::from_utf8(body.to_vec()).unwrap()
+}
+
+/// Sum of one series over the gateways.
+async fn sum_metric(gateways: &[GatewayProcess], series: &str) -> f64 {
+    let mut total = 0.0;
+    for gw in gateways {
+        let text = metrics_text(gw).await;
+        total += text
+            .lines()
+            .find_map(|l| l.strip_prefix(series)?.trim().parse::<f64>().ok())
+            .unwrap_or(0.0);
+    }
+    total
+}
+
+#[actix_web::test]
+async fn shares_follow_traffic_limits_hold_and_a_prometheus_outage_freezes_them() {
+    let dir = TempDir::new("multiregion");
+    let db = TestDatabase::create();
+    let (eu_redis, us_redis) = (RedisServer::start(), RedisServer::start());
+    let up = Upstream::start();
+    std::fs::create_dir_all(dir.0.join("regions")).unwrap();
+    for (id, redis) in [("eu-west", &eu_redis), ("us-east", &us_redis)] {
+        dir.file(
+            &format!("regions/{id}.toml"),
+            &format!(
+                "id = \"{id}\"\ndefault_share = 0.5\n[redis]\nurl = \"{}\"\n",
+                redis.url()
+            ),
+        );
+    }
+
+    // Prometheus scrapes the gateways' admin ports, which exist only once
+    // they run; its own port is chosen first so the gateways know it.
+    let prom_port = common::free_port();
+    let prom_url = format!("http://127.0.0.1:{prom_port}");
+    let gateways: Vec<GatewayProcess> = [
+        ("eu-1", "eu-west"),
+        ("eu-2", "eu-west"),
+        ("us-1", "us-east"),
+        ("us-2", "us-east"),
+    ]
+    .into_iter()
+    .map(|(name, region)| {
+        GatewayProcess::start(
+            name,
+            &dir,
+            &gateway_config(region, &dir, &db, &prom_url, &up.url()),
+        )
+    })
+    .collect();
+    let targets: Vec<(u16, &str)> = gateways
+        .iter()
+        .map(|g| {
+            (
+                g.admin,
+                if g.name.starts_with("eu") {
+                    "eu-west"
+                } else {
+                    "us-east"
+                },
+            )
+        })
+        .collect();
+    let mut prometheus = PrometheusServer::start_on(&dir, &targets, prom_port);
+
+    // A global limit for acme: 40 burst, 20/s.
+    let put = client()
+        .put(gateways[0].admin_url("/admin/rules/acme/api"))
+        .insert_header(("authorization", format!("Bearer {TOKEN}")))
+        .send_body(r#"{"capacity": 40, "refill_per_second": 20}"#)
+        .await
+        .unwrap();
+    assert_eq!(put.status(), 201);
+
+    // Traffic 70/30: acme at 2x its limit, and rule-less guests.
+    let stop = Rc::new(Cell::new(false));
+    let counting = Rc::new(Cell::new(false));
+    let admitted = Rc::new(Cell::new(0u64));
+    for gw in &gateways {
+        let rate = if gw.name.starts_with("eu") { 14 } else { 6 };
+        load(
+            gw.url("/orders"),
+            "acme",
+            rate,
+            stop.clone(),
+            counting.clone(),
+            admitted.clone(),
+        );
+        load(
+            gw.url("/orders"),
+            "guest",
+            rate,
+            stop.clone(),
+            counting.clone(),
+            Rc::new(Cell::new(0)),
+        );
+    }
+
+    // Convergence from 50/50 to 70/30 within ±0.05, in a bounded number of rounds.
+    let clock = SystemClock::new();
+    let start = clock.now_ms();
+    loop {
+        let share = global_share(&gateways[0]).await;
+        if (share - 0.7).abs() <= 0.05 {
+            break;
+        }
+        assert!(
+            clock.now_ms() - start < 90_000,
+            "shares did not converge: eu-west at {share}"
+        );
+        actix_web::rt::time::sleep(Duration::from_millis(500)).await;
+    }
+    let applied = sum_metric(
+        &gateways,
+        "tollgate_rebalance_rounds_total{result=\"applied\"}",
+    )
+    .await;
+    assert!((1.0..=15.0).contains(&applied), "{applied} applied rounds");
+    // Exactly one leader: only one instance ever ran a round itself.
+    let mut leaders = 0;
+    for gw in &gateways {
+        let text = metrics_text(gw).await;
+        let acted = text.lines().any(|l| {
+            l.starts_with("tollgate_rebalance_rounds_total{")
+                && !l.contains("not_leader")
+                && l.rsplit(' ')
+                    .next()
+                    .and_then(|v| v.parse::<f64>().ok())
+                    .is_some_and(|v| v > 0.0)
+        });
+        leaders += usize::from(acted);
+    }
+    assert_eq!(leaders, 1, "exactly one instance leads the rebalancer");
+
+    // The dashboards, against this Prometheus and these gateways.
+    dashboards_are_valid(&prometheus, &gateways[0]).await;
+
+    // The global limit holds across both regions: acme is over its share
+    // in both, so the cluster admits about the global refill rate.
+    let counted_from = clock.now_ms();
+    counting.set(true);
+    actix_web::rt::time::sleep(Duration::from_secs(20)).await;
+    counting.set(false);
+    let seconds = (clock.now_ms() - counted_from) as f64 / 1000.0;
+    let ideal = 20.0 * seconds;
+    let got = admitted.get() as f64;
+    assert!(
+        (got - ideal).abs() <= 0.05 * ideal,
+        "admitted {got} in {seconds:.1} s, ideal {ideal:.0} (global 20/s)"
+    );
+
+    // Prometheus down: the shares hold still.
+    let before = client()
+        .get(gateways[0].admin_url("/admin/shares"))
+        .send()
+        .await
+        .unwrap()
+        .json::<serde_json::Value>()
+        .await
+        .unwrap()["rows"]
+        .clone();
+    let errors_before = sum_metric(
+        &gateways,
+        "tollgate_rebalance_rounds_total{result=\"prometheus_error\"}",
+    )
+    .await;
+    prometheus.stop();
+    actix_web::rt::time::sleep(Duration::from_secs(4 * INTERVAL + 1)).await;
+    let after = client()
+        .get(gateways[0].admin_url("/admin/shares"))
+        .send()
+        .await
+        .unwrap()
+        .json::<serde_json::Value>()
+        .await
+        .unwrap()["rows"]
+        .clone();
+    assert_eq!(before, after, "shares moved while Prometheus was down");
+    let errors_after = sum_metric(
+        &gateways,
+        "tollgate_rebalance_rounds_total{result=\"prometheus_error\"}",
+    )
+    .await;
+    assert!(
+        errors_after >= errors_before + 2.0,
+        "failed rounds are counted: {errors_before} -> {errors_after}"
+    );
+    stop.set(true);
+}
+
+/// Every PromQL expression of every dashboard is accepted by Prometheus and
+/// returns data; every metric it names is exported by tollgate.
+async fn dashboards_are_valid(prometheus: &PrometheusServer, gateway: &GatewayProcess) {
+    let exported = metrics_text(gateway).await;
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("grafana/dashboards");
+    let mut checked = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        let dashboard: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        for panel in dashboard["panels"].as_array().unwrap() {
+            for target in panel["targets"].as_array().unwrap() {
+                let expr = target["expr"].as_str().unwrap();
+                let promql = expr
+                    .replace("$__rate_interval", "30s")
+                    .replace("$region", ".*");
+                let answer = prometheus.query(&promql).await;
+                assert_eq!(
+                    answer["status"], "success",
+                    "{}: {expr}: {answer}",
+                    panel["title"]
+                );
+                let result = answer["data"]["result"].as_array().unwrap();
+                assert!(!result.is_empty(), "{}: no data for {expr}", panel["title"]);
+                for name in metric_names(expr) {
+                    assert!(
+                        exported.contains(&format!("# TYPE {name} ")),
+                        "{}: {name} is not exported by tollgate",
+                        panel["title"]
+                    );
+                }
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked >= 15, "only {checked} expressions checked");
+}
+
+/// `tollgate_*` metric names in a PromQL expression, without histogram
+/// suffixes.
+fn metric_names(expr: &str) -> BTreeSet<String> {
+    let mut names = BTreeSet::new();
+    let mut rest = expr;
+    while let Some(i) = rest.find("tollgate_") {
+        let tail = &rest[i..];
+        let end = tail
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .unwrap_or(tail.len());
+        let name = &tail[..end];
+        let base = ["_bucket", "_count", "_sum"]
+            .iter()
+            .find_map(|s| name.strip_suffix(s))
+            .unwrap_or(name);
+        names.insert(base.to_owned());
+        rest = &tail[end..];
+    }
+    names
+}

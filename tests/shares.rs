@@ -1,0 +1,215 @@
+//! Region shares: the admin API validates and stores them, and every
+//! gateway enforces its region's share of each limit within a second.
+
+#![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{
+    Gateway, GatewayConfig, RedisServer, TempDir, TestDatabase, Upstream, admin, wait_for_limit,
+};
+
+const TOKEN: &str = "shares-token";
+
+#[actix_web::test]
+async fn shares_are_validated_stored_and_enforced_per_region() {
+    let db = TestDatabase::create();
+    let (eu_redis, us_redis) = (RedisServer::start(), RedisServer::start());
+    let up = Upstream::start();
+    let dir = TempDir::new("shares");
+    std::fs::create_dir_all(dir.0.join("regions")).unwrap();
+    for (id, share, redis) in [("eu", 0.7, &eu_redis), ("us", 0.3, &us_redis)] {
+        dir.file(
+            &format!("regions/{id}.toml"),
+            &format!(
+                "id = \"{id}\"\ndefault_share = {share}\n[redis]\nurl = \"{}\"\n",
+                redis.url()
+            ),
+        );
+    }
+    let gateway = |region: &str| {
+        let mut config =
+            GatewayConfig::new("redis://unused:1", dir.0.join("unused.toml"), &up.url());
+        config.database_url = db.url();
+        config.admin_token = TOKEN.to_owned();
+        config.rules_extra = "snapshot_file = \"\"".into();
+        config.extra.push_str(&format!(
+            "[instance]\nregion = \"{region}\"\n[regions]\ndir = \"{}\"\n",
+            dir.0.join("regions").display()
+        ));
+        Gateway::start(&config)
+    };
+    let (eu, us) = (gateway("eu"), gateway("us"));
+
+    let (status, _) = admin(
+        &eu,
+        "PUT",
+        "/admin/rules/t/api",
+        Some(TOKEN),
+        Some(r#"{"capacity": 100, "refill_per_second": 10}"#),
+    )
+    .await;
+    assert_eq!(status, 201);
+    let (status, _) = admin(
+        &eu,
+        "PUT",
+        "/admin/rules/u/api",
+        Some(TOKEN),
+        Some(r#"{"capacity": 100, "refill_per_second": 10}"#),
+    )
+    .await;
+    assert_eq!(status, 201);
+    // The region defaults apply: 70 and 30 of the 100-token limit.
+    assert!(
+        wait_for_limit(&eu, "t", "70", Duration::from_secs(1))
+            .await
+            .is_some()
+    );
+    assert!(
+        wait_for_limit(&us, "t", "30", Duration::from_secs(1))
+            .await
+            .is_some()
+    );
+    // Each region's own Redis holds its bucket.
+    assert!(eu_redis.cmd(&["EXISTS", "rl:{t}:api"]).contains(":1"));
+    assert!(us_redis.cmd(&["EXISTS", "rl:{t}:api"]).contains(":1"));
+
+    for (body, why) in [
+        (r#"{"shares": {"eu": 0.6, "us": 0.3}}"#, "does not sum to 1"),
+        (r#"{"shares": {"eu": 1.0}}"#, "misses a region"),
+        (
+            r#"{"shares": {"eu": 0.5, "us": 0.5, "mars": 0.0}}"#,
+            "names an unknown region",
+        ),
+        (r#"{"shares": {"eu": 1.2, "us": -0.2}}"#, "is out of range"),
+    ] {
+        let (status, error) = admin(&eu, "PUT", "/admin/shares", Some(TOKEN), Some(body)).await;
+        assert_eq!(
+            (status, error["field"].as_str()),
+            (400, Some("shares")),
+            "{why}: {error}"
+        );
+    }
+    let (status, error) = admin(
+        &eu,
+        "PUT",
+        "/admin/shares",
+        Some(TOKEN),
+        Some(r#"{"tenant": "{x}", "shares": {"eu": 0.5, "us": 0.5}}"#),
+    )
+    .await;
+    assert_eq!((status, error["field"].as_str()), (400, Some("tenant")));
+    assert_eq!(
+        admin(
+            &eu,
+            "PUT",
+            "/admin/shares",
+            None,
+            Some(r#"{"shares": {"eu": 0.5, "us": 0.5}}"#)
+        )
+        .await
+        .0,
+        401
+    );
+    assert_eq!(
+        db.sql("SELECT count(*) FROM region_share"),
+        "0",
+        "nothing was written"
+    );
+
+    // A tenant-specific split, then a global one: the most specific wins.
+    let (status, _) = admin(
+        &us,
+        "PUT",
+        "/admin/shares",
+        Some(TOKEN),
+        Some(r#"{"tenant": "t", "shares": {"eu": 0.2, "us": 0.8}}"#),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert!(
+        wait_for_limit(&eu, "t", "20", Duration::from_secs(1))
+            .await
+            .is_some()
+    );
+    assert!(
+        wait_for_limit(&us, "t", "80", Duration::from_secs(1))
+            .await
+            .is_some()
+    );
+    let (status, _) = admin(
+        &us,
+        "PUT",
+        "/admin/shares",
+        Some(TOKEN),
+        Some(r#"{"shares": {"eu": 0.4, "us": 0.6}}"#),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert!(
+        wait_for_limit(&eu, "u", "40", Duration::from_secs(1))
+            .await
+            .is_some(),
+        "u's 100 x the global 0.4"
+    );
+    assert_eq!(common::limit_of(&eu, "t").await.as_deref(), Some("20"));
+
+    let (_, listing) = admin(&eu, "GET", "/admin/shares", None, None).await;
+    assert_eq!(listing["region"], "eu");
+    assert_eq!(listing["rows"].as_array().unwrap().len(), 4);
+    let global: Vec<f64> = listing["regions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["share"].as_f64().unwrap())
+        .collect();
+    assert_eq!(global, vec![0.4, 0.6]);
+
+    assert_eq!(
+        admin(&eu, "DELETE", "/admin/shares?tenant=t", Some(TOKEN), None)
+            .await
+            .0,
+        204
+    );
+    assert!(
+        wait_for_limit(&eu, "t", "40", Duration::from_secs(1))
+            .await
+            .is_some(),
+        "back to the global 0.4"
+    );
+    assert_eq!(
+        admin(&eu, "DELETE", "/admin/shares?tenant=t", Some(TOKEN), None)
+            .await
+            .0,
+        404
+    );
+}
+
+#[actix_web::test]
+async fn without_regions_share_writes_are_refused() {
+    let redis = RedisServer::start();
+    let up = Upstream::start();
+    let dir = TempDir::new("noregions");
+    let mut config = GatewayConfig::new(&redis.url(), dir.file("rules.toml", ""), &up.url());
+    config.admin_token = TOKEN.to_owned();
+    let gw = Gateway::start(&config);
+    let (status, error) = admin(
+        &gw,
+        "PUT",
+        "/admin/shares",
+        Some(TOKEN),
+        Some(r#"{"shares": {}}"#),
+    )
+    .await;
+    assert_eq!(
+        (status, error["error"].as_str()),
+        (409, Some("shares_unavailable"))
+    );
+    let (status, listing) = admin(&gw, "GET", "/admin/shares", None, None).await;
+    assert_eq!(
+        (status, listing["region"].clone()),
+        (200, serde_json::Value::Null)
+    );
+}
