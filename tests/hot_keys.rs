@@ -88,6 +88,17 @@ async fn hammer(fleet: &Fleet, tenant: &str, workers: usize, duration: Duration)
     }
 }
 
+/// Asserts `low × ideal ≤ admitted ≤ ideal + slack`.
+fn assert_admitted(load: &Load, ideal: f64, low: f64, slack: f64) {
+    let admitted = load.admitted as f64;
+    assert!(
+        admitted <= ideal + slack && admitted >= low * ideal,
+        "admitted {admitted} vs ideal {ideal:.1} ({} sent in {} ms)",
+        load.sent,
+        load.elapsed_ms
+    );
+}
+
 /// capacity + refill × elapsed.
 fn ideal(capacity: u32, refill: u32, elapsed_ms: u64) -> f64 {
     f64::from(capacity) + f64::from(refill) * elapsed_ms as f64 / 1000.0
@@ -107,16 +118,7 @@ async fn leases_cut_redis_calls_and_keep_the_limit() {
         load.sent
     );
     // Over-admission is bounded by instances × batch (2 × 10 here).
-    assert!(
-        load.admitted as f64 <= ideal + 2.0 * 10.0 + 5.0,
-        "admitted {} vs ideal {ideal:.0}",
-        load.admitted
-    );
-    assert!(
-        load.admitted as f64 >= 0.8 * ideal,
-        "admitted {} vs ideal {ideal:.0}",
-        load.admitted
-    );
+    assert_admitted(&load, ideal, 0.8, 2.0 * 10.0 + 5.0);
     let per_request = calls as f64 / load.sent as f64;
     assert!(
         per_request <= 0.2,
@@ -177,16 +179,7 @@ async fn exact_mode_never_over_admits() {
         "{} sent, ideal {ideal:.0}",
         load.sent
     );
-    assert!(
-        load.admitted as f64 <= ideal + 1.0,
-        "admitted {} vs ideal {ideal:.0}",
-        load.admitted
-    );
-    assert!(
-        load.admitted as f64 >= 0.9 * ideal,
-        "admitted {} vs ideal {ideal:.0}",
-        load.admitted
-    );
+    assert_admitted(&load, ideal, 0.9, 1.0);
 }
 
 #[actix_web::test]
@@ -194,16 +187,7 @@ async fn sharded_rules_spread_over_untagged_sub_buckets() {
     let fleet = fleet(2, &rule("wide", 40, 1, "shards = 4\nexact = true"));
     let load = hammer(&fleet, "wide", 4, Duration::from_millis(1_500)).await;
     let ideal = ideal(40, 1, load.elapsed_ms);
-    assert!(
-        load.admitted as f64 <= ideal + 1.0,
-        "admitted {} vs ideal {ideal:.1}",
-        load.admitted
-    );
-    assert!(
-        load.admitted as f64 >= 0.75 * ideal,
-        "admitted {} vs ideal {ideal:.1}",
-        load.admitted
-    );
+    assert_admitted(&load, ideal, 0.75, 1.0);
     for i in 0..4 {
         assert_eq!(
             fleet

@@ -96,6 +96,19 @@ async fn global_share(gw: &GatewayProcess) -> f64 {
         .unwrap()
 }
 
+/// Every `region_share` row, as `/admin/shares` shows them.
+async fn share_rows(gw: &GatewayProcess) -> serde_json::Value {
+    let shares: serde_json::Value = client()
+        .get(gw.admin_url("/admin/shares"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    shares["rows"].clone()
+}
+
 async fn metrics_text(gw: &GatewayProcess) -> String {
     let body = client()
         .get(gw.admin_url("/metrics"))
@@ -259,15 +272,7 @@ async fn shares_follow_traffic_limits_hold_and_a_prometheus_outage_freezes_them(
     );
 
     // Prometheus down: the shares hold still.
-    let before = client()
-        .get(gateways[0].admin_url("/admin/shares"))
-        .send()
-        .await
-        .unwrap()
-        .json::<serde_json::Value>()
-        .await
-        .unwrap()["rows"]
-        .clone();
+    let before = share_rows(&gateways[0]).await;
     let errors_before = sum_metric(
         &gateways,
         "tollgate_rebalance_rounds_total{result=\"prometheus_error\"}",
@@ -275,15 +280,7 @@ async fn shares_follow_traffic_limits_hold_and_a_prometheus_outage_freezes_them(
     .await;
     prometheus.stop();
     actix_web::rt::time::sleep(Duration::from_secs(4 * INTERVAL + 1)).await;
-    let after = client()
-        .get(gateways[0].admin_url("/admin/shares"))
-        .send()
-        .await
-        .unwrap()
-        .json::<serde_json::Value>()
-        .await
-        .unwrap()["rows"]
-        .clone();
+    let after = share_rows(&gateways[0]).await;
     assert_eq!(before, after, "shares moved while Prometheus was down");
     let errors_after = sum_metric(
         &gateways,
