@@ -9,15 +9,17 @@
 -- ARGV[3]  want: tokens to take (integer >= 1): one request's cost, or a
 --          lease batch; clamped to the capacity, so a request costing more
 --          than the bucket holds passes only when the bucket is full
--- ARGV[4]  min (optional, default want): the fewest tokens worth taking;
---          with min < want the call takes as many as it can, up to want
+-- ARGV[4]  min (optional, default want): the fewest tokens worth a lease
+-- ARGV[5]  need (optional, default min): the request's own cost; when
+--          fewer than min but at least need tokens exist, exactly need are
+--          taken, so a lease call never turns away a request that could pass
 --
--- Returns {granted, remaining, retry_after_ms}, all integers:
---   granted         tokens taken (min..want), or 0 when fewer than min exist
+-- Returns {granted, remaining, retry_after_ms, block_ms}, all integers:
+--   granted         tokens taken: min..want, or need, or 0
 --   remaining       tokens left after this call, floored
---   retry_after_ms  ms until min tokens exist (again), rounded up: for a
---                   rejection at least 1; after a grant, 0 while min tokens
---                   remain, else when another call like this one could pass
+--   retry_after_ms  ms until need tokens exist, rounded up: for a rejection
+--                   at least 1; after a grant, 0 while need tokens remain
+--   block_ms        the same for min: when another lease could be granted
 --
 -- Now always comes from redis.call('TIME'), never from the gateway: gateway
 -- clocks drift. Redis 7 replicates scripts by their effects, so reading TIME
@@ -28,6 +30,7 @@ local capacity = tonumber(ARGV[1])
 local rate = tonumber(ARGV[2])
 local want = math.min(tonumber(ARGV[3]), capacity)
 local min = math.min(tonumber(ARGV[4] or ARGV[3]), want)
+local need = math.min(tonumber(ARGV[5] or ARGV[4] or ARGV[3]), min)
 
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000 + tonumber(time[2]) / 1000
@@ -43,19 +46,25 @@ end
 local elapsed = math.max(0, now - ts)
 tokens = math.min(capacity, tokens + elapsed * rate / 1000)
 
-if tokens < min then
-  -- Nothing changes on a rejection: the refilled value follows from the
-  -- stored pair, so the bucket is not written.
-  local retry = math.ceil((min - tokens) * 1000 / rate)
-  return {0, math.floor(tokens), math.max(1, retry)}
+-- Milliseconds until n tokens exist, rounded up; 0 when they do.
+local function wait(n)
+  if tokens >= n then
+    return 0
+  end
+  return math.ceil((n - tokens) * 1000 / rate)
 end
 
-local granted = math.min(want, math.floor(tokens))
+if tokens < need then
+  -- Nothing changes on a rejection: the refilled value follows from the
+  -- stored pair, so the bucket is not written.
+  return {0, math.floor(tokens), math.max(1, wait(need)), math.max(1, wait(min))}
+end
+
+local granted = need
+if tokens >= min then
+  granted = math.min(want, math.floor(tokens))
+end
 tokens = tokens - granted
 redis.call('HSET', KEYS[1], 'tokens', string.format('%.6f', tokens), 'ts', string.format('%.3f', now))
 redis.call('PEXPIRE', KEYS[1], math.max(1, math.ceil(2 * capacity * 1000 / rate)))
-local next = 0
-if tokens < min then
-  next = math.ceil((min - tokens) * 1000 / rate)
-end
-return {granted, math.floor(tokens), next}
+return {granted, math.floor(tokens), wait(need), wait(min)}

@@ -238,7 +238,8 @@ pub async fn run(
         }
         _ => None,
     };
-    let mut scheduler = schedule(&config, &rules, &limiter, &prometheus, rebalancer).await?;
+    let mut scheduler =
+        schedule(&config, &rules, &shares, &limiter, &prometheus, rebalancer).await?;
 
     let proxy_addr = listeners.proxy_addr()?;
     let admin_addr = listeners.admin_addr()?;
@@ -319,11 +320,13 @@ pub async fn run(
     Ok(())
 }
 
-/// Starts the periodic jobs: the full rule reload (safety net behind file
-/// watching) and housekeeping (metric upkeep, local-bucket eviction).
+/// Starts the periodic jobs: the full rule and share reload (safety net
+/// behind file watching and `NOTIFY`), housekeeping (metric upkeep,
+/// local-bucket eviction), and the rebalancer's rounds.
 async fn schedule(
     config: &Config,
     rules: &RulesHandle,
+    shares: &SharesHandle,
     limiter: &Arc<LimiterCore>,
     prometheus: &metrics_exporter_prometheus::PrometheusHandle,
     rebalancer: Option<actix::Addr<region::rebalancer::Rebalancer>>,
@@ -355,15 +358,16 @@ async fn schedule(
             .await?;
     }
 
-    let rules = rules.clone();
+    let (rules, shares) = (rules.clone(), shares.clone());
     scheduler
         .add(Job::new_repeated_async(config.rules.refresh, move |_, _| {
-            let rules = rules.clone();
+            let (rules, shares) = (rules.clone(), shares.clone());
             Box::pin(async move {
                 match rules.reload().await {
                     Ok(n) => tracing::debug!(rules = n, "Periodic rule reload done."),
                     Err(e) => tracing::error!(error = %e, "Periodic rule reload failed; the previous rules stay in force."),
                 }
+                shares.reload().await;
             })
         })?)
         .await?;

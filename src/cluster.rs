@@ -19,6 +19,7 @@ use std::time::Duration;
 use actix::fut::{ActorFutureExt, WrapFuture};
 use actix::{
     Actor, ActorContext, Addr, AsyncContext, Context, Handler, Message, ResponseActFuture,
+    SpawnHandle,
 };
 use redis::Script;
 
@@ -82,6 +83,7 @@ impl Membership {
                 live,
                 metrics,
                 reachable: true,
+                beating: None,
             }
             .start()
         });
@@ -116,6 +118,8 @@ struct Heartbeat {
     metrics: Metrics,
     /// Whether the last heartbeat reached Redis (to log changes only).
     reachable: bool,
+    /// The heartbeat schedule, cancelled on leaving.
+    beating: Option<SpawnHandle>,
 }
 
 impl Heartbeat {
@@ -157,7 +161,7 @@ impl Actor for Heartbeat {
 
     fn started(&mut self, ctx: &mut Self::Context) {
         self.beat(ctx);
-        ctx.run_interval(self.interval, Self::beat);
+        self.beating = Some(ctx.run_interval(self.interval, Self::beat));
     }
 }
 
@@ -169,7 +173,11 @@ struct Leave;
 impl Handler<Leave> for Heartbeat {
     type Result = ResponseActFuture<Self, ()>;
 
-    fn handle(&mut self, _: Leave, _: &mut Context<Self>) -> Self::Result {
+    fn handle(&mut self, _: Leave, ctx: &mut Context<Self>) -> Self::Result {
+        // No heartbeat may re-add this instance after it left.
+        if let Some(beating) = self.beating.take() {
+            ctx.cancel_future(beating);
+        }
         let mut cmd = redis::cmd("ZREM");
         cmd.arg(&self.key).arg(&self.id);
         let (conn, timeout) = (self.conn.clone(), self.timeout);

@@ -27,6 +27,9 @@ pub enum IdError {
     /// The id holds a byte outside `A-Z a-z 0-9 . _ : -`.
     #[error("may only contain letters, digits and . _ : -")]
     BadChar,
+    /// A route id holds `:`.
+    #[error("may not contain ':' (route ids only)")]
+    RouteColon,
 }
 
 /// Checks an id against the length limit and the safe character set.
@@ -49,7 +52,7 @@ pub fn validate_id(raw: &str) -> Result<(), IdError> {
 }
 
 macro_rules! id_type {
-    ($(#[$doc:meta])* $name:ident) => {
+    ($(#[$doc:meta])* $name:ident, $validate:path) => {
         $(#[$doc])*
         #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
         pub struct $name(Arc<str>);
@@ -60,7 +63,7 @@ macro_rules! id_type {
             /// # Errors
             /// [`IdError`] when `raw` is empty, too long or holds an unsafe character.
             pub fn parse(raw: &str) -> Result<Self, IdError> {
-                validate_id(raw)?;
+                $validate(raw)?;
                 Ok(Self(Arc::from(raw)))
             }
 
@@ -92,12 +95,29 @@ macro_rules! id_type {
 
 id_type!(
     /// A tenant, identified by the `X-Api-Key` header value.
-    TenantId
+    TenantId,
+    validate_id
 );
 id_type!(
-    /// A gateway route id from the route table.
-    RouteId
+    /// A gateway route id from the route table. Unlike a tenant it may not
+    /// contain `:`, so a sub-bucket key `rl:<tenant>:<route>:<i>` always
+    /// reads back as one (tenant, route) pair.
+    RouteId,
+    validate_route_id
 );
+
+/// [`validate_id`], and no `:`.
+///
+/// # Errors
+/// [`IdError`] when `raw` is not a valid id or contains `:`.
+pub fn validate_route_id(raw: &str) -> Result<(), IdError> {
+    validate_id(raw)?;
+    if raw.contains(':') {
+        Err(IdError::RouteColon)
+    } else {
+        Ok(())
+    }
+}
 
 /// The Redis key of one (tenant, route) bucket: `rl:{<tenant>}:<route>`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -158,6 +178,12 @@ mod tests {
             &RouteId::parse("create-order").unwrap(),
         );
         assert_eq!(key.as_str(), "rl:{shop-a}:create-order");
+    }
+
+    #[test]
+    fn route_ids_may_not_contain_colons() {
+        assert_eq!(RouteId::parse("a:b"), Err(IdError::RouteColon));
+        assert!(TenantId::parse("a:b").is_ok());
     }
 
     #[test]

@@ -149,7 +149,7 @@ async fn route_cost_takes_several_tokens() {
     );
     assert_eq!(
         get(&gw.url("/search"), Some("t")).await,
-        (429, Some("2".into()))
+        (429, Some("0".into()))
     );
 }
 

@@ -9,7 +9,7 @@ use std::num::NonZeroU32;
 
 use common::{Gateway, GatewayConfig, RedisServer, TempDir, Upstream, client};
 use futures_util::future::join_all;
-use tollgate::bucket::{BucketSpec, RedisBucket};
+use tollgate::bucket::{Ask, BucketSpec, RedisBucket};
 use tollgate::clock::{Clock, SharedClock, SystemClock};
 use tollgate::config::{RedisSettings, RedisTarget};
 use tollgate::key::{BucketKey, RouteId, TenantId};
@@ -49,13 +49,13 @@ async fn parallel_script_calls_from_separate_connections_never_overspend() {
     let spec = BucketSpec::of(NonZeroU32::new(100).unwrap(), NonZeroU32::new(5).unwrap());
 
     let started = clock.now_ms();
-    let calls = (0..1000).map(|i| clients[i % 4].take(key.as_str(), &spec, 1, 1));
+    let calls = (0..1000).map(|i| clients[i % 4].take(key.as_str(), &spec, Ask::single(1)));
     let results = join_all(calls).await;
     let elapsed = clock.now_ms() - started;
 
     let admitted = results
         .iter()
-        .filter(|r| r.as_ref().unwrap().1.allowed)
+        .filter(|r| r.as_ref().unwrap().decision.allowed)
         .count();
     assert!(admitted >= 100, "the full burst is available: {admitted}");
     assert!(

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use common::{RedisServer, wait_until};
 use redis::AsyncCommands;
-use tollgate::bucket::{BucketSpec, RedisBucket};
+use tollgate::bucket::{Ask, BucketSpec, RedisBucket};
 use tollgate::clock::SystemClock;
 use tollgate::config::{RedisSettings, RedisTarget};
 use tollgate::redis_client::{RedisCallError, RedisConnector};
@@ -38,7 +38,11 @@ fn spec(capacity: u32, refill: u32) -> BucketSpec {
 async fn first_call_fills_then_takes_and_stores_two_fields_with_a_ttl() {
     let redis = RedisServer::start();
     let b = bucket(&redis, Duration::from_secs(2));
-    let d = b.take("rl:{t}:r", &spec(10, 2), 1, 1).await.unwrap().1;
+    let d = b
+        .take("rl:{t}:r", &spec(10, 2), Ask::single(1))
+        .await
+        .unwrap()
+        .decision;
     assert!(d.allowed);
     assert_eq!((d.remaining, d.retry_after_ms), (9, 0));
 
@@ -55,8 +59,12 @@ async fn refill_follows_redis_time_since_the_stored_timestamp() {
     let redis = RedisServer::start();
     let b = bucket(&redis, Duration::from_secs(2));
     let key = "rl:{refill}:r";
-    b.take(key, &spec(10, 4), 10, 10).await.unwrap();
-    let rejected = b.take(key, &spec(10, 4), 1, 1).await.unwrap().1;
+    b.take(key, &spec(10, 4), Ask::single(10)).await.unwrap();
+    let rejected = b
+        .take(key, &spec(10, 4), Ask::single(1))
+        .await
+        .unwrap()
+        .decision;
     assert!(!rejected.allowed);
     assert!((1..=250).contains(&rejected.retry_after_ms), "{rejected:?}");
 
@@ -72,7 +80,11 @@ async fn refill_follows_redis_time_since_the_stored_timestamp() {
         .hset(key, "ts", format!("{:.3}", ts - 1500.0))
         .await
         .unwrap();
-    let d = b.take(key, &spec(10, 4), 1, 1).await.unwrap().1;
+    let d = b
+        .take(key, &spec(10, 4), Ask::single(1))
+        .await
+        .unwrap()
+        .decision;
     assert!(d.allowed);
     assert_eq!(d.remaining, 5);
 }
@@ -81,10 +93,18 @@ async fn refill_follows_redis_time_since_the_stored_timestamp() {
 async fn cost_above_capacity_waits_for_a_full_bucket() {
     let redis = RedisServer::start();
     let b = bucket(&redis, Duration::from_secs(2));
-    let first = b.take("rl:{c}:r", &spec(3, 1), 10, 10).await.unwrap().1;
+    let first = b
+        .take("rl:{c}:r", &spec(3, 1), Ask::single(10))
+        .await
+        .unwrap()
+        .decision;
     assert!(first.allowed);
     assert_eq!(first.remaining, 0);
-    let second = b.take("rl:{c}:r", &spec(3, 1), 10, 10).await.unwrap().1;
+    let second = b
+        .take("rl:{c}:r", &spec(3, 1), Ask::single(10))
+        .await
+        .unwrap()
+        .decision;
     assert!(!second.allowed);
     assert!(
         (2_900..=3_000).contains(&second.retry_after_ms),
@@ -96,10 +116,16 @@ async fn cost_above_capacity_waits_for_a_full_bucket() {
 async fn a_flushed_script_cache_is_reloaded_on_noscript() {
     let redis = RedisServer::start();
     let b = bucket(&redis, Duration::from_secs(2));
-    b.take("rl:{n}:r", &spec(5, 1), 1, 1).await.unwrap();
+    b.take("rl:{n}:r", &spec(5, 1), Ask::single(1))
+        .await
+        .unwrap();
     let loads = redis.command_calls("script|load");
     redis.cmd(&["SCRIPT", "FLUSH"]);
-    let d = b.take("rl:{n}:r", &spec(5, 1), 1, 1).await.unwrap().1;
+    let d = b
+        .take("rl:{n}:r", &spec(5, 1), Ask::single(1))
+        .await
+        .unwrap()
+        .decision;
     assert!(d.allowed);
     assert_eq!(d.remaining, 3);
     assert_eq!(redis.command_calls("script|load"), loads + 1);
@@ -120,11 +146,11 @@ async fn a_timed_out_call_is_not_replayed() {
         capacity: NonZeroU32::new(5).unwrap(),
         refill_per_second: 0.001,
     };
-    b.take(key, &spec, 1, 1).await.unwrap();
+    b.take(key, &spec, Ask::single(1)).await.unwrap();
     let calls_before = redis.command_calls("evalsha");
 
     redis.pause();
-    let result = b.take(key, &spec, 1, 1).await;
+    let result = b.take(key, &spec, Ask::single(1)).await;
     redis.resume();
     assert!(matches!(result, Err(RedisCallError::Timeout)), "{result:?}");
 
@@ -134,12 +160,12 @@ async fn a_timed_out_call_is_not_replayed() {
         > calls_before));
     std::thread::sleep(Duration::from_millis(300));
     assert_eq!(redis.command_calls("evalsha"), calls_before + 1);
-    let d = b.take(key, &spec, 1, 1).await.unwrap().1;
+    let d = b.take(key, &spec, Ask::single(1)).await.unwrap().decision;
     assert_eq!(d.remaining, 2, "exactly two earlier takes spent tokens");
 }
 
 #[actix_web::test]
-async fn a_lease_takes_up_to_want_but_at_least_min() {
+async fn a_lease_takes_up_to_want_but_at_least_min_or_just_the_request() {
     let redis = RedisServer::start();
     let b = bucket(&redis, Duration::from_secs(2));
     let key = "rl:{lease}:r";
@@ -148,17 +174,29 @@ async fn a_lease_takes_up_to_want_but_at_least_min() {
         capacity: NonZeroU32::new(12).unwrap(),
         refill_per_second: 0.001,
     };
-    let (granted, d) = b.take(key, &spec, 5, 3).await.unwrap();
-    assert_eq!((granted, d.remaining, d.retry_after_ms), (5, 7, 0));
-    // 7 left: asking for up to 10, at least 3, grants all 7.
-    let (granted, d) = b.take(key, &spec, 10, 3).await.unwrap();
-    assert_eq!((granted, d.remaining), (7, 0));
+    let lease = |want, min| Ask { want, min, need: 1 };
+    let g = b.take(key, &spec, lease(5, 3)).await.unwrap();
+    assert_eq!((g.granted, g.decision.remaining, g.block_ms), (5, 7, 0));
+    // 7 left: up to 10, at least 3, grants all 7 and says when 3 exist again.
+    let g = b.take(key, &spec, lease(10, 3)).await.unwrap();
+    assert_eq!((g.granted, g.decision.remaining), (7, 0));
+    assert!(g.block_ms > 2_000_000, "{g:?}");
+    // Nothing left: no grant; the request's own wait (1 token) is shorter
+    // than the lease's (3 tokens).
+    let g = b.take(key, &spec, lease(10, 3)).await.unwrap();
+    assert_eq!(g.granted, 0);
     assert!(
-        d.retry_after_ms > 0,
-        "an admission that emptied the bucket says when the next could pass"
+        !g.decision.allowed && g.decision.retry_after_ms < g.block_ms,
+        "{g:?}"
     );
-    // Nothing left: no grant, and the delay until 3 exist.
-    let (granted, d) = b.take(key, &spec, 10, 3).await.unwrap();
-    assert_eq!(granted, 0);
-    assert!(!d.allowed && d.retry_after_ms >= 2_999_000, "{d:?}");
+
+    // Fewer than min but enough for the request: the request alone passes.
+    let key = "rl:{need}:r";
+    b.take(key, &spec, Ask::single(10)).await.unwrap();
+    let g = b.take(key, &spec, lease(8, 4)).await.unwrap();
+    assert_eq!(
+        (g.granted, g.decision.allowed, g.decision.remaining),
+        (1, true, 1)
+    );
+    assert!(g.block_ms > 0 && g.decision.retry_after_ms == 0, "{g:?}");
 }

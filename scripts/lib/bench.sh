@@ -73,19 +73,20 @@ CONF
   wait_port "$1"
 }
 
-# write_bench_config FILE LISTEN_PORT ADMIN_PORT REDIS_URL UPSTREAM_PORT WORKERS
+# write_bench_config FILE LISTEN_PORT ADMIN_PORT REDIS_URL UPSTREAM_PORT WORKERS [EXACT]
 # A gateway config with one catch-all route "bench" to the upstream, and a
-# rule for tenant "bench" so large that no request is ever rejected. The rule
-# is exact (no leases), so every request is decided by a Redis call: the
-# benchmarks measure that path.
+# rule for tenant "bench" so large that no request is ever rejected. With
+# EXACT=true (the default) the rule never leases, so every request is
+# decided by a Redis call; with false the gateway runs as configured by
+# default, leasing tokens for the hot key.
 write_bench_config() {
-  cat >"$work/rules.toml" <<CONF
+  cat >"$1.rules.toml" <<CONF
 [[rule]]
 tenant = "bench"
 route = "bench"
 capacity = 2000000000
 refill_per_second = 2000000000
-exact = true
+exact = ${7:-true}
 CONF
   cat >"$1" <<CONF
 [server]
@@ -95,7 +96,7 @@ workers = $6
 [redis]
 url = "$4"
 [rules]
-file = "$work/rules.toml"
+file = "$1.rules.toml"
 [log]
 level = "warn"
 [[routes]]

@@ -7,9 +7,10 @@
 //!
 //! Invariant: at most about `max_keys` entries. [`KeyMap::sweep`] drops
 //! entries that say they are idle (forgetting them loses nothing), and a
-//! shard at its cap drops its idle entries, then one arbitrary entry, before
-//! it admits a new key; attacker-chosen keys cannot grow memory without
-//! bound.
+//! shard at its cap drops its idle entries, then arbitrary ones down to 90 %
+//! of its cap, before it admits a new key; attacker-chosen keys cannot grow
+//! memory without bound, and a flood of them costs amortised constant work
+//! per key.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
@@ -58,11 +59,15 @@ impl<V: Idle> KeyMap<V> {
             return f(entry);
         }
         if shard.len() >= self.max_per_shard {
+            // Make room for a tenth of the shard at once, so a flood of new
+            // keys pays for one full pass per tenth of the cap, not per key.
             shard.retain(|_, v| !v.is_idle(now_ms));
-            if shard.len() >= self.max_per_shard
-                && let Some(victim) = shard.keys().next().cloned()
-            {
-                shard.remove(&victim);
+            let keep = self.max_per_shard - self.max_per_shard.div_ceil(10);
+            if shard.len() > keep {
+                let victims: Vec<String> = shard.keys().take(shard.len() - keep).cloned().collect();
+                for victim in victims {
+                    shard.remove(&victim);
+                }
             }
         }
         f(shard.entry(key.to_owned()).or_insert_with(create))

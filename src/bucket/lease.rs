@@ -31,6 +31,7 @@ use tokio::sync::futures::OwnedNotified;
 
 use super::decision::{BucketSpec, Decision};
 use super::keymap::{Idle, KeyMap};
+use super::redis::Grant;
 use crate::clock::SharedClock;
 use crate::config::LeaseSettings;
 use crate::telemetry::{DecisionSource, Metrics};
@@ -53,6 +54,10 @@ pub enum Plan {
         want: u32,
         /// Fewest tokens worth taking (covers this request).
         min: u32,
+        /// Tokens the request itself needs: taken alone when fewer than
+        /// `min` exist (equal to `min` for a contended key, which then waits
+        /// for a whole batch).
+        need: u32,
         /// This call holds the key's slot (the one request after a block,
         /// or the one fetching a lease); [`HotKeys::record`] or
         /// [`HotKeys::settle`] must release it.
@@ -69,6 +74,7 @@ impl Plan {
         Self::Call {
             want: cost,
             min: cost,
+            need: cost,
             owner,
         }
     }
@@ -100,6 +106,9 @@ struct KeyState {
     last_remaining: u64,
     /// Last request (ms).
     last_seen_ms: u64,
+    /// The bucket (capacity, refill bits) of the last request; a block
+    /// computed under another bucket no longer holds.
+    bucket: (u32, u64),
 }
 
 impl KeyState {
@@ -116,6 +125,7 @@ impl KeyState {
             fetch: None,
             last_remaining: 0,
             last_seen_ms: now_ms,
+            bucket: (0, 0),
         }
     }
 
@@ -154,7 +164,7 @@ impl KeyState {
 
 impl Idle for KeyState {
     fn is_idle(&self, now_ms: u64) -> bool {
-        self.leased == 0
+        (self.leased == 0 || now_ms >= self.lease_expires_ms)
             && !self.in_flight
             && self.fetch.is_none()
             && now_ms >= self.blocked_until_ms
@@ -221,6 +231,12 @@ impl HotKeys {
     fn plan_for(&self, s: &mut KeyState, r: &Request<'_>) -> Plan {
         let (cost, now) = (r.cost, r.now);
         s.observe(cost, now);
+        let bucket = (r.spec.capacity.get(), r.spec.refill_per_second.to_bits());
+        if s.bucket != bucket {
+            // The rule (or this region's share of it) changed.
+            s.bucket = bucket;
+            s.blocked_until_ms = 0;
+        }
         if s.leased > 0 && now >= s.lease_expires_ms {
             self.metrics.lease_expired(s.leased);
             s.leased = 0;
@@ -272,14 +288,18 @@ impl HotKeys {
         // After a block the key is contended (several instances wait for
         // the same tokens): ask for the whole batch or nothing, so a
         // rejection blocks until a full batch exists instead of sending a
-        // probe for every few tokens.
-        let min = if probe { batch } else { cost.max(batch / 2) };
-        if !probe {
+        // probe for every few tokens. Otherwise at least half a batch, or
+        // just this request when fewer exist.
+        let (min, need) = if probe {
+            (batch, batch)
+        } else {
             s.fetch = Some(Arc::new(Notify::new()));
-        }
+            (cost.max(batch / 2), cost)
+        };
         Plan::Call {
             want: batch,
             min,
+            need,
             owner: true,
         }
     }
@@ -293,27 +313,29 @@ impl HotKeys {
             .min(spec.capacity.get())
     }
 
-    /// Records Redis's answer to a call for `key`: `granted` tokens of which
-    /// the request spent `cost` (the rest become a lease), and whether (and
-    /// how long) the key must now be blocked. Releases the key's slot.
-    pub fn record(&self, key: &str, decision: &Decision, granted: u32, cost: u32) {
+    /// Records Redis's answer to a call for `key`: the tokens granted, of
+    /// which the request spent `cost` (the rest become a lease), and how long
+    /// the key must now be blocked. An `owner` call releases the key's slot.
+    pub fn record(&self, key: &str, grant: &Grant, cost: u32, owner: bool) {
         let now = self.clock.now_ms();
         let window = u64::try_from(self.settings.window.as_millis()).unwrap_or(u64::MAX);
         self.keys.get(key, |s| {
-            s.last_remaining = decision.remaining;
-            s.blocked_until_ms = match decision.retry_after_ms {
+            s.last_remaining = grant.decision.remaining;
+            s.blocked_until_ms = match grant.block_ms {
                 0 => 0,
                 wait => {
                     s.last_wait_ms = wait;
                     now + wait
                 }
             };
-            if decision.allowed && granted > cost {
-                s.leased += granted - cost;
+            if grant.granted > cost {
+                s.leased += grant.granted - cost;
                 s.lease_expires_ms = now + window;
-                self.metrics.lease_taken(granted);
+                self.metrics.lease_taken(grant.granted);
             }
-            s.release();
+            if owner {
+                s.release();
+            }
         });
     }
 
@@ -373,7 +395,9 @@ mod tests {
     /// `(want, min, owner)` of a call plan.
     fn call(p: Plan) -> (u32, u32, bool) {
         match p {
-            Plan::Call { want, min, owner } => (want, min, owner),
+            Plan::Call {
+                want, min, owner, ..
+            } => (want, min, owner),
             other => panic!("expected a call, got {other:?}"),
         }
     }
@@ -386,11 +410,16 @@ mod tests {
         }
     }
 
-    fn granted(remaining: u64) -> Decision {
-        Decision {
-            allowed: true,
-            remaining,
-            retry_after_ms: 0,
+    /// A grant of `tokens` leaving `remaining`, blocking for `block_ms`.
+    fn grant(tokens: u32, remaining: u64, retry_after_ms: u64, block_ms: u64) -> Grant {
+        Grant {
+            granted: tokens,
+            decision: Decision {
+                allowed: tokens > 0,
+                remaining,
+                retry_after_ms,
+            },
+            block_ms,
         }
     }
 
@@ -438,7 +467,7 @@ mod tests {
             "unless it may not wait"
         );
 
-        hot.record("k", &granted(40), 40, 1);
+        hot.record("k", &grant(40, 40, 0, 0), 1, true);
         for left in (0..39).rev() {
             let Plan::Local(d, DecisionSource::Lease) = plan(&hot, &s, false) else {
                 panic!("expected a lease spend");
@@ -448,7 +477,7 @@ mod tests {
         }
         assert_eq!(call(plan(&hot, &s, false)).0, 40, "lease used up");
 
-        hot.record("k", &granted(40), 40, 1);
+        hot.record("k", &grant(40, 40, 0, 0), 1, true);
         clock.advance(Duration::from_millis(100));
         let (want, _, owner) = call(plan(&hot, &s, false));
         assert!(owner && want >= 40, "lease expired: a new one is fetched");
@@ -464,7 +493,7 @@ mod tests {
         let Plan::Wait(wait) = plan(&hot, &s, false) else {
             panic!("expected to wait");
         };
-        hot.record("k", &granted(40), 40, 1);
+        hot.record("k", &grant(40, 40, 0, 0), 1, true);
         tokio::time::timeout(Duration::from_secs(1), wait)
             .await
             .expect("the waiter was woken");
@@ -476,12 +505,7 @@ mod tests {
         let hot = table(&clock);
         let s = spec(10, 1);
         assert_eq!(call(plan(&hot, &s, true)), (1, 1, false));
-        let rejected = Decision {
-            allowed: false,
-            remaining: 0,
-            retry_after_ms: 250,
-        };
-        hot.record("k", &rejected, 0, 1);
+        hot.record("k", &grant(0, 0, 250, 250), 1, false);
         for _ in 0..100 {
             clock.advance(Duration::from_millis(2));
             let Plan::Local(d, DecisionSource::Cache) = plan(&hot, &s, true) else {
@@ -501,12 +525,7 @@ mod tests {
         };
         assert_eq!(d.retry_after_ms, 250);
         // An admission that took the last token blocks until the next one.
-        let last = Decision {
-            allowed: true,
-            remaining: 0,
-            retry_after_ms: 900,
-        };
-        hot.record("k", &last, 1, 1);
+        hot.record("k", &grant(1, 0, 900, 900), 1, true);
         clock.advance(Duration::from_millis(899));
         assert!(matches!(
             plan(&hot, &s, true),
@@ -518,7 +537,7 @@ mod tests {
         hot.settle("k");
         assert_eq!(call(plan(&hot, &s, true)), (1, 1, true));
         // An admission with tokens to spare lifts the block.
-        hot.record("k", &granted(3), 1, 1);
+        hot.record("k", &grant(1, 3, 0, 0), 1, true);
         assert_eq!(call(plan(&hot, &s, true)), (1, 1, false));
     }
 

@@ -20,7 +20,7 @@ use std::sync::Arc;
 use super::decision::{BucketSpec, Decision};
 use super::lease::{HotKeys, Plan};
 use super::local::LocalBuckets;
-use super::redis::RedisBucket;
+use super::redis::{Ask, RedisBucket};
 use super::shard;
 use crate::breaker::{BreakerGate, State};
 use crate::clock::SharedClock;
@@ -198,7 +198,11 @@ impl Limiter {
         cost: NonZeroU32,
     ) -> Verdict {
         let core = &self.core;
-        let shards = limit.shards;
+        let n = cost.get();
+        // Every sub-bucket must hold at least one request's cost, or k small
+        // buckets would admit more than the whole one: fewer shards then.
+        let shards = NonZeroU32::new(limit.shards.get().min(whole.capacity.get() / n))
+            .unwrap_or(NonZeroU32::MIN);
         let (key, spec) = if shards.get() == 1 {
             (BucketKey::new(tenant, route), whole)
         } else {
@@ -218,17 +222,21 @@ impl Limiter {
                 source,
             }
         };
-        let n = cost.get();
         // Wait (bounded) for another request's lease at most twice, then
         // ask Redis alone.
         let mut waits = 0;
-        let (want, min, owner) = loop {
+        let (ask, owner) = loop {
             match core
                 .hot
                 .plan(key.as_str(), &spec, n, limit.exact, waits < 2)
             {
                 Plan::Local(decision, source) => return verdict(decision, source),
-                Plan::Call { want, min, owner } => break (want, min, owner),
+                Plan::Call {
+                    want,
+                    min,
+                    need,
+                    owner,
+                } => break (Ask { want, min, need }, owner),
                 Plan::Wait(lease) => {
                     waits += 1;
                     let _ = tokio::time::timeout(redis.timeout(), lease).await;
@@ -237,17 +245,23 @@ impl Limiter {
         };
         // Whatever happens to a call holding the key's slot (an error, or
         // the request being dropped mid-await), the slot is released.
-        let _settle = owner.then(|| Settle(&core.hot, key.as_str()));
-        let answer = redis.take(key.as_str(), &spec, want, min).await;
-        match answer {
-            Ok((granted, mut decision)) => {
+        let settle = owner.then(|| Settle(&core.hot, key.as_str()));
+        match redis.take(key.as_str(), &spec, ask).await {
+            Ok(grant) => {
                 gate.success();
-                core.hot.record(key.as_str(), &decision, granted, n);
+                core.hot.record(key.as_str(), &grant, n, owner);
+                // record() released the slot; the guard must not release a
+                // slot another request may hold by now.
+                if let Some(guard) = settle {
+                    std::mem::forget(guard);
+                }
+                let mut decision = grant.decision;
                 // Tokens leased for later requests are still this key's.
-                decision.remaining += u64::from(granted.saturating_sub(n));
+                decision.remaining += u64::from(grant.granted.saturating_sub(n));
                 verdict(decision, DecisionSource::Redis)
             }
             Err(e) => {
+                drop(settle);
                 gate.failure();
                 core.metrics.redis_error(e.kind());
                 tracing::debug!(error = %e, "Redis call failed; deciding locally.");

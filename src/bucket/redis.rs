@@ -48,10 +48,7 @@ impl RedisBucket {
         self.timeout
     }
 
-    /// Refills `key`'s bucket and takes between `min` and `want` tokens
-    /// atomically (`want == min` for one request's cost; more for a lease).
-    /// Returns the tokens granted (0 when fewer than `min` exist) and the
-    /// decision.
+    /// Refills `key`'s bucket and takes tokens atomically, as `ask` says.
     ///
     /// # Errors
     /// [`RedisCallError`] on timeout, connection or server failure.
@@ -59,28 +56,63 @@ impl RedisBucket {
         &self,
         key: &str,
         spec: &BucketSpec,
-        want: u32,
-        min: u32,
-    ) -> Result<(u32, Decision), RedisCallError> {
+        ask: Ask,
+    ) -> Result<Grant, RedisCallError> {
         let mut invocation = TOKEN_BUCKET.key(key);
         invocation
             .arg(spec.capacity.get())
             .arg(spec.refill_per_second)
-            .arg(want)
-            .arg(min);
+            .arg(ask.want)
+            .arg(ask.min)
+            .arg(ask.need);
         let started = self.clock.now_micros();
-        let (granted, remaining, retry_after_ms): (i64, i64, i64) =
+        let (granted, remaining, retry_after_ms, block_ms): (i64, i64, i64, i64) =
             self.conn.invoke(&invocation, self.timeout).await?;
         let elapsed = self.clock.now_micros().saturating_sub(started);
         self.metrics.redis_call(elapsed as f64 / 1e6);
         let granted = u32::try_from(granted).unwrap_or(0);
-        Ok((
+        Ok(Grant {
             granted,
-            Decision {
+            decision: Decision {
                 allowed: granted > 0,
                 remaining: u64::try_from(remaining).unwrap_or(0),
                 retry_after_ms: u64::try_from(retry_after_ms).unwrap_or(0),
             },
-        ))
+            block_ms: u64::try_from(block_ms).unwrap_or(0),
+        })
     }
+}
+
+/// What one script call asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ask {
+    /// Most tokens to take (a request's cost, or a lease batch).
+    pub want: u32,
+    /// Fewest tokens worth a lease.
+    pub min: u32,
+    /// The request's own cost: taken alone when fewer than `min` exist.
+    pub need: u32,
+}
+
+impl Ask {
+    /// One request's `cost`, no lease.
+    pub fn single(cost: u32) -> Self {
+        Self {
+            want: cost,
+            min: cost,
+            need: cost,
+        }
+    }
+}
+
+/// What one script call got.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Grant {
+    /// Tokens taken (0 when the request was rejected).
+    pub granted: u32,
+    /// The request's decision; `retry_after_ms` is about its own cost.
+    pub decision: Decision,
+    /// Milliseconds until another call like this one could be granted
+    /// its minimum (the over-limit cache blocks the key that long).
+    pub block_ms: u64,
 }

@@ -68,7 +68,7 @@ impl ProxyError {
             Self::MissingKey => "The X-Api-Key header is required.",
             Self::BadKey(IdError::Empty) => "The X-Api-Key header is empty.",
             Self::BadKey(IdError::TooLong) => "The X-Api-Key header is longer than 64 bytes.",
-            Self::BadKey(IdError::BadChar) | Self::BadKeyEncoding => {
+            Self::BadKey(IdError::BadChar | IdError::RouteColon) | Self::BadKeyEncoding => {
                 "The X-Api-Key header may only contain letters, digits and . _ : -"
             }
             Self::RateLimited => "Too many requests for this API key and route; see Retry-After.",

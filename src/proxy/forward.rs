@@ -97,13 +97,15 @@ impl Forwarder {
             }
         }
         decorate(&mut builder);
-        let bodiless = req.method() == Method::HEAD
-            || status.is_informational()
+        let bodiless = status.is_informational()
             || status == StatusCode::NO_CONTENT
             || status == StatusCode::NOT_MODIFIED;
+        // A HEAD answer keeps the upstream's Content-Length; actix writes
+        // no body for HEAD, and the upstream sent none.
         Ok(match response_length(response.headers()) {
             _ if bodiless => builder.finish(),
             Some(len) => builder.body(SizedStream::new(len, response)),
+            None if req.method() == Method::HEAD => builder.finish(),
             None => builder.streaming(response),
         })
     }
@@ -173,15 +175,15 @@ fn copy_end_to_end(from: &HeaderMap, to: &mut HeaderMap) {
 /// Adds `X-Forwarded-For` (appending the peer), `-Proto` and `-Host`.
 fn add_forwarded(req: &HttpRequest, to: &mut HeaderMap) {
     if let Some(peer) = req.peer_addr() {
-        let peer = peer.ip().to_string();
-        let chain = match req
+        // Every earlier hop, from however many header lines, then the peer.
+        let mut chain: Vec<&str> = req
             .headers()
-            .get(&X_FORWARDED_FOR)
-            .and_then(|v| v.to_str().ok())
-        {
-            Some(prior) => format!("{prior}, {peer}"),
-            None => peer,
-        };
+            .get_all(&X_FORWARDED_FOR)
+            .filter_map(|v| v.to_str().ok())
+            .collect();
+        let peer = peer.ip().to_string();
+        chain.push(&peer);
+        let chain = chain.join(", ");
         if let Ok(value) = HeaderValue::try_from(chain) {
             to.insert(X_FORWARDED_FOR, value);
         }

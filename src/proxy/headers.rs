@@ -4,7 +4,8 @@
 //! `X-RateLimit-Limit` / `X-RateLimit-Remaining`, the IETF
 //! draft-ietf-httpapi-ratelimit-headers pair `RateLimit-Policy` and
 //! `RateLimit`, and `Retry-After` on rejections. Seconds are always rounded
-//! up from the real wait, and a rejection never says less than 1 second.
+//! up from the real wait, and a rejection never says less than 1 second and
+//! always says 0 remaining.
 
 use actix_web::HttpResponseBuilder;
 use actix_web::http::header::{HeaderName, HeaderValue, RETRY_AFTER};
@@ -37,14 +38,15 @@ impl RateLimitHeaders {
     pub fn new(policy: &str, verdict: &Verdict) -> Self {
         let decision = &verdict.decision;
         let capacity = u64::from(verdict.spec.capacity.get());
-        let wait = if decision.allowed {
-            0
+        // A rejection says 0 remaining: none are left for this request.
+        let (remaining, wait) = if decision.allowed {
+            (decision.remaining, 0)
         } else {
-            retry_after_seconds(decision.retry_after_ms)
+            (0, retry_after_seconds(decision.retry_after_ms))
         };
         let mut pairs = vec![
             (X_RATELIMIT_LIMIT, HeaderValue::from(capacity)),
-            (X_RATELIMIT_REMAINING, HeaderValue::from(decision.remaining)),
+            (X_RATELIMIT_REMAINING, HeaderValue::from(remaining)),
             (
                 RATELIMIT_POLICY,
                 text(format!(
@@ -54,7 +56,7 @@ impl RateLimitHeaders {
             ),
             (
                 RATELIMIT,
-                text(format!("\"{policy}\";r={};t={wait}", decision.remaining)),
+                text(format!("\"{policy}\";r={remaining};t={wait}")),
             ),
         ];
         if !decision.allowed {

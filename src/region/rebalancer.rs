@@ -136,6 +136,10 @@ pub fn plan_round(
                     )
                 })
                 .collect();
+            // Rows written before a region was added (or removed) need not
+            // sum to 1; start from the same proportions, normalised.
+            let total: f64 = current.iter().sum();
+            let current: Vec<f64> = current.iter().map(|c| c / total).collect();
             let wanted: Vec<f64> = regions
                 .all
                 .iter()

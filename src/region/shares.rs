@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use actix::fut::{ActorFutureExt, WrapFuture};
-use actix::{Actor, AsyncContext, AtomicResponse, Context, Handler};
+use actix::{Actor, Addr, AsyncContext, AtomicResponse, Context, Handler};
 use arc_swap::{ArcSwap, Guard};
 use serde::Serialize;
 use sqlx::postgres::PgPool;
@@ -222,6 +222,8 @@ pub struct SharesHandle {
     store: Option<ShareStore>,
     /// The change feed, with it.
     feed: Option<Feed>,
+    /// The splitter, with it.
+    splitter: Option<Addr<Splitter>>,
     /// Every region, when regions are used.
     regions: Option<Arc<Regions>>,
 }
@@ -233,7 +235,16 @@ impl SharesHandle {
             snapshot: Arc::new(ArcSwap::from_pointee(ShareSet::whole())),
             store: None,
             feed: None,
+            splitter: None,
             regions: None,
+        }
+    }
+
+    /// Reloads every share row now (the periodic safety net behind
+    /// `NOTIFY`); a no-op without a database.
+    pub async fn reload(&self) {
+        if let Some(splitter) = &self.splitter {
+            let _ = tokio::time::timeout(Duration::from_secs(40), splitter.send(Resync)).await;
         }
     }
 
@@ -278,6 +289,7 @@ pub fn start(
             snapshot,
             store: None,
             feed: None,
+            splitter: None,
             regions: Some(regions),
         };
     };
@@ -292,11 +304,12 @@ pub fn start(
         reload_scheduled: false,
     }
     .start();
-    let feed = Feed::start(rules.url().to_owned(), CHANNEL, splitter);
+    let feed = Feed::start(rules.url().to_owned(), CHANNEL, splitter.clone());
     SharesHandle {
         snapshot,
         store: Some(store),
         feed: Some(feed),
+        splitter: Some(splitter),
         regions: Some(regions),
     }
 }
@@ -327,7 +340,7 @@ fn export(regions: &Regions, set: &ShareSet, metrics: &Metrics) {
 }
 
 /// The actor that owns this region's share snapshot.
-struct Splitter {
+pub struct Splitter {
     /// This region.
     region: String,
     /// Its default share.

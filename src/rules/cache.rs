@@ -40,8 +40,10 @@ use crate::clock::unix_now_seconds;
 use crate::config::{RuleSource, RulesSettings};
 use crate::telemetry::{Metrics, RequestCounters};
 
+/// Longest a full load from the database may take.
+const LOAD_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a caller waits for the cache to answer a reload request.
-const RELOAD_TIMEOUT: Duration = Duration::from_secs(10);
+const RELOAD_TIMEOUT: Duration = Duration::from_secs(40);
 /// Changes arriving within this window are applied as one new snapshot.
 pub const BATCH_WINDOW: Duration = Duration::from_millis(20);
 
@@ -232,10 +234,16 @@ async fn first_database_load(
 
 /// Migrates when asked, then reads every rule.
 async fn load_database(store: &RuleStore, migrate: bool) -> Result<Vec<Rule>, RuleStoreError> {
-    if migrate {
-        store.migrate().await?;
-    }
-    store.load_all().await
+    let load = async {
+        if migrate {
+            store.migrate().await?;
+        }
+        store.load_all().await
+    };
+    // A database that stops answering must not hold the cache forever.
+    tokio::time::timeout(LOAD_TIMEOUT, load)
+        .await
+        .map_err(|_| RuleStoreError::Database(sqlx::Error::PoolTimedOut))?
 }
 
 /// Reads the rules file into a snapshot.
@@ -350,6 +358,10 @@ impl RuleCache {
     /// A full reload from the source, published when it succeeds.
     fn full_reload(&mut self) -> ResponseActFuture<Self, Result<usize, RulesError>> {
         let default = self.default;
+        // Changes received so far were committed before this reload reads,
+        // so it includes them; applying them again afterwards could revive
+        // a rule deleted in between.
+        self.pending.clear();
         match &mut self.source {
             Source::File { path, fingerprint } => {
                 *fingerprint = FileFingerprint::of(path);

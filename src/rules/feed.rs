@@ -90,7 +90,11 @@ async fn follow<A>(
             Ok(mut listener) => {
                 backoff = min;
                 announced_down = false;
-                if actor.send(Resync).await.is_err() {
+                let sent = tokio::select! {
+                    _ = stop.changed() => return,
+                    sent = actor.send(Resync) => sent,
+                };
+                if sent.is_err() {
                     return;
                 }
                 loop {
@@ -100,11 +104,11 @@ async fn follow<A>(
                     };
                     match received {
                         Ok(Some(note)) => {
-                            if actor
-                                .send(Notified(note.payload().to_owned()))
-                                .await
-                                .is_err()
-                            {
+                            let sent = tokio::select! {
+                                _ = stop.changed() => return,
+                                sent = actor.send(Notified(note.payload().to_owned())) => sent,
+                            };
+                            if sent.is_err() {
                                 return;
                             }
                         }

@@ -5,8 +5,9 @@
 //! file is replaced atomically (write to a temporary file, then rename), so
 //! a crash mid-write never leaves a torn snapshot.
 
-use std::io;
+use std::io::{self, Write};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::{Deserialize, Serialize};
 
@@ -84,8 +85,17 @@ pub fn save(path: &Path, set: &RuleSet) -> io::Result<()> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir)?;
     }
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, serde_json::to_vec(&file).map_err(io::Error::other)?)?;
+    // A name of its own per process and save, so gateways sharing a
+    // directory never write the same temporary file.
+    static SAVES: AtomicU64 = AtomicU64::new(0);
+    let tmp = path.with_extension(format!(
+        "{}.{}.tmp",
+        std::process::id(),
+        SAVES.fetch_add(1, Ordering::Relaxed)
+    ));
+    let mut out = std::fs::File::create(&tmp)?;
+    out.write_all(&serde_json::to_vec(&file).map_err(io::Error::other)?)?;
+    out.sync_all()?;
     std::fs::rename(&tmp, path)
 }
 
