@@ -5,14 +5,15 @@
 //! ```text
 //!              X-Api-Key, method, path
 //!   client ──▶ proxy (route → identify → limit → forward) ──▶ upstream
-//!                          │            ▲
-//!                 snapshot │            │ Decision
-//!                          ▼            │
-//!                 rules::RulesHandle   bucket::Limiter
-//!                  (ArcSwap, written    ├─ bucket::redis  (EVALSHA lua/token_bucket.lua)
-//!                   by the RuleCache    └─ bucket::local  (1/N fallback, local-only mode)
-//!                   actor)
-//!   admin listener: /live /ready /metrics (telemetry)
+//!                 │ snapshots           ▲ Verdict
+//!                 ▼                     │
+//!   rules::RulesHandle ── rule   bucket::Limiter (per worker, shared core)
+//!   region::shares ────── share    ├─ bucket::lease   hot keys: leases, over-limit cache
+//!                                  ├─ breaker gate    (breaker actor drives it)
+//!                                  ├─ bucket::redis   EVALSHA lua/token_bucket.lua
+//!                                  └─ bucket::local   1/N fallback (N: cluster heartbeat)
+//!   actors: RuleCache, share splitter, breaker prober, membership, rebalancer
+//!   admin listener: /live /ready /metrics /admin/rules /admin/shares
 //! ```
 //!
 //! Layers, lowest first; a module uses only its own layer or lower ones:
