@@ -77,17 +77,21 @@ fn load(
     });
 }
 
-/// eu-west's global share, as `/admin/shares` shows it.
-async fn global_share(gw: &GatewayProcess) -> f64 {
-    let shares: serde_json::Value = client()
+/// `GET /admin/shares` of a gateway.
+async fn shares(gw: &GatewayProcess) -> serde_json::Value {
+    client()
         .get(gw.admin_url("/admin/shares"))
         .send()
         .await
         .unwrap()
         .json()
         .await
-        .unwrap();
-    shares["regions"]
+        .unwrap()
+}
+
+/// eu-west's global share, as `/admin/shares` shows it.
+async fn global_share(gw: &GatewayProcess) -> f64 {
+    shares(gw).await["regions"]
         .as_array()
         .unwrap()
         .iter()
@@ -98,15 +102,7 @@ async fn global_share(gw: &GatewayProcess) -> f64 {
 
 /// Every `region_share` row, as `/admin/shares` shows them.
 async fn share_rows(gw: &GatewayProcess) -> serde_json::Value {
-    let shares: serde_json::Value = client()
-        .get(gw.admin_url("/admin/shares"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    shares["rows"].clone()
+    shares(gw).await["rows"].clone()
 }
 
 async fn metrics_text(gw: &GatewayProcess) -> String {
