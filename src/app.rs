@@ -78,33 +78,47 @@ impl Listeners {
     }
 }
 
-/// Checks what the config file only names: the rules file, when rules come
-/// from one (a database is not contacted: the gateway serves without it).
-/// Returns a one-line summary of the rule source.
+/// Checks what the config file only names: the region files, when a region
+/// is set, and the rules file, when rules come from one (a database is not
+/// contacted: the gateway serves without it). Returns a one-line summary.
 ///
 /// # Errors
-/// One line per problem.
+/// One line per problem, from all of them at once.
 pub fn check(config: &Config) -> Result<String, Vec<String>> {
+    let mut problems = Vec::new();
     let regions = match regions(config) {
         Ok(None) => String::new(),
         Ok(Some((region, all))) => format!(", region {} of {}", region.id, all.all.len()),
-        Err(problems) => return Err(problems),
+        Err(found) => {
+            problems.extend(found);
+            String::new()
+        }
     };
-    let path = match &config.rules.source {
-        RuleSource::File(path) => path,
-        RuleSource::Database(_) => return Ok(format!("rules from PostgreSQL{regions}")),
+    let rules = match &config.rules.source {
+        RuleSource::Database(_) => "rules from PostgreSQL".to_owned(),
+        RuleSource::File(path) => match rules::file::load(path) {
+            Ok(rules) => format!("{} rules in {}", rules.len(), path.display()),
+            Err(rules::file::RuleFileError::Invalid {
+                path,
+                problems: found,
+            }) => {
+                problems.extend(
+                    found
+                        .into_iter()
+                        .map(|p| format!("{}: {p}", path.display())),
+                );
+                String::new()
+            }
+            Err(e) => {
+                problems.push(e.to_string());
+                String::new()
+            }
+        },
     };
-    match rules::file::load(path) {
-        Ok(rules) => Ok(format!(
-            "{} rules in {}{regions}",
-            rules.len(),
-            path.display()
-        )),
-        Err(rules::file::RuleFileError::Invalid { path, problems }) => Err(problems
-            .into_iter()
-            .map(|p| format!("{}: {p}", path.display()))
-            .collect()),
-        Err(e) => Err(vec![e.to_string()]),
+    if problems.is_empty() {
+        Ok(format!("{rules}{regions}"))
+    } else {
+        Err(problems)
     }
 }
 

@@ -76,6 +76,9 @@ fn main() -> ExitCode {
         Command::Migrate { .. } => unreachable!("handled before loading a config"),
         Command::Serve { .. } => serve(config),
         Command::Demo => {
+            if let Err(problems) = app::check(&config) {
+                return config_failure(&problems);
+            }
             start_logging(&config);
             finish(actix_web::rt::System::new().block_on(demo::run(config)))
         }

@@ -137,16 +137,25 @@ pub fn load(contents: &str, env: &BTreeMap<String, String>) -> Result<Config, Co
     let schema = Schema::new();
     let mut problems = Vec::new();
     apply_env(&mut table, env, &schema, &mut problems);
-    schema.check(&table, &mut problems);
-    if !problems.is_empty() {
-        return Err(ConfigError::Invalid(problems));
+    // Shape problems are reported and their entries dropped, so that the
+    // values of every other key are still validated: one run lists all.
+    schema.prune(&mut table, &mut problems);
+    let raw: RawConfig = match Value::Table(table).try_into() {
+        Ok(raw) => raw,
+        Err(e) => {
+            let e: toml::de::Error = e;
+            problems.push(Problem::new("config", e.to_string()));
+            return Err(ConfigError::Invalid(problems));
+        }
+    };
+    match settings::validate(raw) {
+        Ok(config) if problems.is_empty() => Ok(config),
+        Ok(_) => Err(ConfigError::Invalid(problems)),
+        Err(values) => {
+            problems.extend(values);
+            Err(ConfigError::Invalid(problems))
+        }
     }
-    let raw: RawConfig = Value::Table(table)
-        .try_into()
-        .map_err(|e: toml::de::Error| {
-            ConfigError::Invalid(vec![Problem::new("config", e.to_string())])
-        })?;
-    settings::validate(raw).map_err(ConfigError::Invalid)
 }
 
 /// Keys and value types, taken from the serialized defaults.
@@ -175,55 +184,70 @@ impl Schema {
         }
     }
 
-    /// Lists every unknown key and wrongly typed value in `table`.
-    fn check(&self, table: &Table, problems: &mut Vec<Problem>) {
-        for (section, value) in table {
+    /// Reports every unknown key and wrongly typed value in `table` and
+    /// removes it, leaving a table that deserializes.
+    fn prune(&self, table: &mut Table, problems: &mut Vec<Problem>) {
+        table.retain(|section, value| {
             if section == "routes" {
-                let Some(routes) = value.as_array() else {
+                let Some(routes) = value.as_array_mut() else {
                     problems.push(Problem::new(
                         "routes",
                         "must be an array of [[routes]] tables",
                     ));
-                    continue;
+                    return false;
                 };
-                for (i, route) in routes.iter().enumerate() {
+                let mut i = 0;
+                routes.retain_mut(|route| {
                     let path = format!("routes[{i}]");
-                    match route.as_table() {
-                        Some(t) => check_keys(t, &self.route, &path, problems),
-                        None => problems.push(Problem::new(path, "must be a table")),
+                    i += 1;
+                    match route.as_table_mut() {
+                        Some(t) => {
+                            prune_keys(t, &self.route, &path, problems);
+                            true
+                        }
+                        None => {
+                            problems.push(Problem::new(path, "must be a table"));
+                            false
+                        }
                     }
-                }
-                continue;
+                });
+                return true;
             }
-            match (self.root.get(section), value.as_table()) {
+            match (
+                self.root.get(section).and_then(Value::as_table),
+                value.as_table_mut(),
+            ) {
                 (None, _) => problems.push(Problem::new(section, "unknown section")),
                 (Some(_), None) => {
                     problems.push(Problem::new(section, "must be a [section] table"))
                 }
                 (Some(expected), Some(t)) => {
-                    // unwrap-free: every schema section is a table.
-                    if let Some(expected) = expected.as_table() {
-                        check_keys(t, expected, section, problems);
-                    }
+                    prune_keys(t, expected, section, problems);
+                    return true;
                 }
             }
-        }
+            false
+        });
     }
 }
 
-/// Compares one table's keys and value types with its schema.
-fn check_keys(table: &Table, schema: &Table, path: &str, problems: &mut Vec<Problem>) {
-    for (key, value) in table {
+/// Reports and removes the keys of one table that are unknown to its
+/// schema or hold a value of the wrong type.
+fn prune_keys(table: &mut Table, schema: &Table, path: &str, problems: &mut Vec<Problem>) {
+    table.retain(|key, value| {
         let at = format!("{path}.{key}");
-        match schema.get(key) {
-            None => problems.push(Problem::new(at, "unknown key")),
-            Some(expected) => {
-                if let Some(message) = type_mismatch(value, expected) {
-                    problems.push(Problem::new(at, message));
-                }
+        let problem = match schema.get(key) {
+            None => Some("unknown key".to_owned()),
+            Some(expected) => type_mismatch(value, expected),
+        };
+        match problem {
+            Some(message) => {
+                problems.push(Problem::new(at, message));
+                false
             }
+            None => true,
         }
-    }
+    });
 }
 
 /// Describes how `value` differs in type from `expected`, if it does.
