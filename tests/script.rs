@@ -200,3 +200,27 @@ async fn a_lease_takes_up_to_want_but_at_least_min_or_just_the_request() {
     );
     assert!(g.block_ms > 0 && g.decision.retry_after_ms == 0, "{g:?}");
 }
+
+#[actix_web::test]
+async fn a_bare_call_replies_allowed_remaining_and_retry_after_first() {
+    // The script as SPEC §6 states it: KEYS[1], capacity, refill; the cost
+    // defaults to 1 and the reply opens with [allowed, remaining, retry].
+    let redis = RedisServer::start();
+    let mut conn = redis.conn().await;
+    let mut call = async || -> Vec<i64> {
+        redis::cmd("EVAL")
+            .arg(include_str!("../lua/token_bucket.lua"))
+            .arg(1)
+            .arg("rl:{bare}:r")
+            .arg(2)
+            .arg(1)
+            .query_async(&mut conn)
+            .await
+            .unwrap()
+    };
+    assert_eq!(call().await[..3], [1, 1, 0]);
+    assert_eq!(call().await[..2], [1, 0]);
+    let rejected = call().await;
+    assert_eq!(rejected[..2], [0, 0]);
+    assert!((1..=1_000).contains(&rejected[2]), "{rejected:?}");
+}

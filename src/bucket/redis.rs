@@ -66,15 +66,14 @@ impl RedisBucket {
             .arg(ask.min)
             .arg(ask.need);
         let started = self.clock.now_micros();
-        let (granted, remaining, retry_after_ms, block_ms): (i64, i64, i64, i64) =
+        let (allowed, remaining, retry_after_ms, granted, block_ms): (i64, i64, i64, i64, i64) =
             self.conn.invoke(&invocation, self.timeout).await?;
         let elapsed = self.clock.now_micros().saturating_sub(started);
         self.metrics.redis_call(elapsed as f64 / 1e6);
-        let granted = u32::try_from(granted).unwrap_or(0);
         Ok(Grant {
-            granted,
+            granted: u32::try_from(granted).unwrap_or(0),
             decision: Decision {
-                allowed: granted > 0,
+                allowed: allowed == 1,
                 remaining: u64::try_from(remaining).unwrap_or(0),
                 retry_after_ms: u64::try_from(retry_after_ms).unwrap_or(0),
             },
