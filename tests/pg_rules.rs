@@ -158,6 +158,16 @@ async fn plain_sql_changes_propagate_like_api_writes() {
     all_reach(&fleet, "sql-u", "12").await;
     fleet.db.sql("TRUNCATE rate_limit_rule");
     all_reach(&fleet, "sql-u", "2").await;
+    // One transaction passing through a state twice: PostgreSQL folds
+    // identical notifications of one transaction into one, so each change
+    // event must differ, or the gateways would stop at 13.
+    fleet.db.sql("INSERT INTO rate_limit_rule (tenant_id, route_id, capacity, refill_per_second) VALUES ('sql-v', 'api', 13, 1)");
+    all_reach(&fleet, "sql-v", "13").await;
+    fleet.db.sql(
+        "BEGIN; UPDATE rate_limit_rule SET capacity = 14; UPDATE rate_limit_rule SET capacity = 13; \
+         UPDATE rate_limit_rule SET capacity = 14; COMMIT",
+    );
+    all_reach(&fleet, "sql-v", "14").await;
 }
 
 #[actix_web::test]
@@ -211,6 +221,7 @@ async fn invalid_writes_are_refused_with_the_field_and_change_nothing() {
             "tenant",
         ),
         ("/admin/rules/keep/a%20pi", ok, "route"),
+        ("/admin/rules/keep/api", &" ".repeat(70_000), "body"),
     ];
     for (path, body, field) in cases {
         let (status, error) = admin(gw, "PUT", path, Some(TOKEN), Some(body)).await;
@@ -315,21 +326,18 @@ async fn file_mode_lists_rules_but_refuses_writes_with_409() {
         "rules.toml",
         "[[rule]]\ntenant = \"f\"\nroute = \"api\"\ncapacity = 9\nrefill_per_second = 1\n",
     );
-    let mut config = GatewayConfig::new(&redis.url(), rules, &up.url());
-    config.admin_token = TOKEN.to_owned();
-    let gw = Gateway::start(&config);
-    let (status, error) = admin(
-        &gw,
-        "PUT",
-        "/admin/rules/f/api",
-        Some(TOKEN),
-        Some(r#"{"capacity": 5, "refill_per_second": 1}"#),
-    )
-    .await;
-    assert_eq!(
-        (status, error["error"].as_str()),
-        (409, Some("rules_from_file"))
-    );
+    // The shipped default: no admin token. The 409 says where rules come
+    // from, before any token check.
+    let gw = Gateway::start(&GatewayConfig::new(&redis.url(), rules, &up.url()));
+    let put = r#"{"capacity": 5, "refill_per_second": 1}"#;
+    for (method, body) in [("PUT", Some(put)), ("DELETE", None)] {
+        let (status, error) = admin(&gw, method, "/admin/rules/f/api", None, body).await;
+        assert_eq!(
+            (status, error["error"].as_str()),
+            (409, Some("rules_from_file")),
+            "{method}"
+        );
+    }
     let (status, page) = admin(&gw, "GET", "/admin/rules", None, None).await;
     assert_eq!(status, 200);
     assert_eq!(page["rules"][0]["capacity"], 9);

@@ -22,6 +22,7 @@
 //! Invariant: a failed reload never replaces the snapshot in force.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -72,12 +73,19 @@ pub struct RulesHandle {
     store: Option<RuleStore>,
     /// The change feed, when rules come from a database.
     feed: Option<Feed>,
+    /// Failed reloads since start.
+    failures: Arc<AtomicU64>,
 }
 
 impl RulesHandle {
     /// The rules in force now; cheap enough for every request.
     pub fn snapshot(&self) -> Guard<Arc<RuleSet>> {
         self.snapshot.load()
+    }
+
+    /// Reloads that failed since start (the rules in force stayed).
+    pub fn failed_reloads(&self) -> u64 {
+        self.failures.load(Ordering::Relaxed)
     }
 
     /// The database the rules come from; `None` in file mode.
@@ -126,11 +134,15 @@ pub async fn start(
     metrics: Metrics,
     labels: Arc<RequestCounters>,
 ) -> Result<RulesHandle, RulesError> {
+    let reloads = Reloads {
+        metrics,
+        failures: Arc::new(AtomicU64::new(0)),
+    };
     let (source, first, store) = match &settings.source {
         RuleSource::File(path) => {
             let fingerprint = FileFingerprint::of(path);
             let first = read_file(path, default)?;
-            metrics.rule_reload(Some(first.len()));
+            reloads.ok(first.len());
             tracing::info!(rules = first.len(), file = %path.display(), "Rules loaded.");
             let source = Source::File {
                 path: path.clone(),
@@ -146,7 +158,7 @@ pub async fn start(
                 &mut migrate_pending,
                 settings.snapshot_file.as_deref(),
                 default,
-                &metrics,
+                &reloads,
             )
             .await;
             let source = Source::Database {
@@ -164,7 +176,7 @@ pub async fn start(
         default,
         snapshot: snapshot.clone(),
         watch_interval: settings.watch_interval,
-        metrics,
+        reloads: reloads.clone(),
         labels,
         pending: Vec::new(),
     }
@@ -177,6 +189,7 @@ pub async fn start(
         cache,
         store,
         feed,
+        failures: reloads.failures,
     })
 }
 
@@ -187,19 +200,19 @@ async fn first_database_load(
     migrate_pending: &mut bool,
     snapshot_file: Option<&Path>,
     default: Limit,
-    metrics: &Metrics,
+    reloads: &Reloads,
 ) -> RuleSet {
     match load_database(store, *migrate_pending).await {
         Ok(rules) => {
             *migrate_pending = false;
             let set = RuleSet::new(rules, default, origin("database"));
-            metrics.rule_reload(Some(set.len()));
+            reloads.ok(set.len());
             tracing::info!(rules = set.len(), "Rules loaded from PostgreSQL.");
             SnapshotSaver::new(snapshot_file.map(Path::to_path_buf)).save(Arc::new(set.clone()));
             set
         }
         Err(e) => {
-            metrics.rule_reload(None);
+            reloads.failed();
             let saved = snapshot_file.map(snapshot::load);
             match saved {
                 Some(Ok((rules, loaded_at_unix))) => {
@@ -323,6 +336,29 @@ impl SnapshotSaver {
     }
 }
 
+/// Counts reloads: in metrics (shared by every gateway of a process) and
+/// for this gateway alone (its `/ready`).
+#[derive(Clone)]
+struct Reloads {
+    /// `tollgate_rule_reloads_total`.
+    metrics: Metrics,
+    /// Failed reloads of this gateway.
+    failures: Arc<AtomicU64>,
+}
+
+impl Reloads {
+    /// A reload that published `n` rules.
+    fn ok(&self, n: usize) {
+        self.metrics.rule_reload(Some(n));
+    }
+
+    /// A reload that failed; the snapshot in force stays.
+    fn failed(&self) {
+        self.metrics.rule_reload(None);
+        self.failures.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
 /// The actor that owns rule reloading.
 struct RuleCache {
     /// Where rules come from.
@@ -334,7 +370,7 @@ struct RuleCache {
     /// How often to look at the rules file.
     watch_interval: Duration,
     /// Reload counters.
-    metrics: Metrics,
+    reloads: Reloads,
     /// Request counters, whose tenant labels follow the rules.
     labels: Arc<RequestCounters>,
     /// Database changes not yet applied.
@@ -348,7 +384,7 @@ impl RuleCache {
         self.labels.label_tenants(set.tenants());
         let set = Arc::new(set);
         self.snapshot.store(set.clone());
-        self.metrics.rule_reload(Some(n));
+        self.reloads.ok(n);
         if let Source::Database { saver, .. } = &self.source {
             saver.save(set);
         }
@@ -369,7 +405,7 @@ impl RuleCache {
                 let result = match result {
                     Ok(set) => Ok(self.publish(set)),
                     Err(e) => {
-                        self.metrics.rule_reload(None);
+                        self.reloads.failed();
                         Err(e.into())
                     }
                 };
@@ -395,7 +431,7 @@ impl RuleCache {
                                 Ok(cache.publish(RuleSet::new(rules, default, origin("database"))))
                             }
                             Err(e) => {
-                                cache.metrics.rule_reload(None);
+                                cache.reloads.failed();
                                 Err(e.into())
                             }
                         }),

@@ -4,7 +4,8 @@
 //! actor as [`Notified`], and sends [`Resync`] every time it (re)subscribes,
 //! because notifications sent while it was away are lost (sqlx's
 //! `PgListener` reconnects silently). A lost connection is re-subscribed
-//! with backoff. [`Feed::stop`] ends it inside the runtime, so no connection
+//! with backoff; a quiet one is probed with `SELECT 1`, so a connection
+//! that died without a reset (a network partition) is noticed too. [`Feed::stop`] ends it inside the runtime, so no connection
 //! outlives it.
 
 use std::sync::{Arc, Mutex, PoisonError};
@@ -18,6 +19,12 @@ use tokio::task::JoinHandle;
 
 /// First and longest pause between attempts to re-subscribe.
 const BACKOFF: (Duration, Duration) = (Duration::from_millis(100), Duration::from_secs(5));
+
+/// Silence after which the listener connection is probed.
+const PROBE_AFTER: Duration = Duration::from_secs(10);
+
+/// Bound on the probe's answer before the connection counts as dead.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The feed (re)subscribed: reload everything, since changes made while it
 /// was away were not announced.
@@ -98,9 +105,20 @@ async fn follow<A>(
                     return;
                 }
                 loop {
+                    // try_recv is cancel-safe: a timeout loses no message.
                     let received = tokio::select! {
                         _ = stop.changed() => return,
-                        r = listener.try_recv() => r,
+                        r = tokio::time::timeout(PROBE_AFTER, listener.try_recv()) => r,
+                    };
+                    let Ok(received) = received else {
+                        if alive(&mut listener).await {
+                            continue;
+                        }
+                        tracing::warn!(
+                            channel,
+                            "The PostgreSQL change feed stopped answering; re-subscribing."
+                        );
+                        break;
                     };
                     match received {
                         Ok(Some(note)) => {
@@ -142,6 +160,12 @@ async fn follow<A>(
         }
         backoff = (backoff * 2).min(max);
     }
+}
+
+/// Whether the listener's connection answers a query in time.
+async fn alive(listener: &mut PgListener) -> bool {
+    let probe = sqlx::query("SELECT 1").execute(&mut *listener);
+    matches!(tokio::time::timeout(PROBE_TIMEOUT, probe).await, Ok(Ok(_)))
 }
 
 /// A listener subscribed to `channel`.
