@@ -41,24 +41,53 @@ pub struct AdminState {
     pub shares: SharesHandle,
 }
 
-/// Checks the bearer token of an admin write.
+/// Admits an admin write to `store`: without one, `missing` (a 409 saying
+/// where the data comes from, whatever the token); then the bearer token.
 ///
 /// # Errors
-/// [`AdminError::WritesDisabled`] without a configured token,
-/// [`AdminError::Unauthorized`] when the request's token is missing or wrong.
-fn authorize(req: &HttpRequest, state: &AdminState) -> Result<(), AdminError> {
+/// `missing` without a store, [`AdminError::WritesDisabled`] without a
+/// configured token, [`AdminError::Unauthorized`] when the request's token
+/// is missing or wrong.
+fn authorize_write<'a, T>(
+    req: &HttpRequest,
+    state: &AdminState,
+    store: Option<&'a T>,
+    missing: AdminError,
+) -> Result<&'a T, AdminError> {
+    let store = store.ok_or(missing)?;
     let token = state.token.as_deref().ok_or(AdminError::WritesDisabled)?;
     let presented = req
         .headers()
         .get(AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
+        .and_then(bearer)
         .ok_or(AdminError::Unauthorized)?;
     if constant_time_eq(presented.trim().as_bytes(), token.as_bytes()) {
-        Ok(())
+        Ok(store)
     } else {
         Err(AdminError::Unauthorized)
     }
+}
+
+/// Reads a request body of at most [`MAX_BODY_BYTES`].
+///
+/// # Errors
+/// [`AdminError::Invalid`] (field `body`) when it is longer or unreadable.
+async fn read_body(payload: web::Payload) -> Result<web::Bytes, AdminError> {
+    match payload.to_bytes_limited(MAX_BODY_BYTES).await {
+        Ok(Ok(body)) => Ok(body),
+        Ok(Err(e)) => Err(AdminError::invalid("body", e.to_string())),
+        Err(_) => Err(AdminError::invalid(
+            "body",
+            format!("longer than {MAX_BODY_BYTES} bytes"),
+        )),
+    }
+}
+
+/// The credentials of a `Bearer` authorization (scheme case-insensitive).
+fn bearer(value: &str) -> Option<&str> {
+    let (scheme, credentials) = value.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then_some(credentials)
 }
 
 /// Compares two secrets in time that depends only on the longer length.
@@ -70,13 +99,25 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     diff == 0
 }
 
-/// Adds the admin routes to an actix `App`.
+/// Largest admin request body accepted.
+const MAX_BODY_BYTES: usize = 64 * 1024;
+
+/// Adds the admin routes to an actix `App`. Malformed query strings and
+/// paths get the same JSON error, naming the part, as invalid fields.
 pub fn configure(cfg: &mut web::ServiceConfig) {
-    cfg.route("/live", web::get().to(live))
-        .route("/ready", web::get().to(ready))
-        .route("/metrics", web::get().to(metrics))
-        .configure(rules::configure)
-        .configure(shares::configure);
+    cfg.app_data(
+        web::QueryConfig::default()
+            .error_handler(|e, _| AdminError::invalid("query", e.to_string()).into()),
+    )
+    .app_data(
+        web::PathConfig::default()
+            .error_handler(|e, _| AdminError::invalid("path", e.to_string()).into()),
+    )
+    .route("/live", web::get().to(live))
+    .route("/ready", web::get().to(ready))
+    .route("/metrics", web::get().to(metrics))
+    .configure(rules::configure)
+    .configure(shares::configure);
 }
 
 /// 200 whenever the process serves HTTP.
@@ -96,6 +137,7 @@ async fn ready(state: web::Data<AdminState>) -> HttpResponse {
         "region": state.region,
         "redis": state.limiter.redis_state().as_str(),
         "breaker": state.limiter.breaker_state().map(|b| b.as_str()),
+        "redis_failures": state.limiter.redis_failures(),
         "live_instances": state.limiter.instances().get(),
         "rules": {
             "count": rules.len(),
@@ -103,6 +145,7 @@ async fn ready(state: web::Data<AdminState>) -> HttpResponse {
             "source": origin.source,
             "loaded_at_unix": origin.loaded_at_unix,
             "age_seconds": unix_now_seconds().saturating_sub(origin.loaded_at_unix),
+            "failed_reloads": state.rules.failed_reloads(),
         },
     }))
 }

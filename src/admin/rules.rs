@@ -14,7 +14,7 @@ use actix_web::{HttpRequest, HttpResponse, web};
 use serde_json::{Value, json};
 
 use super::error::AdminError;
-use super::{AdminState, authorize};
+use super::{AdminState, authorize_write, read_body};
 use crate::key::{RouteId, TenantId};
 use crate::rules::model::{MAX_SHARDS, positive_i32, shard_count};
 use crate::rules::{Limit, RuleStore, StoredRule};
@@ -137,11 +137,11 @@ async fn put(
     req: HttpRequest,
     state: web::Data<AdminState>,
     path: web::Path<(String, String)>,
-    body: web::Bytes,
+    body: web::Payload,
 ) -> Result<HttpResponse, AdminError> {
     let store = writable(&req, &state)?;
     let (tenant, route) = ids(&path)?;
-    let limit = parse_limit(&body)?;
+    let limit = parse_limit(&read_body(body).await?)?;
     let (row, created) = store.put(&tenant, &route, limit).await?;
     tracing::info!(tenant = %tenant, route = %route, created, "Rule written through the admin API.");
     Ok(if created {
@@ -167,10 +167,9 @@ async fn delete(
     }
 }
 
-/// Checks the bearer token, then that rules live in a database.
+/// The rule store for a write: 409 in file mode, then the token check.
 fn writable<'a>(req: &HttpRequest, state: &'a AdminState) -> Result<&'a RuleStore, AdminError> {
-    authorize(req, state)?;
-    state.rules.store().ok_or(AdminError::FileMode)
+    authorize_write(req, state, state.rules.store(), AdminError::FileMode)
 }
 
 /// Validates an id from the path or query.

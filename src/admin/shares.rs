@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 
 use super::error::AdminError;
 use super::rules::id;
-use super::{AdminState, authorize};
+use super::{AdminState, authorize_write, read_body};
 use crate::key::{RouteId, TenantId};
 use crate::region::model::SUM_TOLERANCE;
 use crate::region::shares::{Scope, ShareStore};
@@ -60,9 +60,10 @@ async fn list(state: web::Data<AdminState>) -> HttpResponse {
 async fn put(
     req: HttpRequest,
     state: web::Data<AdminState>,
-    body: web::Bytes,
+    body: web::Payload,
 ) -> Result<HttpResponse, AdminError> {
     let store = writable(&req, &state)?;
+    let body = read_body(body).await?;
     let value: Value = serde_json::from_slice(&body)
         .map_err(|e| AdminError::invalid("body", format!("not valid JSON: {e}")))?;
     let object = value.as_object().ok_or_else(|| {
@@ -134,10 +135,9 @@ async fn delete(
     }
 }
 
-/// Checks the bearer token, then that shares have a store.
+/// The share store for a write: 409 without a database, then the token check.
 fn writable<'a>(req: &HttpRequest, state: &'a AdminState) -> Result<&'a ShareStore, AdminError> {
-    authorize(req, state)?;
-    state.shares.store().ok_or(AdminError::NoShareStore)
+    authorize_write(req, state, state.shares.store(), AdminError::NoShareStore)
 }
 
 /// Validates `{"<region>": share, …}`: every region named once, each share
