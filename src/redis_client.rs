@@ -6,7 +6,8 @@
 //! a reply wakes the worker that asked). Every call is bounded by a timeout
 //! and abandoned, never replayed, when it expires. Scripts are sent by SHA
 //! (`EVALSHA`); a `NOSCRIPT` reply loads the script and repeats the call
-//! once.
+//! once; a call that finds its connection dropped is made once more on
+//! the reconnected one (within the same timeout).
 //!
 //! Invariant: nothing here waits for Redis to come up; calls fail fast with
 //! [`RedisCallError::NotConnected`] until a connection exists.
@@ -17,7 +18,8 @@ use std::time::Duration;
 use arc_swap::ArcSwapOption;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
-use redis::{Cmd, FromRedisValue, RedisResult, ScriptInvocation};
+use redis::io::tcp::TcpSettings;
+use redis::{Cmd, FromRedisValue, IntoConnectionInfo, RedisResult, ScriptInvocation};
 
 use crate::config::{RedisSettings, RedisTarget};
 
@@ -68,6 +70,13 @@ enum Target {
     Cluster(Box<redis::cluster::ClusterClient>),
 }
 
+/// Socket options of every Redis connection: `TCP_NODELAY`, so that a
+/// call sent while another is in flight on the same multiplexed connection
+/// leaves at once instead of waiting for the previous reply's ACK (Nagle).
+fn tcp_settings() -> TcpSettings {
+    TcpSettings::default().set_nodelay(true)
+}
+
 /// A parsed Redis target that hands out connections.
 #[derive(Clone)]
 pub struct RedisConnector {
@@ -85,9 +94,14 @@ impl RedisConnector {
     pub fn new(settings: &RedisSettings) -> RedisResult<Option<Self>> {
         let target = match &settings.target {
             RedisTarget::LocalOnly => return Ok(None),
-            RedisTarget::Single(url) => Target::Single(redis::Client::open(url.as_str())?),
+            RedisTarget::Single(url) => Target::Single(redis::Client::open(
+                url.as_str()
+                    .into_connection_info()?
+                    .set_tcp_settings(tcp_settings()),
+            )?),
             RedisTarget::Cluster(nodes) => Target::Cluster(Box::new(
                 redis::cluster::ClusterClient::builder(nodes.clone())
+                    .tcp_settings(tcp_settings())
                     .connection_timeout(settings.connect_timeout)
                     .response_timeout(settings.connect_timeout)
                     .build()?,
@@ -165,7 +179,13 @@ impl RedisConn {
         let conn = self.slot.load_full().ok_or(RedisCallError::NotConnected)?;
         let call = async {
             match &*conn {
-                Conn::Single(c) => invocation.invoke_async(&mut c.clone()).await,
+                Conn::Single(c) => {
+                    again_if_dropped(|| {
+                        let mut c = c.clone();
+                        async move { invocation.invoke_async(&mut c).await }
+                    })
+                    .await
+                }
                 Conn::Cluster(c) => invocation.invoke_async(&mut c.clone()).await,
             }
         };
@@ -184,11 +204,31 @@ impl RedisConn {
         let conn = self.slot.load_full().ok_or(RedisCallError::NotConnected)?;
         let call = async {
             match &*conn {
-                Conn::Single(c) => cmd.query_async(&mut c.clone()).await,
+                Conn::Single(c) => {
+                    again_if_dropped(|| {
+                        let mut c = c.clone();
+                        async move { cmd.query_async(&mut c).await }
+                    })
+                    .await
+                }
                 Conn::Cluster(c) => cmd.query_async(&mut c.clone()).await,
             }
         };
         bounded(timeout, call).await
+    }
+}
+
+/// Makes `call`, and once more when the first attempt found the connection
+/// dropped: the connection manager reconnects on that error, so the first
+/// call after an outage (or a server restart) reaches the new connection
+/// instead of failing. The caller's timeout bounds both attempts; the
+/// cluster client reconnects and retries by itself.
+async fn again_if_dropped<T, F: Future<Output = RedisResult<T>>>(
+    call: impl Fn() -> F,
+) -> RedisResult<T> {
+    match call().await {
+        Err(e) if e.is_connection_dropped() || e.is_io_error() => call().await,
+        other => other,
     }
 }
 

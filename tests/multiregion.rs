@@ -267,14 +267,31 @@ async fn shares_follow_traffic_limits_hold_and_a_prometheus_outage_freezes_them(
         "admitted {got} in {seconds:.1} s, ideal {ideal:.0} (global 20/s)"
     );
 
-    // Prometheus down: the shares hold still.
-    let before = share_rows(&gateways[0]).await;
+    // Prometheus down: the shares hold still, even set back to 50/50, far
+    // from the traffic ratio the rebalancer moved them to above.
     let errors_before = sum_metric(
         &gateways,
         "tollgate_rebalance_rounds_total{result=\"prometheus_error\"}",
     )
     .await;
     prometheus.stop();
+    let reset = client()
+        .put(gateways[0].admin_url("/admin/shares"))
+        .insert_header(("authorization", format!("Bearer {TOKEN}")))
+        .send_body(r#"{"tenant": null, "route": null, "shares": {"eu-west": 0.5, "us-east": 0.5}}"#)
+        .await
+        .unwrap();
+    assert_eq!(reset.status(), 200);
+    // The gateway's view follows the database by NOTIFY: wait for it.
+    let mut before = share_rows(&gateways[0]).await;
+    for _ in 0..50 {
+        if before[0]["share"] == 0.5 {
+            break;
+        }
+        actix_web::rt::time::sleep(Duration::from_millis(100)).await;
+        before = share_rows(&gateways[0]).await;
+    }
+    assert_eq!(before[0]["share"], 0.5, "{before}");
     actix_web::rt::time::sleep(Duration::from_secs(4 * INTERVAL + 1)).await;
     let after = share_rows(&gateways[0]).await;
     assert_eq!(before, after, "shares moved while Prometheus was down");

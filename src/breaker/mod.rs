@@ -6,7 +6,7 @@
 //! whether Redis may be called, one or two increments to report how the call
 //! went. Every [`prober::TICK`] the actor drains those counters into the
 //! state machine, publishes the new state, and while half-open sends one
-//! probe; transitions are logged at `warn` (open) and `info` (closed).
+//! probe; every transition is logged at `warn`.
 
 pub mod prober;
 pub mod state;
@@ -29,6 +29,8 @@ pub struct BreakerGate {
     run: AtomicU64,
     /// Longest run since the last drain.
     longest_run: AtomicU64,
+    /// Failed calls since start, never drained (for `/ready`).
+    total_failures: AtomicU64,
 }
 
 impl BreakerGate {
@@ -56,8 +58,14 @@ impl BreakerGate {
     /// Reports a failed or timed-out call.
     pub fn failure(&self) {
         self.failures.fetch_add(1, Ordering::Relaxed);
+        self.total_failures.fetch_add(1, Ordering::Relaxed);
         let run = self.run.fetch_add(1, Ordering::Relaxed) + 1;
         self.longest_run.fetch_max(run, Ordering::Relaxed);
+    }
+
+    /// Failed or timed-out calls reported since start.
+    pub fn total_failures(&self) -> u64 {
+        self.total_failures.load(Ordering::Relaxed)
     }
 
     /// Takes the outcomes reported since the previous drain.
@@ -97,6 +105,7 @@ mod tests {
             }
         );
         assert_eq!(gate.drain(), Outcomes::default());
+        assert_eq!(gate.total_failures(), 5, "not drained");
         assert!(gate.allows());
         gate.publish(State::Open);
         assert!(!gate.allows());

@@ -26,6 +26,9 @@ pub trait Idle {
     fn is_idle(&self, now_ms: u64) -> bool;
 }
 
+/// Called with every entry the map drops.
+type Evicted<V> = Box<dyn Fn(&V) + Send + Sync>;
+
 /// Sharded `key → V` with a size cap.
 pub struct KeyMap<V> {
     /// Key → state, split by key hash.
@@ -34,6 +37,8 @@ pub struct KeyMap<V> {
     hasher: RandomState,
     /// Most entries one shard holds.
     max_per_shard: usize,
+    /// Accounts for what a dropped entry still held (e.g. unspent leases).
+    evicted: Option<Evicted<V>>,
 }
 
 impl<V: Idle> KeyMap<V> {
@@ -43,6 +48,31 @@ impl<V: Idle> KeyMap<V> {
             shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
             hasher: RandomState::new(),
             max_per_shard: max_keys.div_ceil(SHARDS).max(1),
+            evicted: None,
+        }
+    }
+
+    /// The same map, calling `evicted` with every entry it drops.
+    pub fn on_evict(self, evicted: impl Fn(&V) + Send + Sync + 'static) -> Self {
+        Self {
+            evicted: Some(Box::new(evicted)),
+            ..self
+        }
+    }
+
+    /// Whether to keep `v` at `now_ms`; reports it when not.
+    fn keep(&self, v: &V, now_ms: u64) -> bool {
+        let idle = v.is_idle(now_ms);
+        if idle {
+            self.dropped(v);
+        }
+        !idle
+    }
+
+    /// Reports a dropped entry.
+    fn dropped(&self, v: &V) {
+        if let Some(evicted) = &self.evicted {
+            evicted(v);
         }
     }
 
@@ -61,12 +91,14 @@ impl<V: Idle> KeyMap<V> {
         if shard.len() >= self.max_per_shard {
             // Make room for a tenth of the shard at once, so a flood of new
             // keys pays for one full pass per tenth of the cap, not per key.
-            shard.retain(|_, v| !v.is_idle(now_ms));
+            shard.retain(|_, v| self.keep(v, now_ms));
             let keep = self.max_per_shard - self.max_per_shard.div_ceil(10);
             if shard.len() > keep {
                 let victims: Vec<String> = shard.keys().take(shard.len() - keep).cloned().collect();
                 for victim in victims {
-                    shard.remove(&victim);
+                    if let Some(v) = shard.remove(&victim) {
+                        self.dropped(&v);
+                    }
                 }
             }
         }
@@ -84,7 +116,7 @@ impl<V: Idle> KeyMap<V> {
             .iter()
             .map(|shard| {
                 let mut map = lock(shard);
-                map.retain(|_, v| !v.is_idle(now_ms));
+                map.retain(|_, v| self.keep(v, now_ms));
                 map.len()
             })
             .sum()
@@ -145,11 +177,23 @@ mod tests {
     }
 
     #[test]
-    fn a_flood_of_new_keys_stays_bounded() {
-        let map = KeyMap::new(64);
+    fn a_flood_of_new_keys_stays_bounded_and_every_dropped_entry_is_reported() {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+
+        let dropped = Arc::new(AtomicUsize::new(0));
+        let count = dropped.clone();
+        let map = KeyMap::new(64).on_evict(move |_: &Until| {
+            count.fetch_add(1, Ordering::Relaxed);
+        });
         for i in 0..10_000 {
             map.with(&format!("attacker-{i}"), 0, || Until(u64::MAX), |_| ());
         }
         assert!(map.len() <= 64, "{}", map.len());
+        assert_eq!(dropped.load(Ordering::Relaxed) + map.len(), 10_000);
+        map.with("idle", 0, || Until(5), |_| ());
+        let before = dropped.load(Ordering::Relaxed);
+        map.sweep(5);
+        assert_eq!(dropped.load(Ordering::Relaxed), before + 1, "swept");
     }
 }

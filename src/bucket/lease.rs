@@ -192,8 +192,15 @@ impl HotKeys {
         clock: SharedClock,
         metrics: Metrics,
     ) -> Self {
+        let expired = metrics.clone();
         Self {
-            keys: KeyMap::new(max_keys),
+            // A key forgotten with a lease (expired, or evicted at the cap)
+            // loses those tokens unspent.
+            keys: KeyMap::new(max_keys).on_evict(move |s: &KeyState| {
+                if s.leased > 0 {
+                    expired.lease_expired(s.leased);
+                }
+            }),
             settings,
             clock,
             metrics,
@@ -331,7 +338,7 @@ impl HotKeys {
             if grant.granted > cost {
                 s.leased += grant.granted - cost;
                 s.lease_expires_ms = now + window;
-                self.metrics.lease_taken(grant.granted);
+                self.metrics.lease_taken(grant.granted - cost);
             }
             if owner {
                 s.release();

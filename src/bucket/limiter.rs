@@ -113,6 +113,12 @@ impl LimiterCore {
         self.breaker.as_ref().map(|b| b.state())
     }
 
+    /// Redis calls of this gateway that failed or timed out since start;
+    /// `None` without Redis.
+    pub fn redis_failures(&self) -> Option<u64> {
+        self.breaker.as_ref().map(|b| b.total_failures())
+    }
+
     /// Live gateway instances (N of the 1/N local share).
     pub fn instances(&self) -> NonZeroU32 {
         self.live.get()

@@ -158,6 +158,16 @@ pub fn plan_round(
         .collect()
 }
 
+/// The regions with no series at all in `demand`.
+fn unseen_regions<'a>(regions: &'a Regions, demand: &[Demand]) -> Vec<&'a str> {
+    regions
+        .all
+        .iter()
+        .map(|r| r.id.as_str())
+        .filter(|id| !demand.iter().any(|d| d.region == *id))
+        .collect()
+}
+
 /// Starts the rebalancer on the current arbiter; send it [`Round`] on a
 /// schedule.
 pub fn start(
@@ -292,6 +302,18 @@ async fn run(
             return RoundResult::PrometheusError;
         }
     };
+    // Every gateway exports its `_other` series from the start, so a region
+    // absent from the answer is one Prometheus does not see (failed
+    // scrapes, a partition), not one without traffic: moving its share
+    // towards the floor would punish it for a monitoring fault.
+    let unseen = unseen_regions(regions, &demand);
+    if !unseen.is_empty() {
+        tracing::warn!(
+            regions = %unseen.join(", "),
+            "Prometheus has no series for some regions; region shares stay as they are."
+        );
+        return RoundResult::NoData;
+    }
     let rows = match store.load_all().await {
         Ok(rows) => rows,
         Err(e) => {
@@ -358,6 +380,14 @@ mod tests {
         max_step: 0.2,
         floor: 0.05,
     };
+
+    #[test]
+    fn a_region_without_series_is_unseen_even_when_others_have_traffic() {
+        let r = regions();
+        assert_eq!(unseen_regions(&r, &[demand("eu", "_other", 70.0)]), ["us"]);
+        let both = [demand("eu", "_other", 70.0), demand("us", "_other", 0.0)];
+        assert!(unseen_regions(&r, &both).is_empty(), "idle is not unseen");
+    }
 
     #[test]
     fn other_tenants_move_the_global_share_and_labelled_ones_their_own() {

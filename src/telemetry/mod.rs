@@ -480,7 +480,8 @@ impl Metrics {
         }
     }
 
-    /// Counts a lease of `tokens` taken from Redis.
+    /// Counts a lease of `tokens` taken from Redis for later requests
+    /// (beyond the cost of the request that asked).
     pub fn lease_taken(&self, tokens: u32) {
         self.leases.increment(1);
         self.leased_tokens.increment(u64::from(tokens));
