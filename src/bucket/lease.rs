@@ -11,10 +11,12 @@
 //!   key was blocked (contended). Tokens unspent after the window expire
 //!   (counted). Leased tokens really left Redis, so a lease only shifts
 //!   admission by up to one window: the cluster can over-admit by at most
-//!   instances × batch in a short interval. Only one request per key fetches
+//!   instances × 1.25 batches in a short interval. Only one request per key fetches
 //!   a lease at a time; the others wait for it (bounded by the Redis
 //!   timeout) and spend from it, instead of all asking Redis when a lease
-//!   runs out. Rules in exact mode never lease.
+//!   runs out. The next lease is fetched ahead, in the background, when the
+//!   current one falls under a quarter batch, so a steady hot key is served
+//!   without waiting for Redis. Rules in exact mode never lease.
 //! - **over-limit cache**: when Redis says no request like this one can pass
 //!   for t ms (a rejection, or an admission that took the last tokens), the
 //!   instance rejects that key locally until t has passed, without calling
@@ -62,6 +64,18 @@ pub enum Plan {
         /// or the one fetching a lease); [`HotKeys::record`] or
         /// [`HotKeys::settle`] must release it.
         owner: bool,
+    },
+    /// Spent from the lease, which is running low: fetch the next one in
+    /// the background (this request holds the key's slot for it, as an
+    /// owner [`Plan::Call`] does), so that a steady hot key never waits for
+    /// Redis.
+    Refresh {
+        /// This request's admission.
+        decision: Decision,
+        /// Tokens wanted.
+        want: u32,
+        /// Fewest tokens worth taking.
+        min: u32,
     },
     /// Another request is fetching a lease for this key: wait for it, then
     /// plan again.
@@ -255,7 +269,14 @@ impl HotKeys {
                 remaining: s.last_remaining + u64::from(s.leased),
                 retry_after_ms: 0,
             };
-            return Plan::Local(allowed, DecisionSource::Lease);
+            return match self.refresh(s, r) {
+                Some((want, min)) => Plan::Refresh {
+                    decision: allowed,
+                    want,
+                    min,
+                },
+                None => Plan::Local(allowed, DecisionSource::Lease),
+            };
         }
         let wait = if now < s.blocked_until_ms {
             Some(s.blocked_until_ms - now)
@@ -285,11 +306,7 @@ impl HotKeys {
         s.in_flight = probe;
         let rate = s.rate_at(now);
         let batch = self.batch(rate, r.spec);
-        let lease = !r.exact
-            && self.settings.enabled
-            && rate >= self.settings.min_rate_per_second
-            && batch >= 2 * cost;
-        if !lease {
+        if !self.leases(r, rate, batch) {
             return Plan::single(cost, probe);
         }
         // After a block the key is contended (several instances wait for
@@ -309,6 +326,32 @@ impl HotKeys {
             need,
             owner: true,
         }
+    }
+
+    /// Whether a key at `rate` tokens/s, whose batch would be `batch`, leases.
+    fn leases(&self, r: &Request<'_>, rate: f64, batch: u32) -> bool {
+        !r.exact
+            && self.settings.enabled
+            && rate >= self.settings.min_rate_per_second
+            && batch >= 2 * r.cost
+    }
+
+    /// After a spend from the lease: `(want, min)` of the next lease when
+    /// what is left fell under a quarter batch and no call for the key is
+    /// under way (the key's slot is then taken for it). Fetched ahead, the
+    /// next lease usually arrives before this one runs out; an instance
+    /// holds at most a quarter batch more than without.
+    fn refresh(&self, s: &mut KeyState, r: &Request<'_>) -> Option<(u32, u32)> {
+        if s.fetch.is_some() || s.in_flight || r.now < s.blocked_until_ms {
+            return None;
+        }
+        let rate = s.rate_at(r.now);
+        let batch = self.batch(rate, r.spec);
+        if !self.leases(r, rate, batch) || s.leased >= (batch / 4).max(r.cost) {
+            return None;
+        }
+        s.fetch = Some(Arc::new(Notify::new()));
+        Some((batch, r.cost.max(batch / 2)))
     }
 
     /// Tokens to lease at a local rate of `rate` tokens/s.
@@ -476,18 +519,72 @@ mod tests {
 
         hot.record("k", &grant(40, 40, 0, 0), 1, true);
         for left in (0..39).rev() {
-            let Plan::Local(d, DecisionSource::Lease) = plan(&hot, &s, false) else {
+            let (Plan::Local(d, DecisionSource::Lease) | Plan::Refresh { decision: d, .. }) =
+                plan(&hot, &s, false)
+            else {
                 panic!("expected a lease spend");
             };
             assert!(d.allowed);
             assert_eq!(d.remaining, 40 + left);
         }
-        assert_eq!(call(plan(&hot, &s, false)).0, 40, "lease used up");
+        // The next lease, fetched ahead, has not arrived: wait for it.
+        assert!(
+            matches!(plan(&hot, &s, false), Plan::Wait(_)),
+            "lease used up"
+        );
 
-        hot.record("k", &grant(40, 40, 0, 0), 1, true);
+        hot.record("k", &grant(40, 40, 0, 0), 0, true);
         clock.advance(Duration::from_millis(100));
         let (want, _, owner) = call(plan(&hot, &s, false));
         assert!(owner && want >= 40, "lease expired: a new one is fetched");
+    }
+
+    #[test]
+    fn the_next_lease_is_fetched_ahead_once_a_quarter_batch_is_left() {
+        let clock = ManualClock::new(0);
+        let hot = table(&clock);
+        let s = spec(100, 1000);
+        warm(&hot, &clock, &s);
+        assert_eq!(call(plan(&hot, &s, false)), (40, 20, true));
+        hot.record("k", &grant(40, 40, 0, 0), 1, true);
+        // 39 leased after the fetching request; spends down to 10 stay local.
+        for _ in 0..29 {
+            assert!(matches!(
+                plan(&hot, &s, false),
+                Plan::Local(_, DecisionSource::Lease)
+            ));
+        }
+        // Under a quarter batch (10): this spend also fetches the next lease.
+        let Plan::Refresh {
+            decision,
+            want,
+            min,
+        } = plan(&hot, &s, false)
+        else {
+            panic!("expected a refresh");
+        };
+        assert!(decision.allowed);
+        assert_eq!((want, min), (40, 20));
+        // Only one fetch at a time; the rest of the lease is still spent.
+        for _ in 0..9 {
+            assert!(matches!(
+                plan(&hot, &s, false),
+                Plan::Local(_, DecisionSource::Lease)
+            ));
+        }
+        assert!(
+            matches!(plan(&hot, &s, false), Plan::Wait(_)),
+            "lease used up"
+        );
+        // The background answer is all lease, and releases the key.
+        hot.record("k", &grant(40, 0, 0, 0), 0, true);
+        for _ in 0..30 {
+            assert!(matches!(
+                plan(&hot, &s, false),
+                Plan::Local(_, DecisionSource::Lease)
+            ));
+        }
+        assert!(matches!(plan(&hot, &s, false), Plan::Refresh { .. }));
     }
 
     #[actix_web::test]

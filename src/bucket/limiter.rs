@@ -5,7 +5,8 @@
 //! 1. sub-bucket: a sharded rule picks one of its sub-buckets ([`super::shard`]);
 //! 2. breaker: while it is open, the local limiter decides;
 //! 3. hot keys ([`super::lease`]): the over-limit cache rejects, or a lease
-//!    admits, without calling Redis;
+//!    admits, without calling Redis (fetching the next lease in the
+//!    background when this one runs low);
 //! 4. Redis, bounded by its timeout: one request's tokens, or a lease batch;
 //! 5. on error or timeout (reported to the breaker): the local limiter, which
 //!    holds 1/N of the limit (N = live gateway instances), so the cluster
@@ -26,6 +27,7 @@ use crate::breaker::{BreakerGate, State};
 use crate::clock::SharedClock;
 use crate::cluster::LiveInstances;
 use crate::key::{BucketKey, RouteId, TenantId};
+use crate::redis_client::RedisCallError;
 use crate::rules::Limit;
 use crate::telemetry::{DecisionSource, Metrics};
 
@@ -141,6 +143,15 @@ impl LimiterCore {
         }
     }
 
+    /// Reports a failed Redis call to the breaker and the metrics.
+    fn redis_failed(&self, e: &RedisCallError) {
+        if let Some(gate) = &self.breaker {
+            gate.failure();
+        }
+        self.metrics.redis_error(e.kind());
+        tracing::debug!(error = %e, "Redis call failed; deciding locally.");
+    }
+
     /// A local decision standing in for Redis, counted as a fallback.
     fn fallback(&self, key: &BucketKey, whole: &BucketSpec, cost: NonZeroU32) -> Verdict {
         let verdict = self.local(key, whole, cost);
@@ -237,6 +248,14 @@ impl Limiter {
                 .plan(key.as_str(), &spec, n, limit.exact, waits < 2)
             {
                 Plan::Local(decision, source) => return verdict(decision, source),
+                Plan::Refresh {
+                    decision,
+                    want,
+                    min,
+                } => {
+                    self.refresh(redis, key.as_str(), spec, Ask { want, min, need: n });
+                    return verdict(decision, DecisionSource::Lease);
+                }
                 Plan::Call {
                     want,
                     min,
@@ -268,12 +287,33 @@ impl Limiter {
             }
             Err(e) => {
                 drop(settle);
-                gate.failure();
-                core.metrics.redis_error(e.kind());
-                tracing::debug!(error = %e, "Redis call failed; deciding locally.");
+                core.redis_failed(&e);
                 core.fallback(&BucketKey::new(tenant, route), &whole, cost)
             }
         }
+    }
+
+    /// Fetches `key`'s next lease in the background; the request that
+    /// planned it holds the key's slot, released when the answer (or the
+    /// failure) is recorded.
+    fn refresh(&self, redis: &RedisBucket, key: &str, spec: BucketSpec, ask: Ask) {
+        let (redis, core, key) = (redis.clone(), self.core.clone(), key.to_owned());
+        actix_web::rt::spawn(async move {
+            match redis.take(&key, &spec, ask).await {
+                Ok(grant) => {
+                    if let Some(gate) = &core.breaker {
+                        gate.success();
+                    }
+                    // No request waits on this call: every token granted
+                    // is leased.
+                    core.hot.record(&key, &grant, 0, true);
+                }
+                Err(e) => {
+                    core.hot.settle(&key);
+                    core.redis_failed(&e);
+                }
+            }
+        });
     }
 }
 

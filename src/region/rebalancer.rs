@@ -23,7 +23,7 @@ use sqlx::postgres::PgConnection;
 
 use super::model::Regions;
 use super::prom::{Demand, Prometheus};
-use super::shares::{Scope, ShareRow, ShareStore};
+use super::shares::{Scope, ScopeKey, ShareRow, ShareStore, effective};
 use super::split::{SplitParams, rebalance};
 use crate::config::RebalancerSettings;
 use crate::key::{RouteId, TenantId};
@@ -31,8 +31,6 @@ use crate::telemetry::{Metrics, OTHER_TENANTS};
 
 /// The advisory lock that makes one instance the leader ("tollgate").
 const LEADER_LOCK: i64 = 0x746F_6C6C_6761_7465;
-/// A scope as (tenant, route) labels; `None` for every tenant/route.
-type ScopeKey = (Option<String>, Option<String>);
 
 /// Changes smaller than this are not written.
 const MIN_CHANGE: f64 = 1e-4;
@@ -66,30 +64,6 @@ impl RoundResult {
             Self::DatabaseError => "database_error",
         }
     }
-}
-
-/// The effective share of `region` (default `default`) for a scope: the most
-/// specific row that covers it.
-fn effective(
-    rows: &[ShareRow],
-    region: &str,
-    default: f64,
-    tenant: Option<&str>,
-    route: Option<&str>,
-) -> f64 {
-    let candidates = [(tenant, route), (tenant, None), (None, route), (None, None)];
-    candidates
-        .iter()
-        .find_map(|(t, r)| {
-            rows.iter()
-                .find(|row| {
-                    row.region == region
-                        && row.tenant.as_deref() == *t
-                        && row.route.as_deref() == *r
-                })
-                .map(|row| row.share)
-        })
-        .unwrap_or(default)
 }
 
 /// New shares for every scope whose demand calls for a change.

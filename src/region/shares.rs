@@ -11,7 +11,7 @@
 //! Invariant: a share is in (0, 1]; the shares of one scope across regions
 //! sum to 1 when written through the admin API or the rebalancer.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -282,7 +282,8 @@ pub fn start(
 ) -> SharesHandle {
     let default = regions.get(region).map_or(1.0, |r| r.default_share);
     let first = ShareSet::new(region, default, Vec::new());
-    export(&regions, &first, &metrics);
+    let mut exported = BTreeSet::new();
+    export(&regions, &first, &mut exported, &metrics);
     let snapshot = Arc::new(ArcSwap::from_pointee(first));
     let Some(rules) = rules else {
         return SharesHandle {
@@ -301,6 +302,7 @@ pub fn start(
         store: store.clone(),
         snapshot: snapshot.clone(),
         metrics,
+        exported,
         reload_scheduled: false,
     }
     .start();
@@ -314,28 +316,54 @@ pub fn start(
     }
 }
 
-/// Sets `tollgate_region_share` for every region's global share, and for
-/// every row with a tenant or route.
-fn export(regions: &Regions, set: &ShareSet, metrics: &Metrics) {
+/// The effective share of `region` (default `default`) for a scope: the most
+/// specific row that covers it.
+pub fn effective(
+    rows: &[ShareRow],
+    region: &str,
+    default: f64,
+    tenant: Option<&str>,
+    route: Option<&str>,
+) -> f64 {
+    let candidates = [(tenant, route), (tenant, None), (None, route), (None, None)];
+    candidates
+        .iter()
+        .find_map(|(t, r)| {
+            rows.iter()
+                .find(|row| {
+                    row.region == region
+                        && row.tenant.as_deref() == *t
+                        && row.route.as_deref() == *r
+                })
+                .map(|row| row.share)
+        })
+        .unwrap_or(default)
+}
+
+/// A scope as `(tenant, route)`, `None` standing for every one.
+pub type ScopeKey = (Option<String>, Option<String>);
+
+/// Sets `tollgate_region_share` for every region's global share and, in
+/// every region, for every scope that has or ever had a row (`exported`
+/// remembers them): a deleted row's gauge then shows the share now in force
+/// for its scope instead of the row's last value.
+fn export(regions: &Regions, set: &ShareSet, exported: &mut BTreeSet<ScopeKey>, metrics: &Metrics) {
     for region in &regions.all {
-        let global = set
-            .rows
-            .iter()
-            .find(|r| r.region == region.id && r.tenant.is_none() && r.route.is_none())
-            .map_or(region.default_share, |r| r.share);
+        let global = effective(&set.rows, &region.id, region.default_share, None, None);
         metrics.region_share(&region.id, None, None, global);
     }
-    for row in set
-        .rows
-        .iter()
-        .filter(|r| r.tenant.is_some() || r.route.is_some())
-    {
-        metrics.region_share(
-            &row.region,
-            row.tenant.as_deref(),
-            row.route.as_deref(),
-            row.share,
-        );
+    exported.extend(
+        set.rows
+            .iter()
+            .filter(|r| r.tenant.is_some() || r.route.is_some())
+            .map(|r| (r.tenant.clone(), r.route.clone())),
+    );
+    for (tenant, route) in exported.iter() {
+        let (tenant, route) = (tenant.as_deref(), route.as_deref());
+        for region in &regions.all {
+            let share = effective(&set.rows, &region.id, region.default_share, tenant, route);
+            metrics.region_share(&region.id, tenant, route, share);
+        }
     }
 }
 
@@ -353,6 +381,8 @@ pub struct Splitter {
     snapshot: Arc<ArcSwap<ShareSet>>,
     /// The share gauge.
     metrics: Metrics,
+    /// Scopes given a gauge so far.
+    exported: BTreeSet<ScopeKey>,
     /// Whether a reload is already queued.
     reload_scheduled: bool,
 }
@@ -365,7 +395,7 @@ impl Splitter {
             match result {
                 Ok(rows) => {
                     let set = ShareSet::new(&s.region, s.default, rows);
-                    export(&s.regions, &set, &s.metrics);
+                    export(&s.regions, &set, &mut s.exported, &s.metrics);
                     s.snapshot.store(Arc::new(set));
                 }
                 Err(e) => tracing::warn!(error = %e, "Cannot load region shares; the previous ones stay."),
@@ -409,6 +439,60 @@ mod tests {
             share,
             updated_at: None,
         }
+    }
+
+    #[test]
+    fn a_deleted_rows_gauge_shows_the_share_now_in_force() {
+        use crate::region::model::RegionSpec;
+
+        let handle = crate::telemetry::install();
+        let spec = |id: &str, default_share| RegionSpec {
+            id: id.into(),
+            default_share,
+            redis_url: String::new(),
+            cluster_nodes: Vec::new(),
+        };
+        let regions = Regions {
+            all: vec![spec("gauge-eu", 0.5), spec("gauge-us", 0.5)],
+        };
+        let gauge = |region: &str| {
+            let line = format!(
+                "tollgate_region_share{{region=\"{region}\",tenant=\"gauge-t\",route=\"api\"}} "
+            );
+            let text = handle.render();
+            text.lines()
+                .find_map(|l| l.strip_prefix(line.as_str()).map(str::to_owned))
+                .unwrap_or_else(|| panic!("no {line} in\n{text}"))
+        };
+        let (metrics, mut exported) = (Metrics::new(), BTreeSet::new());
+        let rows = vec![
+            row("gauge-eu", Some("gauge-t"), Some("api"), 0.75),
+            row("gauge-us", Some("gauge-t"), Some("api"), 0.25),
+        ];
+        export(
+            &regions,
+            &ShareSet::new("gauge-eu", 0.5, rows),
+            &mut exported,
+            &metrics,
+        );
+        assert_eq!(
+            (gauge("gauge-eu"), gauge("gauge-us")),
+            ("0.75".into(), "0.25".into())
+        );
+        let global = vec![
+            row("gauge-eu", None, None, 0.6),
+            row("gauge-us", None, None, 0.4),
+        ];
+        export(
+            &regions,
+            &ShareSet::new("gauge-eu", 0.5, global),
+            &mut exported,
+            &metrics,
+        );
+        assert_eq!(
+            (gauge("gauge-eu"), gauge("gauge-us")),
+            ("0.6".into(), "0.4".into())
+        );
     }
 
     #[test]
