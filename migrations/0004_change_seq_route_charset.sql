@@ -3,11 +3,15 @@
 --    once, so a transaction that set a rule to 10, then 20, then back to 10
 --    (or deleted, re-created and deleted it) would announce only the first
 --    two states and leave every gateway on the wrong one.
+--    Every role that writes rules may draw from the sequence.
 -- 2. Route ids follow the gateway's charset, which has no ':' (it separates
 --    the sub-bucket index in sharded keys). Rows already stored are not
---    re-checked (NOT VALID): gateways skip them with a warning.
+--    re-checked (NOT VALID): gateways skip such rules with a warning, and
+--    such a share row matches no route. An UPDATE of such a row must fix
+--    its route id, or the check refuses it.
 
 CREATE SEQUENCE tollgate_rule_change_seq;
+GRANT USAGE ON SEQUENCE tollgate_rule_change_seq TO PUBLIC;
 
 CREATE OR REPLACE FUNCTION tollgate_rule_notify() RETURNS trigger
 LANGUAGE plpgsql AS $$

@@ -6,8 +6,8 @@
 //! a reply wakes the worker that asked). Every call is bounded by a timeout
 //! and abandoned, never replayed, when it expires. Scripts are sent by SHA
 //! (`EVALSHA`); a `NOSCRIPT` reply loads the script and repeats the call
-//! once; a call that finds its connection dropped is made once more on
-//! the reconnected one (within the same timeout).
+//! once; a call that finds its connection dropped (not timed out) is made
+//! once more on the reconnected one, within the same timeout.
 //!
 //! Invariant: nothing here waits for Redis to come up; calls fail fast with
 //! [`RedisCallError::NotConnected`] until a connection exists.
@@ -221,13 +221,16 @@ impl RedisConn {
 /// Makes `call`, and once more when the first attempt found the connection
 /// dropped: the connection manager reconnects on that error, so the first
 /// call after an outage (or a server restart) reaches the new connection
-/// instead of failing. The caller's timeout bounds both attempts; the
-/// cluster client reconnects and retries by itself.
+/// instead of failing. A timed-out attempt is never repeated. A connection
+/// that drops after the call was written may have run it: the repeat then
+/// charges that call's tokens twice (fewer admissions, never more). The
+/// caller's timeout bounds both attempts; the cluster client reconnects and
+/// retries by itself.
 async fn again_if_dropped<T, F: Future<Output = RedisResult<T>>>(
     call: impl Fn() -> F,
 ) -> RedisResult<T> {
     match call().await {
-        Err(e) if e.is_connection_dropped() || e.is_io_error() => call().await,
+        Err(e) if e.is_connection_dropped() && !e.is_timeout() => call().await,
         other => other,
     }
 }

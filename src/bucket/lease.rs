@@ -11,12 +11,14 @@
 //!   key was blocked (contended). Tokens unspent after the window expire
 //!   (counted). Leased tokens really left Redis, so a lease only shifts
 //!   admission by up to one window: the cluster can over-admit by at most
-//!   instances × 1.25 batches in a short interval. Only one request per key fetches
+//!   instances × batch in a short interval. Only one request per key fetches
 //!   a lease at a time; the others wait for it (bounded by the Redis
 //!   timeout) and spend from it, instead of all asking Redis when a lease
 //!   runs out. The next lease is fetched ahead, in the background, when the
-//!   current one falls under a quarter batch, so a steady hot key is served
-//!   without waiting for Redis. Rules in exact mode never lease.
+//!   current one falls under a quarter batch, topping it up to one batch
+//!   (what was left then expires with the new lease's window), so a steady
+//!   hot key is served without waiting for Redis. Rules in exact mode never
+//!   lease.
 //! - **over-limit cache**: when Redis says no request like this one can pass
 //!   for t ms (a rejection, or an admission that took the last tokens), the
 //!   instance rejects that key locally until t has passed, without calling
@@ -339,8 +341,9 @@ impl HotKeys {
     /// After a spend from the lease: `(want, min)` of the next lease when
     /// what is left fell under a quarter batch and no call for the key is
     /// under way (the key's slot is then taken for it). Fetched ahead, the
-    /// next lease usually arrives before this one runs out; an instance
-    /// holds at most a quarter batch more than without.
+    /// next lease usually arrives before this one runs out. It tops the
+    /// lease up to one batch, never more, so the over-admission bound stays
+    /// instances × batch.
     fn refresh(&self, s: &mut KeyState, r: &Request<'_>) -> Option<(u32, u32)> {
         if s.fetch.is_some() || s.in_flight || r.now < s.blocked_until_ms {
             return None;
@@ -351,7 +354,9 @@ impl HotKeys {
             return None;
         }
         s.fetch = Some(Arc::new(Notify::new()));
-        Some((batch, r.cost.max(batch / 2)))
+        // leased < max(batch/4, cost) and batch >= 2 × cost, so the top-up
+        // exceeds half a batch: min <= want.
+        Some((batch - s.leased, r.cost.max(batch / 2)))
     }
 
     /// Tokens to lease at a local rate of `rate` tokens/s.
@@ -564,7 +569,7 @@ mod tests {
             panic!("expected a refresh");
         };
         assert!(decision.allowed);
-        assert_eq!((want, min), (40, 20));
+        assert_eq!((want, min), (31, 20), "tops the 9 left up to one batch");
         // Only one fetch at a time; the rest of the lease is still spent.
         for _ in 0..9 {
             assert!(matches!(

@@ -297,23 +297,54 @@ impl Limiter {
     /// planned it holds the key's slot, released when the answer (or the
     /// failure) is recorded.
     fn refresh(&self, redis: &RedisBucket, key: &str, spec: BucketSpec, ask: Ask) {
-        let (redis, core, key) = (redis.clone(), self.core.clone(), key.to_owned());
+        let redis = redis.clone();
+        // Released however the task ends, even dropped unfinished.
+        let mut slot = OwnedSettle {
+            core: self.core.clone(),
+            key: key.to_owned(),
+            armed: true,
+        };
         actix_web::rt::spawn(async move {
-            match redis.take(&key, &spec, ask).await {
+            let (core, key) = (slot.core.clone(), slot.key.as_str());
+            match redis.take(key, &spec, ask).await {
                 Ok(grant) => {
                     if let Some(gate) = &core.breaker {
                         gate.success();
                     }
                     // No request waits on this call: every token granted
-                    // is leased.
-                    core.hot.record(&key, &grant, 0, true);
+                    // is leased. record() releases the slot.
+                    core.hot.record(key, &grant, 0, true);
+                    slot.disarm();
                 }
-                Err(e) => {
-                    core.hot.settle(&key);
-                    core.redis_failed(&e);
-                }
+                Err(e) => core.redis_failed(&e),
             }
         });
+    }
+}
+
+/// Releases a key's in-flight slot when dropped while armed, from a task
+/// that owns it.
+struct OwnedSettle {
+    /// Where the key's state lives.
+    core: Arc<LimiterCore>,
+    /// The key.
+    key: String,
+    /// Whether the slot is still held (no answer recorded).
+    armed: bool,
+}
+
+impl OwnedSettle {
+    /// The slot was released by recording an answer.
+    fn disarm(&mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for OwnedSettle {
+    fn drop(&mut self) {
+        if self.armed {
+            self.core.hot.settle(&self.key);
+        }
     }
 }
 

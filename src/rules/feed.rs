@@ -171,6 +171,10 @@ async fn alive(listener: &mut PgListener) -> bool {
 /// A listener subscribed to `channel`.
 async fn subscribe(url: &str, channel: &str) -> Result<PgListener, sqlx::Error> {
     let mut listener = PgListener::connect(url).await?;
+    // A lost connection ends `try_recv` at once with `Ok(None)`, so the
+    // loop re-subscribes and resynchronises instead of the listener
+    // reconnecting by itself (possibly inside a probe) unannounced.
+    listener.eager_reconnect(false);
     listener.listen(channel).await?;
     Ok(listener)
 }
