@@ -113,9 +113,10 @@ async fn degraded(setup: &Setup, tenant: &str) {
             "local share admitted {admitted}"
         );
     }
-    // The cool-down (3 s) outlasts this phase: the breaker is still open,
-    // and this gateway's own failure count must not move.
-    let gw = &setup.gateways[0];
+    // The cool-down (3 s) outlasts this phase: the breaker of the gateway
+    // that opened last is still open, and its own failure count must not
+    // move.
+    let gw = &setup.gateways[1];
     let failures = ready(gw).await["redis_failures"].as_u64().unwrap();
     burst(gw, "open-breaker", 10).await;
     let after = ready(gw).await;

@@ -35,6 +35,9 @@ pub enum AdminError {
         /// What is wrong with it.
         message: String,
     },
+    /// The request body is longer than the admin API accepts.
+    #[error("request body too large")]
+    TooLarge,
     /// No such rule.
     #[error("no rule for this tenant and route")]
     NotFound,
@@ -62,6 +65,7 @@ impl AdminError {
             Self::FileMode => "rules_from_file",
             Self::NoShareStore => "shares_unavailable",
             Self::Invalid { .. } => "invalid_request",
+            Self::TooLarge => "body_too_large",
             Self::NotFound => "not_found",
             Self::Database(_) | Self::ShareDatabase(_) => "database_unavailable",
         }
@@ -75,6 +79,7 @@ impl ResponseError for AdminError {
             Self::WritesDisabled => StatusCode::FORBIDDEN,
             Self::FileMode | Self::NoShareStore => StatusCode::CONFLICT,
             Self::Invalid { .. } => StatusCode::BAD_REQUEST,
+            Self::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::NotFound => StatusCode::NOT_FOUND,
             Self::Database(_) | Self::ShareDatabase(_) => StatusCode::SERVICE_UNAVAILABLE,
         }
@@ -90,6 +95,7 @@ impl ResponseError for AdminError {
             }
             Self::NoShareStore => "Region shares need instance.region and rules.database_url.".to_owned(),
             Self::Invalid { message, .. } => message.clone(),
+            Self::TooLarge => "The request body is larger than 64 KiB.".to_owned(),
             Self::NotFound => "No rule exists for this tenant and route.".to_owned(),
             Self::Database(_) | Self::ShareDatabase(_) => {
                 tracing::warn!(error = %self, "Admin request failed on the database.");
@@ -97,8 +103,10 @@ impl ResponseError for AdminError {
             }
         };
         let mut body = json!({ "error": self.code(), "message": message });
-        if let Self::Invalid { field, .. } = self {
-            body["field"] = json!(field);
+        match self {
+            Self::Invalid { field, .. } => body["field"] = json!(field),
+            Self::TooLarge => body["field"] = json!("body"),
+            _ => {}
         }
         let mut response = HttpResponse::build(self.status_code());
         if matches!(self, Self::Unauthorized) {

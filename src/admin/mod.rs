@@ -69,18 +69,17 @@ fn authorize_write<'a, T>(
     }
 }
 
-/// Reads a request body of at most [`MAX_BODY_BYTES`].
+/// Reads a request body of at most [`MAX_BODY_BYTES`] (the 64 KiB that
+/// [`AdminError::TooLarge`] names).
 ///
 /// # Errors
-/// [`AdminError::Invalid`] (field `body`) when it is longer or unreadable.
+/// [`AdminError::TooLarge`] when it is longer, [`AdminError::Invalid`]
+/// (field `body`) when the client's stream breaks off.
 async fn read_body(payload: web::Payload) -> Result<web::Bytes, AdminError> {
     match payload.to_bytes_limited(MAX_BODY_BYTES).await {
         Ok(Ok(body)) => Ok(body),
-        Ok(Err(e)) => Err(AdminError::invalid("body", e.to_string())),
-        Err(_) => Err(AdminError::invalid(
-            "body",
-            format!("longer than {MAX_BODY_BYTES} bytes"),
-        )),
+        Ok(Err(_)) => Err(AdminError::invalid("body", "the body could not be read")),
+        Err(_) => Err(AdminError::TooLarge),
     }
 }
 
@@ -105,14 +104,12 @@ const MAX_BODY_BYTES: usize = 64 * 1024;
 /// Adds the admin routes to an actix `App`. Malformed query strings and
 /// paths get the same JSON error, naming the part, as invalid fields.
 pub fn configure(cfg: &mut web::ServiceConfig) {
-    cfg.app_data(
-        web::QueryConfig::default()
-            .error_handler(|e, _| AdminError::invalid("query", e.to_string()).into()),
-    )
-    .app_data(
-        web::PathConfig::default()
-            .error_handler(|e, _| AdminError::invalid("path", e.to_string()).into()),
-    )
+    cfg.app_data(web::QueryConfig::default().error_handler(|_, _| {
+        AdminError::invalid("query", "expected key=value pairs, percent-encoded").into()
+    }))
+    .app_data(web::PathConfig::default().error_handler(|_, _| {
+        AdminError::invalid("path", "expected percent-encoded UTF-8 segments").into()
+    }))
     .route("/live", web::get().to(live))
     .route("/ready", web::get().to(ready))
     .route("/metrics", web::get().to(metrics))

@@ -139,7 +139,20 @@ pub fn load(contents: &str, env: &BTreeMap<String, String>) -> Result<Config, Co
     apply_env(&mut table, env, &schema, &mut problems);
     // Shape problems are reported and their entries dropped, so that the
     // values of every other key are still validated: one run lists all.
+    let shape_from = problems.len();
     schema.prune(&mut table, &mut problems);
+    let pruned: Vec<String> = problems[shape_from..]
+        .iter()
+        .map(|p| p.key.clone())
+        .collect();
+    // A dropped entry falls back to its default, which must not be reported
+    // a second time.
+    let reported = |key: &str| {
+        pruned.iter().any(|p| {
+            key.strip_prefix(p.as_str())
+                .is_some_and(|rest| rest.is_empty() || rest.starts_with(['.', '[']))
+        })
+    };
     let raw: RawConfig = match Value::Table(table).try_into() {
         Ok(raw) => raw,
         Err(e) => {
@@ -152,7 +165,7 @@ pub fn load(contents: &str, env: &BTreeMap<String, String>) -> Result<Config, Co
         Ok(config) if problems.is_empty() => Ok(config),
         Ok(_) => Err(ConfigError::Invalid(problems)),
         Err(values) => {
-            problems.extend(values);
+            problems.extend(values.into_iter().filter(|p| !reported(&p.key)));
             Err(ConfigError::Invalid(problems))
         }
     }
@@ -196,21 +209,17 @@ impl Schema {
                     ));
                     return false;
                 };
-                let mut i = 0;
-                routes.retain_mut(|route| {
+                for (i, route) in routes.iter_mut().enumerate() {
                     let path = format!("routes[{i}]");
-                    i += 1;
                     match route.as_table_mut() {
-                        Some(t) => {
-                            prune_keys(t, &self.route, &path, problems);
-                            true
-                        }
+                        Some(t) => prune_keys(t, &self.route, &path, problems),
                         None => {
                             problems.push(Problem::new(path, "must be a table"));
-                            false
+                            // An empty entry keeps the later ones' indices.
+                            *route = Value::Table(Table::new());
                         }
                     }
-                });
+                }
                 return true;
             }
             match (

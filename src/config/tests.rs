@@ -100,6 +100,33 @@ fn cluster_nodes_from_the_environment_switch_to_cluster_mode() {
 }
 
 #[test]
+fn a_dropped_entry_is_reported_once_and_later_routes_keep_their_index() {
+    let contents = r#"
+[[routes]]
+id = 5
+upstream = "http://a:1"
+path_prefix = "/"
+
+[[routes]]
+id = "ok"
+upstream = "http://a:1"
+path_prefix = "/"
+cost = 0
+"#;
+    assert_eq!(
+        problems(contents, &[]),
+        vec![
+            "routes[0].id: expected a string, found an integer",
+            "routes[1].cost: must be between 1 and 2147483647, found 0",
+        ]
+    );
+    assert_eq!(
+        problems("routes = \"x\"\n", &[]),
+        vec!["routes: must be an array of [[routes]] tables"]
+    );
+}
+
+#[test]
 fn every_problem_is_reported_at_once() {
     let contents = r#"
 [server]

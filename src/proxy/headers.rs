@@ -28,8 +28,11 @@ pub fn retry_after_seconds(ms: u64) -> u64 {
 
 /// The headers of one limiter verdict, ready to attach to any response.
 pub struct RateLimitHeaders {
-    /// Header name/value pairs, in emission order.
-    pairs: Vec<(HeaderName, HeaderValue)>,
+    /// Header name/value pairs, in emission order (built without the
+    /// formatter: this runs for every request).
+    pairs: [(HeaderName, HeaderValue); 4],
+    /// `Retry-After`, on a rejection.
+    retry_after: Option<HeaderValue>,
 }
 
 impl RateLimitHeaders {
@@ -44,25 +47,22 @@ impl RateLimitHeaders {
         } else {
             (0, retry_after_seconds(decision.retry_after_ms))
         };
-        let mut pairs = vec![
-            (X_RATELIMIT_LIMIT, HeaderValue::from(capacity)),
-            (X_RATELIMIT_REMAINING, HeaderValue::from(remaining)),
-            (
-                RATELIMIT_POLICY,
-                text(format!(
-                    "\"{policy}\";q={capacity};w={}",
-                    verdict.spec.window_seconds()
-                )),
-            ),
-            (
-                RATELIMIT,
-                text(format!("\"{policy}\";r={remaining};t={wait}")),
-            ),
-        ];
-        if !decision.allowed {
-            pairs.push((RETRY_AFTER, HeaderValue::from(wait)));
+        let window = verdict.spec.window_seconds();
+        Self {
+            pairs: [
+                (X_RATELIMIT_LIMIT, HeaderValue::from(capacity)),
+                (X_RATELIMIT_REMAINING, HeaderValue::from(remaining)),
+                (
+                    RATELIMIT_POLICY,
+                    structured(policy, [("q", capacity), ("w", window)]),
+                ),
+                (
+                    RATELIMIT,
+                    structured(policy, [("r", remaining), ("t", wait)]),
+                ),
+            ],
+            retry_after: (!decision.allowed).then(|| HeaderValue::from(wait)),
         }
-        Self { pairs }
     }
 
     /// Adds the headers to a response being built.
@@ -70,14 +70,28 @@ impl RateLimitHeaders {
         for (name, value) in &self.pairs {
             builder.insert_header((name.clone(), value.clone()));
         }
+        if let Some(value) = &self.retry_after {
+            builder.insert_header((RETRY_AFTER, value.clone()));
+        }
     }
 }
 
-/// A header value from text made of safe characters only.
-fn text(s: String) -> HeaderValue {
-    // unwrap-free: ids are restricted to `A-Za-z0-9._:-` and the rest is
+/// `"<policy>";<k>=<v>;<k>=<v>`, a structured-field item with parameters.
+fn structured(policy: &str, params: [(&str, u64); 2]) -> HeaderValue {
+    let mut text = String::with_capacity(policy.len() + 32);
+    text.push('"');
+    text.push_str(policy);
+    text.push('"');
+    let mut digits = itoa::Buffer::new();
+    for (key, value) in params {
+        text.push(';');
+        text.push_str(key);
+        text.push('=');
+        text.push_str(digits.format(value));
+    }
+    // unwrap-free: ids are restricted to `A-Za-z0-9._-` and the rest is
     // digits and punctuation, all valid in a header value.
-    HeaderValue::try_from(s).unwrap_or_else(|_| HeaderValue::from_static(""))
+    HeaderValue::try_from(text).unwrap_or_else(|_| HeaderValue::from_static(""))
 }
 
 #[cfg(test)]
@@ -100,9 +114,12 @@ mod tests {
     }
 
     fn get(h: &RateLimitHeaders, name: &HeaderName) -> Option<String> {
+        let retry = h.retry_after.iter().map(|v| (&RETRY_AFTER, v));
         h.pairs
             .iter()
-            .find(|(n, _)| n == name)
+            .map(|(n, v)| (n, v))
+            .chain(retry)
+            .find(|(n, _)| *n == name)
             .map(|(_, v)| v.to_str().unwrap().to_owned())
     }
 

@@ -344,27 +344,30 @@ pub fn effective(
 pub type ScopeKey = (Option<String>, Option<String>);
 
 /// Sets `tollgate_region_share` for every region's global share and, in
-/// every region, for every scope that has or ever had a row (`exported`
-/// remembers them): a deleted row's gauge then shows the share now in force
-/// for its scope instead of the row's last value.
+/// every region, for every scope that has a row or had one at the previous
+/// export (`exported`): a deleted row's gauge then shows the share in force
+/// for its scope at deletion instead of the row's last value.
 fn export(regions: &Regions, set: &ShareSet, exported: &mut BTreeSet<ScopeKey>, metrics: &Metrics) {
     for region in &regions.all {
         let global = effective(&set.rows, &region.id, region.default_share, None, None);
         metrics.region_share(&region.id, None, None, global);
     }
-    exported.extend(
-        set.rows
-            .iter()
-            .filter(|r| r.tenant.is_some() || r.route.is_some())
-            .map(|r| (r.tenant.clone(), r.route.clone())),
-    );
-    for (tenant, route) in exported.iter() {
+    let current: BTreeSet<ScopeKey> = set
+        .rows
+        .iter()
+        .filter(|r| r.tenant.is_some() || r.route.is_some())
+        .map(|r| (r.tenant.clone(), r.route.clone()))
+        .collect();
+    for (tenant, route) in exported.union(&current) {
         let (tenant, route) = (tenant.as_deref(), route.as_deref());
         for region in &regions.all {
             let share = effective(&set.rows, &region.id, region.default_share, tenant, route);
             metrics.region_share(&region.id, tenant, route, share);
         }
     }
+    // A deleted scope's gauge was just set to the share in force; it is
+    // not followed further, so the set stays as small as the table.
+    *exported = current;
 }
 
 /// The actor that owns this region's share snapshot.
@@ -381,7 +384,7 @@ pub struct Splitter {
     snapshot: Arc<ArcSwap<ShareSet>>,
     /// The share gauge.
     metrics: Metrics,
-    /// Scopes given a gauge so far.
+    /// Scopes with a row at the last export.
     exported: BTreeSet<ScopeKey>,
     /// Whether a reload is already queued.
     reload_scheduled: bool,
