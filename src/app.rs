@@ -247,6 +247,7 @@ pub async fn run(
                 all.clone(),
                 store.clone(),
                 url.clone(),
+                config.instance.id.clone(),
                 metrics.clone(),
             ))
         }

@@ -77,16 +77,21 @@ fn load(
     });
 }
 
-/// `GET /admin/shares` of a gateway.
-async fn shares(gw: &GatewayProcess) -> serde_json::Value {
+/// A JSON answer of a gateway's admin listener.
+async fn admin_json(gw: &GatewayProcess, path: &str) -> serde_json::Value {
     client()
-        .get(gw.admin_url("/admin/shares"))
+        .get(gw.admin_url(path))
         .send()
         .await
         .unwrap()
         .json()
         .await
         .unwrap()
+}
+
+/// `GET /admin/shares` of a gateway.
+async fn shares(gw: &GatewayProcess) -> serde_json::Value {
+    admin_json(gw, "/admin/shares").await
 }
 
 /// eu-west's global share, as `/admin/shares` shows it.
@@ -236,6 +241,7 @@ async fn shares_follow_traffic_limits_hold_and_a_prometheus_outage_freezes_them(
     assert!((1.0..=15.0).contains(&applied), "{applied} applied rounds");
     // Exactly one leader: only one instance ever ran a round itself.
     let mut leaders = 0;
+    let mut leader_id = String::new();
     for gw in &gateways {
         let text = metrics_text(gw).await;
         let acted = text.lines().any(|l| {
@@ -247,8 +253,27 @@ async fn shares_follow_traffic_limits_hold_and_a_prometheus_outage_freezes_them(
                     .is_some_and(|v| v > 0.0)
         });
         leaders += usize::from(acted);
+        if acted {
+            leader_id = admin_json(gw, "/ready").await["instance"]
+                .as_str()
+                .unwrap()
+                .to_owned();
+        }
     }
     assert_eq!(leaders, 1, "exactly one instance leads the rebalancer");
+    // Its decisions are recorded: by whom, what changed, and the demand.
+    let listed = shares(&gateways[0]).await;
+    let decisions = listed["decisions"].as_array().unwrap();
+    assert!(!decisions.is_empty(), "{listed}");
+    for decision in decisions {
+        assert_eq!(decision["instance_id"], leader_id.as_str(), "{decision}");
+        for change in decision["changes"].as_array().unwrap() {
+            let share = change["shares"]["eu-west"].as_f64().unwrap();
+            assert!(share > 0.5 && share < 1.0, "{decision}");
+            let demand = change["demand_per_second"]["eu-west"].as_f64().unwrap();
+            assert!(demand > 0.0, "{decision}");
+        }
+    }
 
     // The dashboards, against this Prometheus and these gateways.
     dashboards_are_valid(&prometheus, &gateways[0]).await;

@@ -26,7 +26,12 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
         .route("/admin/shares", web::delete().to(delete));
 }
 
-/// `GET /admin/shares`.
+/// Rebalancer decisions `GET /admin/shares` shows.
+const RECENT_DECISIONS: i64 = 10;
+
+/// `GET /admin/shares`: every region with its default and global share,
+/// every row, and the rebalancer's latest decisions (newest first; `null`
+/// without a database or when it does not answer).
 async fn list(state: web::Data<AdminState>) -> HttpResponse {
     let snapshot = state.shares.snapshot();
     let regions: Vec<Value> = state
@@ -48,10 +53,17 @@ async fn list(state: web::Data<AdminState>) -> HttpResponse {
                 .collect()
         })
         .unwrap_or_default();
+    // The rebalancer's latest decisions, when a database holds them; the
+    // rest of the answer does not need it.
+    let decisions = match state.shares.store() {
+        Some(store) => store.decisions(RECENT_DECISIONS).await.ok(),
+        None => None,
+    };
     HttpResponse::Ok().json(json!({
         "region": state.region,
         "regions": regions,
         "rows": snapshot.rows(),
+        "decisions": decisions,
     }))
 }
 
@@ -97,7 +109,9 @@ async fn put(
             .transpose()?,
     };
     let shares = parse_shares(object.get("shares"), &state)?;
-    store.replace(&[(scope.clone(), shares.clone())]).await?;
+    store
+        .replace(&[(scope.clone(), shares.clone())], None)
+        .await?;
     tracing::info!(
         ?scope,
         ?shares,

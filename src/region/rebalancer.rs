@@ -13,7 +13,7 @@
 //! Invariant: when Prometheus is unreachable or has no data, nothing is
 //! written; the shares hold still.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use actix::fut::{ActorFutureExt, WrapFuture};
@@ -23,7 +23,7 @@ use sqlx::postgres::PgConnection;
 
 use super::model::Regions;
 use super::prom::{Demand, Prometheus};
-use super::shares::{Scope, ScopeKey, ShareRow, ShareStore, effective};
+use super::shares::{Decision, Scope, ScopeKey, ShareRow, ShareStore, effective};
 use super::split::{SplitParams, rebalance};
 use crate::config::RebalancerSettings;
 use crate::key::{RouteId, TenantId};
@@ -66,15 +66,13 @@ impl RoundResult {
     }
 }
 
-/// New shares for every scope whose demand calls for a change.
-pub fn plan_round(
+/// Requests per second by scope, then region, over the known regions.
+/// `_other` is the demand of the global scope.
+fn demand_by_scope<'a>(
     regions: &Regions,
-    rows: &[ShareRow],
-    demand: &[Demand],
-    params: SplitParams,
-) -> Vec<(Scope, BTreeMap<String, f64>)> {
-    // Demand by scope, then region. `_other` drives the global share.
-    let mut by_scope: BTreeMap<ScopeKey, HashMap<&str, f64>> = BTreeMap::new();
+    demand: &'a [Demand],
+) -> BTreeMap<ScopeKey, BTreeMap<&'a str, f64>> {
+    let mut by_scope: BTreeMap<ScopeKey, BTreeMap<&str, f64>> = BTreeMap::new();
     for d in demand {
         if regions.get(&d.region).is_none() {
             continue;
@@ -91,6 +89,16 @@ pub fn plan_round(
             .or_default() += d.rate;
     }
     by_scope
+}
+
+/// New shares for every scope whose demand calls for a change.
+pub fn plan_round(
+    regions: &Regions,
+    rows: &[ShareRow],
+    demand: &[Demand],
+    params: SplitParams,
+) -> Vec<(Scope, BTreeMap<String, f64>)> {
+    demand_by_scope(regions, demand)
         .into_iter()
         .filter_map(|((tenant, route), per_region)| {
             let scope = Scope {
@@ -149,6 +157,7 @@ pub fn start(
     regions: Arc<Regions>,
     store: ShareStore,
     database_url: String,
+    instance_id: String,
     metrics: Metrics,
 ) -> Addr<Rebalancer> {
     Rebalancer {
@@ -156,6 +165,7 @@ pub fn start(
         regions,
         store,
         database_url,
+        instance_id,
         lock: None,
         running: false,
         prometheus: None,
@@ -174,6 +184,8 @@ pub struct Rebalancer {
     store: ShareStore,
     /// For the leader lock's own session.
     database_url: String,
+    /// This instance, named in the decisions it records.
+    instance_id: String,
     /// The session holding the leader lock, while this instance leads.
     lock: Option<PgConnection>,
     /// Whether a round is under way.
@@ -209,10 +221,11 @@ impl Handler<Round> for Rebalancer {
         }
         self.running = true;
         let lock = self.lock.take();
-        let (url, store, regions) = (
+        let (url, store, regions, instance) = (
             self.database_url.clone(),
             self.store.clone(),
             self.regions.clone(),
+            self.instance_id.clone(),
         );
         let settings = self.settings.clone();
         let round = async move {
@@ -220,7 +233,7 @@ impl Handler<Round> for Rebalancer {
             if !leader {
                 return (lock, RoundResult::NotLeader);
             }
-            let result = run(&prometheus, &store, &regions, &settings).await;
+            let result = run(&prometheus, &store, &regions, &settings, &instance).await;
             (lock, result)
         };
         ctx.spawn(round.into_actor(self).map(|(lock, result), actor, _| {
@@ -264,6 +277,7 @@ async fn run(
     store: &ShareStore,
     regions: &Regions,
     settings: &RebalancerSettings,
+    instance: &str,
 ) -> RoundResult {
     let demand = match prometheus.demand(settings.window).await {
         Ok(d) if d.iter().any(|d| d.rate > 0.0) => d,
@@ -304,7 +318,28 @@ async fn run(
     if changes.is_empty() {
         return RoundResult::Unchanged;
     }
-    match store.replace(&changes).await {
+    let by_scope = demand_by_scope(regions, &demand);
+    let record: Vec<serde_json::Value> = changes
+        .iter()
+        .map(|(scope, shares)| {
+            let (tenant, route) = (
+                scope.tenant.as_ref().map(TenantId::as_str),
+                scope.route.as_ref().map(RouteId::as_str),
+            );
+            let key = (tenant.map(str::to_owned), route.map(str::to_owned));
+            serde_json::json!({
+                "tenant": tenant,
+                "route": route,
+                "shares": shares,
+                "demand_per_second": by_scope.get(&key),
+            })
+        })
+        .collect();
+    let decision = Decision {
+        instance,
+        changes: serde_json::Value::Array(record),
+    };
+    match store.replace(&changes, Some(&decision)).await {
         Ok(()) => {
             for (scope, shares) in &changes {
                 tracing::info!(

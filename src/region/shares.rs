@@ -52,6 +52,29 @@ pub struct ShareRow {
     pub updated_at: Option<String>,
 }
 
+/// Rebalancer decisions kept in `rebalance_decision`.
+const KEPT_DECISIONS: i64 = 100;
+
+/// A rebalancer round to record with the shares it writes.
+#[derive(Debug)]
+pub struct Decision<'a> {
+    /// The instance that led the round.
+    pub instance: &'a str,
+    /// `[{"tenant", "route", "shares", "demand_per_second"}, …]`.
+    pub changes: serde_json::Value,
+}
+
+/// One recorded rebalancer decision.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DecisionRow {
+    /// When, RFC 3339 in UTC.
+    pub decided_at: String,
+    /// The instance that led the round.
+    pub instance_id: String,
+    /// What changed, and the demand behind it.
+    pub changes: serde_json::Value,
+}
+
 /// The scope of a share: a tenant and/or route, or everything.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Scope {
@@ -91,15 +114,33 @@ impl ShareStore {
     }
 
     /// Replaces the shares of each scope with the given per-region shares,
-    /// all in one transaction.
+    /// and records `decision` when the rebalancer made them, all in one
+    /// transaction.
     ///
     /// # Errors
     /// When the database fails; nothing is written then.
     pub async fn replace(
         &self,
         changes: &[(Scope, BTreeMap<String, f64>)],
+        decision: Option<&Decision<'_>>,
     ) -> Result<(), ShareStoreError> {
         let mut tx = self.pool.begin().await?;
+        if let Some(decision) = decision {
+            sqlx::query(
+                "INSERT INTO rebalance_decision (instance_id, changes) VALUES ($1, $2::jsonb)",
+            )
+            .bind(decision.instance)
+            .bind(decision.changes.to_string())
+            .execute(&mut *tx)
+            .await?;
+            sqlx::query(
+                "DELETE FROM rebalance_decision WHERE id <= \
+                 (SELECT max(id) - $1 FROM rebalance_decision)",
+            )
+            .bind(KEPT_DECISIONS)
+            .execute(&mut *tx)
+            .await?;
+        }
         for (scope, shares) in changes {
             for (region, share) in shares {
                 sqlx::query(
@@ -117,6 +158,28 @@ impl ShareStore {
         }
         tx.commit().await?;
         Ok(())
+    }
+
+    /// The latest `limit` rebalancer decisions, newest first.
+    ///
+    /// # Errors
+    /// When the database fails.
+    pub async fn decisions(&self, limit: i64) -> Result<Vec<DecisionRow>, ShareStoreError> {
+        let rows: Vec<(String, String, String)> = sqlx::query_as(
+            "SELECT to_char(decided_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), \
+             instance_id, changes::text FROM rebalance_decision ORDER BY id DESC LIMIT $1",
+        )
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(|(decided_at, instance_id, changes)| DecisionRow {
+                decided_at,
+                instance_id,
+                changes: serde_json::from_str(&changes).unwrap_or(serde_json::Value::Null),
+            })
+            .collect())
     }
 
     /// Deletes every region's share of `scope`; returns whether any existed.
