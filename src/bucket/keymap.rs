@@ -7,8 +7,8 @@
 //!
 //! Invariant: at most about `max_keys` entries. [`KeyMap::sweep`] drops
 //! entries that say they are idle (forgetting them loses nothing), and a
-//! shard at its cap drops its idle entries, then arbitrary ones down to 90 %
-//! of its cap, before it admits a new key; attacker-chosen keys cannot grow
+//! shard at its cap drops its idle entries, then the least recently used
+//! down to 90 % of its cap, before it admits a new key; attacker-chosen keys cannot grow
 //! memory without bound, and a flood of them costs amortised constant work
 //! per key.
 
@@ -24,6 +24,10 @@ pub trait Idle {
     /// Whether the entry can be dropped at `now_ms` without changing any
     /// future decision.
     fn is_idle(&self, now_ms: u64) -> bool;
+
+    /// When the entry was last used (ms); at the cap, the least recently
+    /// used entries go first.
+    fn last_used_ms(&self) -> u64;
 }
 
 /// Called with every entry the map drops.
@@ -94,7 +98,13 @@ impl<V: Idle> KeyMap<V> {
             shard.retain(|_, v| self.keep(v, now_ms));
             let keep = self.max_per_shard - self.max_per_shard.div_ceil(10);
             if shard.len() > keep {
-                let victims: Vec<String> = shard.keys().take(shard.len() - keep).cloned().collect();
+                // The least recently used go: a flood of new keys evicts
+                // its own oldest entries before a key still in use.
+                let n = shard.len() - keep;
+                let mut ages: Vec<(u64, &String)> =
+                    shard.iter().map(|(k, v)| (v.last_used_ms(), k)).collect();
+                ages.select_nth_unstable_by_key(n - 1, |(age, _)| *age);
+                let victims: Vec<String> = ages[..n].iter().map(|(_, k)| (*k).clone()).collect();
                 for victim in victims {
                     if let Some(v) = shard.remove(&victim) {
                         self.dropped(&v);
@@ -155,6 +165,40 @@ mod tests {
         fn is_idle(&self, now_ms: u64) -> bool {
             now_ms >= self.0
         }
+
+        fn last_used_ms(&self) -> u64 {
+            0
+        }
+    }
+
+    /// Never idle; last used at the stored time.
+    struct Used(u64);
+
+    impl Idle for Used {
+        fn is_idle(&self, _: u64) -> bool {
+            false
+        }
+
+        fn last_used_ms(&self) -> u64 {
+            self.0
+        }
+    }
+
+    #[test]
+    fn at_the_cap_the_least_recently_used_keys_go_first() {
+        let map = KeyMap::new(16 * 10);
+        // One key in use all along, among a flood of single-use keys.
+        let mut created = 0;
+        for i in 0..5_000u64 {
+            let create = || {
+                created += 1;
+                Used(i)
+            };
+            map.with("busy", i, create, |e| e.0 = i);
+            map.with(&format!("flood-{i}"), i, || Used(i), |_| ());
+        }
+        assert!(map.len() <= 16 * 10, "{}", map.len());
+        assert_eq!(created, 1, "the key in use was never evicted");
     }
 
     #[test]

@@ -186,6 +186,10 @@ impl Idle for KeyState {
             && now_ms >= self.blocked_until_ms
             && now_ms.saturating_sub(self.last_seen_ms) >= 8 * RATE_WINDOW_MS
     }
+
+    fn last_used_ms(&self) -> u64 {
+        self.last_seen_ms
+    }
 }
 
 /// Hot-key state of every key this instance sees.

@@ -22,6 +22,10 @@ impl Idle for Entry {
     fn is_idle(&self, now_ms: u64) -> bool {
         self.state.is_full(&self.spec, now_ms)
     }
+
+    fn last_used_ms(&self) -> u64 {
+        self.state.updated_ms
+    }
 }
 
 /// Keyed in-process token buckets.
