@@ -109,9 +109,7 @@ async fn put(
             .transpose()?,
     };
     let shares = parse_shares(object.get("shares"), &state)?;
-    store
-        .replace(&[(scope.clone(), shares.clone())], None)
-        .await?;
+    store.replace(&[(scope.clone(), shares.clone())]).await?;
     tracing::info!(
         ?scope,
         ?shares,

@@ -7,7 +7,9 @@
 //! `rebalancer.window_seconds`; moves every scope's shares toward that
 //! demand with [`super::split::rebalance`] (labelled tenants per route; the
 //! rest, `tenant="_other"`, moves the global default share); writes every
-//! change in one transaction; and logs and counts the outcome. The table's
+//! change, with a record of the decision, in one transaction on the session
+//! that holds the lock (an instance that lost it cannot write); and logs
+//! and counts the outcome. The table's
 //! trigger then carries the new shares to every gateway.
 //!
 //! Invariant: when Prometheus is unreachable or has no data, nothing is
@@ -229,11 +231,15 @@ impl Handler<Round> for Rebalancer {
         );
         let settings = self.settings.clone();
         let round = async move {
-            let (lock, leader) = lead(lock, &url).await;
-            if !leader {
+            let (mut lock, leader) = lead(lock, &url).await;
+            let Some(session) = lock.as_mut().filter(|_| leader) else {
                 return (lock, RoundResult::NotLeader);
-            }
-            let result = run(&prometheus, &store, &regions, &settings, &instance).await;
+            };
+            let leader = Leader {
+                session,
+                instance: &instance,
+            };
+            let result = run(&prometheus, &store, &regions, &settings, leader).await;
             (lock, result)
         };
         ctx.spawn(round.into_actor(self).map(|(lock, result), actor, _| {
@@ -272,12 +278,20 @@ async fn lead(lock: Option<PgConnection>, url: &str) -> (Option<PgConnection>, b
 }
 
 /// One round as leader.
+/// The instance leading a round, and the session holding its lock.
+struct Leader<'a> {
+    /// Writes go through this session: it holds the leader lock.
+    session: &'a mut PgConnection,
+    /// This instance's id, recorded with each decision.
+    instance: &'a str,
+}
+
 async fn run(
     prometheus: &Prometheus,
     store: &ShareStore,
     regions: &Regions,
     settings: &RebalancerSettings,
-    instance: &str,
+    leader: Leader<'_>,
 ) -> RoundResult {
     let demand = match prometheus.demand(settings.window).await {
         Ok(d) if d.iter().any(|d| d.rate > 0.0) => d,
@@ -336,10 +350,10 @@ async fn run(
         })
         .collect();
     let decision = Decision {
-        instance,
+        instance: leader.instance,
         changes: serde_json::Value::Array(record),
     };
-    match store.replace(&changes, Some(&decision)).await {
+    match ShareStore::replace_on(leader.session, &changes, Some(&decision)).await {
         Ok(()) => {
             for (scope, shares) in &changes {
                 tracing::info!(

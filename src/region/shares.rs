@@ -19,7 +19,8 @@ use actix::fut::{ActorFutureExt, WrapFuture};
 use actix::{Actor, Addr, AsyncContext, AtomicResponse, Context, Handler};
 use arc_swap::{ArcSwap, Guard};
 use serde::Serialize;
-use sqlx::postgres::PgPool;
+use sqlx::Connection as _;
+use sqlx::postgres::{PgConnection, PgPool};
 
 use super::model::Regions;
 use crate::key::{MAX_ID_LEN, RouteId, TenantId};
@@ -113,18 +114,33 @@ impl ShareStore {
         .await?)
     }
 
-    /// Replaces the shares of each scope with the given per-region shares,
-    /// and records `decision` when the rebalancer made them, all in one
-    /// transaction.
+    /// Replaces the shares of each scope with the given per-region shares
+    /// in one transaction on a pooled connection.
     ///
     /// # Errors
     /// When the database fails; nothing is written then.
     pub async fn replace(
         &self,
         changes: &[(Scope, BTreeMap<String, f64>)],
+    ) -> Result<(), ShareStoreError> {
+        let mut conn = self.pool.acquire().await?;
+        Self::replace_on(&mut conn, changes, None).await
+    }
+
+    /// Replaces the shares of each scope with the given per-region shares,
+    /// and records `decision` when the rebalancer made them, all in one
+    /// transaction on `conn`. The rebalancer passes the session that holds
+    /// its leader lock: an instance that lost the lock (its session died)
+    /// cannot write.
+    ///
+    /// # Errors
+    /// When the database fails; nothing is written then.
+    pub async fn replace_on(
+        conn: &mut PgConnection,
+        changes: &[(Scope, BTreeMap<String, f64>)],
         decision: Option<&Decision<'_>>,
     ) -> Result<(), ShareStoreError> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = conn.begin().await?;
         if let Some(decision) = decision {
             sqlx::query(
                 "INSERT INTO rebalance_decision (instance_id, changes) VALUES ($1, $2::jsonb)",
