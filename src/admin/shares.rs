@@ -29,9 +29,12 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
 /// Rebalancer decisions `GET /admin/shares` shows.
 const RECENT_DECISIONS: i64 = 10;
 
+/// Longest wait for them; the rest of the answer needs no database.
+const DECISIONS_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(500);
+
 /// `GET /admin/shares`: every region with its default and global share,
 /// every row, and the rebalancer's latest decisions (newest first; `null`
-/// without a database or when it does not answer).
+/// without a database or when it does not answer within 500 ms).
 async fn list(state: web::Data<AdminState>) -> HttpResponse {
     let snapshot = state.shares.snapshot();
     let regions: Vec<Value> = state
@@ -56,7 +59,20 @@ async fn list(state: web::Data<AdminState>) -> HttpResponse {
     // The rebalancer's latest decisions, when a database holds them; the
     // rest of the answer does not need it.
     let decisions = match state.shares.store() {
-        Some(store) => store.decisions(RECENT_DECISIONS).await.ok(),
+        Some(store) => {
+            let read = store.decisions(RECENT_DECISIONS);
+            match tokio::time::timeout(DECISIONS_TIMEOUT, read).await {
+                Ok(Ok(rows)) => Some(rows),
+                Ok(Err(e)) => {
+                    tracing::debug!(error = %e, "Cannot read rebalancer decisions.");
+                    None
+                }
+                Err(_) => {
+                    tracing::debug!("Rebalancer decisions did not arrive in time.");
+                    None
+                }
+            }
+        }
         None => None,
     };
     HttpResponse::Ok().json(json!({

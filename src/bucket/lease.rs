@@ -8,10 +8,11 @@
 //!   them locally. The batch is `min(local rate, refill) × lease.window_ms`,
 //!   capped by `lease.max_batch` and the capacity; a lease call takes at
 //!   least half of it or nothing, and the whole batch or nothing when the
-//!   key was blocked (contended). Tokens unspent after the window expire
-//!   (counted). Leased tokens really left Redis, so a lease only shifts
-//!   admission by up to one window: the cluster can over-admit by at most
-//!   instances × batch in a short interval. Only one request per key fetches
+//!   key was blocked (contended). Tokens unspent after the window of the
+//!   latest lease expire (counted). Leased tokens really left Redis, so
+//!   leasing never admits more than Redis granted; it only moves when they
+//!   are spent, which lets the cluster over-admit by at most instances ×
+//!   batch in a short interval. Only one request per key fetches
 //!   a lease at a time; the others wait for it (bounded by the Redis
 //!   timeout) and spend from it, instead of all asking Redis when a lease
 //!   runs out. The next lease is fetched ahead, in the background, when the

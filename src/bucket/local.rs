@@ -16,6 +16,9 @@ struct Entry {
     state: TokenState,
     /// The bucket size and rate last applied, needed to tell when it is full.
     spec: BucketSpec,
+    /// Last request, admitted or not (a rejection leaves `state` alone), so
+    /// that a drained bucket under attack is not the first to be evicted.
+    last_used_ms: u64,
 }
 
 impl Idle for Entry {
@@ -24,7 +27,7 @@ impl Idle for Entry {
     }
 
     fn last_used_ms(&self) -> u64 {
-        self.state.updated_ms
+        self.last_used_ms
     }
 }
 
@@ -51,9 +54,11 @@ impl LocalBuckets {
         let create = || Entry {
             state: TokenState::full(spec, now),
             spec: *spec,
+            last_used_ms: now,
         };
         self.buckets.with(key, now, create, |entry| {
             entry.spec = *spec;
+            entry.last_used_ms = now;
             entry.state.take(spec, cost, now)
         })
     }
@@ -88,6 +93,19 @@ mod tests {
         assert!(buckets.take("b", &s, 1).allowed);
         clock.advance(Duration::from_secs(1));
         assert!(buckets.take("a", &s, 1).allowed);
+    }
+
+    #[test]
+    fn a_drained_bucket_still_in_use_outlives_a_flood_of_new_keys() {
+        let clock = ManualClock::new(0);
+        let buckets = LocalBuckets::new(16 * 10, clock.clone());
+        let s = spec(1, 1);
+        assert!(buckets.take("spam", &s, 1).allowed);
+        for i in 0..2_000 {
+            clock.advance(Duration::from_micros(100));
+            assert!(!buckets.take("spam", &s, 1).allowed, "request {i}");
+            buckets.take(&format!("flood-{i}"), &s, 1);
+        }
     }
 
     #[test]

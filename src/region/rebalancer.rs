@@ -17,6 +17,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use actix::fut::{ActorFutureExt, WrapFuture};
 use actix::{Actor, Addr, AsyncContext, Context, Handler, Message};
@@ -33,6 +34,10 @@ use crate::telemetry::{Metrics, OTHER_TENANTS};
 
 /// The advisory lock that makes one instance the leader ("tollgate").
 const LEADER_LOCK: i64 = 0x746F_6C6C_6761_7465;
+
+/// Longest a round may take (leader check, Prometheus, database) before it
+/// is abandoned, so a stuck connection cannot stop rebalancing.
+const ROUND_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Changes smaller than this are not written.
 const MIN_CHANGE: f64 = 1e-4;
@@ -52,6 +57,9 @@ pub enum RoundResult {
     NoData,
     /// PostgreSQL failed.
     DatabaseError,
+    /// The round took longer than [`ROUND_TIMEOUT`]; the leader session
+    /// was dropped (and with it the lock).
+    Timeout,
 }
 
 impl RoundResult {
@@ -62,6 +70,7 @@ impl RoundResult {
             Self::Unchanged => "unchanged",
             Self::NotLeader => "not_leader",
             Self::PrometheusError => "prometheus_error",
+            Self::Timeout => "timeout",
             Self::NoData => "no_data",
             Self::DatabaseError => "database_error",
         }
@@ -231,16 +240,29 @@ impl Handler<Round> for Rebalancer {
         );
         let settings = self.settings.clone();
         let round = async move {
-            let (mut lock, leader) = lead(lock, &url).await;
-            let Some(session) = lock.as_mut().filter(|_| leader) else {
-                return (lock, RoundResult::NotLeader);
+            let work = async move {
+                let (mut lock, leader) = lead(lock, &url).await;
+                let Some(session) = lock.as_mut().filter(|_| leader) else {
+                    return (lock, RoundResult::NotLeader);
+                };
+                let leader = Leader {
+                    session,
+                    instance: &instance,
+                };
+                let result = run(&prometheus, &store, &regions, &settings, leader).await;
+                (lock, result)
             };
-            let leader = Leader {
-                session,
-                instance: &instance,
-            };
-            let result = run(&prometheus, &store, &regions, &settings, leader).await;
-            (lock, result)
+            // On a timeout the session is dropped with the round: its lock
+            // goes with it, and the next round starts afresh.
+            tokio::time::timeout(ROUND_TIMEOUT, work)
+                .await
+                .unwrap_or_else(|_| {
+                    tracing::warn!(
+                        seconds = ROUND_TIMEOUT.as_secs(),
+                        "A rebalancer round did not finish in time; abandoned."
+                    );
+                    (None, RoundResult::Timeout)
+                })
         };
         ctx.spawn(round.into_actor(self).map(|(lock, result), actor, _| {
             actor.lock = lock;
@@ -277,7 +299,6 @@ async fn lead(lock: Option<PgConnection>, url: &str) -> (Option<PgConnection>, b
     }
 }
 
-/// One round as leader.
 /// The instance leading a round, and the session holding its lock.
 struct Leader<'a> {
     /// Writes go through this session: it holds the leader lock.
@@ -286,6 +307,7 @@ struct Leader<'a> {
     instance: &'a str,
 }
 
+/// One round as leader.
 async fn run(
     prometheus: &Prometheus,
     store: &ShareStore,

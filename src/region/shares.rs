@@ -150,8 +150,8 @@ impl ShareStore {
             .execute(&mut *tx)
             .await?;
             sqlx::query(
-                "DELETE FROM rebalance_decision WHERE id <= \
-                 (SELECT max(id) - $1 FROM rebalance_decision)",
+                "DELETE FROM rebalance_decision WHERE id NOT IN \
+                 (SELECT id FROM rebalance_decision ORDER BY id DESC LIMIT $1)",
             )
             .bind(KEPT_DECISIONS)
             .execute(&mut *tx)
@@ -423,30 +423,30 @@ pub fn effective(
 pub type ScopeKey = (Option<String>, Option<String>);
 
 /// Sets `tollgate_region_share` for every region's global share and, in
-/// every region, for every scope that has a row or had one at the previous
-/// export (`exported`): a deleted row's gauge then shows the share in force
-/// for its scope at deletion instead of the row's last value.
+/// every region, for every scope that has or ever had a row (`exported`
+/// remembers them, as many as the series already published): a deleted
+/// row's gauge shows the share in force for its scope, not the row's last
+/// value.
 fn export(regions: &Regions, set: &ShareSet, exported: &mut BTreeSet<ScopeKey>, metrics: &Metrics) {
     for region in &regions.all {
         let global = effective(&set.rows, &region.id, region.default_share, None, None);
         metrics.region_share(&region.id, None, None, global);
     }
-    let current: BTreeSet<ScopeKey> = set
-        .rows
-        .iter()
-        .filter(|r| r.tenant.is_some() || r.route.is_some())
-        .map(|r| (r.tenant.clone(), r.route.clone()))
-        .collect();
-    for (tenant, route) in exported.union(&current) {
+    exported.extend(
+        set.rows
+            .iter()
+            .filter(|r| r.tenant.is_some() || r.route.is_some())
+            .map(|r| (r.tenant.clone(), r.route.clone())),
+    );
+    // A published series stays until restart whatever is done here, so a
+    // deleted scope's gauge keeps following the share in force for it.
+    for (tenant, route) in exported.iter() {
         let (tenant, route) = (tenant.as_deref(), route.as_deref());
         for region in &regions.all {
             let share = effective(&set.rows, &region.id, region.default_share, tenant, route);
             metrics.region_share(&region.id, tenant, route, share);
         }
     }
-    // A deleted scope's gauge was just set to the share in force; it is
-    // not followed further, so the set stays as small as the table.
-    *exported = current;
 }
 
 /// The actor that owns this region's share snapshot.
@@ -463,7 +463,7 @@ pub struct Splitter {
     snapshot: Arc<ArcSwap<ShareSet>>,
     /// The share gauge.
     metrics: Metrics,
-    /// Scopes with a row at the last export.
+    /// Scopes that ever had a row (each already has a published series).
     exported: BTreeSet<ScopeKey>,
     /// Whether a reload is already queued.
     reload_scheduled: bool,
@@ -574,6 +574,21 @@ mod tests {
         assert_eq!(
             (gauge("gauge-eu"), gauge("gauge-us")),
             ("0.6".into(), "0.4".into())
+        );
+        // And it keeps following the global share afterwards.
+        let moved = vec![
+            row("gauge-eu", None, None, 0.7),
+            row("gauge-us", None, None, 0.3),
+        ];
+        export(
+            &regions,
+            &ShareSet::new("gauge-eu", 0.5, moved),
+            &mut exported,
+            &metrics,
+        );
+        assert_eq!(
+            (gauge("gauge-eu"), gauge("gauge-us")),
+            ("0.7".into(), "0.3".into())
         );
     }
 

@@ -167,7 +167,7 @@ fn describe() {
     describe_counter!(
         REBALANCE_ROUNDS_TOTAL,
         Unit::Count,
-        "Region rebalancer rounds by result (applied, unchanged, not_leader, prometheus_error, no_data, database_error)."
+        "Region rebalancer rounds by result (applied, unchanged, not_leader, prometheus_error, no_data, database_error, timeout)."
     );
     describe_gauge!(
         REGION_SHARE,
