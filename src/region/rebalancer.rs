@@ -57,8 +57,8 @@ pub enum RoundResult {
     NoData,
     /// PostgreSQL failed.
     DatabaseError,
-    /// The round took longer than [`ROUND_TIMEOUT`]; the leader session
-    /// was dropped (and with it the lock).
+    /// The round took longer than 30 s; the leader session was dropped
+    /// (and with it the lock).
     Timeout,
 }
 
