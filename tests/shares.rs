@@ -213,3 +213,40 @@ async fn without_regions_share_writes_are_refused() {
         (200, serde_json::Value::Null)
     );
 }
+
+#[actix_web::test]
+async fn recorded_decisions_keep_the_newest_hundred_in_order() {
+    use std::collections::BTreeMap;
+
+    use sqlx::Connection as _;
+    use tollgate::region::shares::{Decision, Scope, ShareStore};
+    use tollgate::rules::RuleStore;
+
+    let db = TestDatabase::create();
+    let rules = RuleStore::connect_lazy(&db.url()).unwrap();
+    rules.migrate().await.unwrap();
+    let store = ShareStore::new(&rules);
+    let mut conn = sqlx::PgConnection::connect(&db.url()).await.unwrap();
+    let global = Scope {
+        tenant: None,
+        route: None,
+    };
+    for round in 0..105 {
+        let shares = BTreeMap::from([("eu".to_owned(), 0.5), ("us".to_owned(), 0.5)]);
+        let decision = Decision {
+            instance: "gw-test",
+            changes: serde_json::json!([{ "round": round }]),
+        };
+        ShareStore::replace_on(&mut conn, &[(global.clone(), shares)], Some(&decision))
+            .await
+            .unwrap();
+    }
+    assert_eq!(db.sql("SELECT count(*) FROM rebalance_decision"), "100");
+    let latest = store.decisions(3).await.unwrap();
+    let rounds: Vec<_> = latest
+        .iter()
+        .map(|d| d.changes[0]["round"].clone())
+        .collect();
+    assert_eq!(rounds, [104, 103, 102]);
+    assert!(latest.iter().all(|d| d.instance_id == "gw-test"));
+}
