@@ -119,6 +119,26 @@ pub fn validate_route_id(raw: &str) -> Result<(), IdError> {
     }
 }
 
+/// Room for `tenant/route` with both ids at their longest.
+pub const PAIR_KEY_BUF: usize = 2 * MAX_ID_LEN + 1;
+
+/// Separator of [`pair_key`]; not in the id charset.
+pub const PAIR_SEP: char = '/';
+
+/// Writes the in-memory lookup key `tenant/route` (either side may be
+/// empty) into `buf`, without allocating; `None` when either side is longer
+/// than [`MAX_ID_LEN`] (nothing is stored under such a key).
+pub fn pair_key<'a>(buf: &'a mut [u8; PAIR_KEY_BUF], tenant: &str, route: &str) -> Option<&'a str> {
+    let (t, r) = (tenant.as_bytes(), route.as_bytes());
+    if t.len() > MAX_ID_LEN || r.len() > MAX_ID_LEN {
+        return None;
+    }
+    buf[..t.len()].copy_from_slice(t);
+    buf[t.len()] = PAIR_SEP as u8;
+    buf[t.len() + 1..t.len() + 1 + r.len()].copy_from_slice(r);
+    std::str::from_utf8(&buf[..t.len() + 1 + r.len()]).ok()
+}
+
 /// The Redis key of one (tenant, route) bucket: `rl:{<tenant>}:<route>`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct BucketKey(String);

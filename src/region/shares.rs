@@ -23,7 +23,7 @@ use sqlx::Connection as _;
 use sqlx::postgres::{PgConnection, PgPool};
 
 use super::model::Regions;
-use crate::key::{MAX_ID_LEN, RouteId, TenantId};
+use crate::key::{PAIR_KEY_BUF, RouteId, TenantId, pair_key};
 use crate::rules::RuleStore;
 use crate::rules::feed::{Feed, Notified, Resync};
 use crate::telemetry::Metrics;
@@ -225,21 +225,6 @@ pub struct ShareSet {
     rows: Vec<ShareRow>,
 }
 
-/// Room for `tenant/route` with both ids at their longest.
-const KEY_BUF: usize = 2 * MAX_ID_LEN + 1;
-
-/// Writes the scope key `tenant/route` (either side may be empty).
-fn scope_key<'a>(buf: &'a mut [u8; KEY_BUF], tenant: &str, route: &str) -> Option<&'a str> {
-    let (t, r) = (tenant.as_bytes(), route.as_bytes());
-    if t.len() > MAX_ID_LEN || r.len() > MAX_ID_LEN {
-        return None;
-    }
-    buf[..t.len()].copy_from_slice(t);
-    buf[t.len()] = b'/';
-    buf[t.len() + 1..t.len() + 1 + r.len()].copy_from_slice(r);
-    std::str::from_utf8(&buf[..t.len() + 1 + r.len()]).ok()
-}
-
 impl ShareSet {
     /// Every share is 1: no regions.
     pub fn whole() -> Self {
@@ -255,13 +240,11 @@ impl ShareSet {
         let local = rows
             .iter()
             .filter(|r| r.region == region)
-            .map(|r| {
-                let key = format!(
-                    "{}/{}",
-                    r.tenant.as_deref().unwrap_or(""),
-                    r.route.as_deref().unwrap_or("")
-                );
-                (Arc::from(key), r.share)
+            .filter_map(|r| {
+                let (tenant, route) = (r.tenant.as_deref(), r.route.as_deref());
+                let mut buf = [0; PAIR_KEY_BUF];
+                let key = pair_key(&mut buf, tenant.unwrap_or(""), route.unwrap_or(""))?;
+                Some((Arc::from(key), r.share))
             })
             .collect();
         Self {
@@ -277,9 +260,9 @@ impl ShareSet {
         if self.local.is_empty() {
             return self.default;
         }
-        let mut buf = [0; KEY_BUF];
+        let mut buf = [0; PAIR_KEY_BUF];
         for (t, r) in [(tenant, route), (tenant, ""), ("", route), ("", "")] {
-            if let Some(share) = scope_key(&mut buf, t, r).and_then(|k| self.local.get(k)) {
+            if let Some(share) = pair_key(&mut buf, t, r).and_then(|k| self.local.get(k)) {
                 return *share;
             }
         }

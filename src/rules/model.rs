@@ -13,7 +13,7 @@ use std::num::NonZeroU32;
 use std::sync::Arc;
 
 use crate::config::LimitSettings;
-use crate::key::{MAX_ID_LEN, RouteId, TenantId};
+use crate::key::{PAIR_KEY_BUF, PAIR_SEP, RouteId, TenantId, pair_key};
 
 /// Most sub-buckets one rule may be split into.
 pub const MAX_SHARDS: u32 = 64;
@@ -88,9 +88,6 @@ pub struct SnapshotOrigin {
     pub loaded_at_unix: u64,
 }
 
-/// Separator of the composite key; not in the id charset.
-const SEP: u8 = b'/';
-
 /// All rules in force, plus the default for pairs without one.
 #[derive(Debug, Clone)]
 pub struct RuleSet {
@@ -122,13 +119,19 @@ impl RuleSet {
 
     /// Sets the rule of `rule.tenant` on `rule.route`.
     pub fn upsert(&mut self, rule: &Rule) {
-        let key = format!("{}/{}", rule.tenant, rule.route);
-        self.rules.insert(Arc::from(key), rule.limit);
+        // Validated ids always fit.
+        if let Some(key) = pair_key(
+            &mut [0; PAIR_KEY_BUF],
+            rule.tenant.as_str(),
+            rule.route.as_str(),
+        ) {
+            self.rules.insert(Arc::from(key), rule.limit);
+        }
     }
 
     /// Removes the rule of `tenant` on `route`, if any.
     pub fn remove(&mut self, tenant: &TenantId, route: &RouteId) {
-        if let Some(key) = compose(&mut [0; KEY_BUF], tenant.as_str(), route.as_str()) {
+        if let Some(key) = pair_key(&mut [0; PAIR_KEY_BUF], tenant.as_str(), route.as_str()) {
             self.rules.remove(key);
         }
     }
@@ -145,15 +148,15 @@ impl RuleSet {
 
     /// The explicit rule for `tenant` on `route`, if there is one.
     pub fn rule_for(&self, tenant: &str, route: &str) -> Option<Limit> {
-        let mut buf = [0; KEY_BUF];
-        let key = compose(&mut buf, tenant, route)?;
+        let mut buf = [0; PAIR_KEY_BUF];
+        let key = pair_key(&mut buf, tenant, route)?;
         self.rules.get(key).copied()
     }
 
     /// Every rule, in no particular order.
     pub fn rules(&self) -> impl Iterator<Item = Rule> + '_ {
         self.rules.iter().filter_map(|(key, limit)| {
-            let (tenant, route) = key.split_once(char::from(SEP))?;
+            let (tenant, route) = key.split_once(PAIR_SEP)?;
             Some(Rule {
                 tenant: TenantId::parse(tenant).ok()?,
                 route: RouteId::parse(route).ok()?,
@@ -167,7 +170,7 @@ impl RuleSet {
     pub fn tenants(&self) -> impl Iterator<Item = &str> + '_ {
         self.rules
             .keys()
-            .filter_map(|key| key.split_once(char::from(SEP)).map(|(t, _)| t))
+            .filter_map(|key| key.split_once(PAIR_SEP).map(|(t, _)| t))
     }
 
     /// Number of explicit rules.
@@ -189,22 +192,6 @@ impl RuleSet {
     pub fn origin(&self) -> SnapshotOrigin {
         self.origin
     }
-}
-
-/// Room for `tenant/route` with both ids at their longest.
-const KEY_BUF: usize = 2 * MAX_ID_LEN + 1;
-
-/// Writes `tenant/route` into `buf`; `None` when either id is too long (no
-/// rule can exist for it then).
-fn compose<'a>(buf: &'a mut [u8; KEY_BUF], tenant: &str, route: &str) -> Option<&'a str> {
-    let (t, r) = (tenant.as_bytes(), route.as_bytes());
-    if t.len() > MAX_ID_LEN || r.len() > MAX_ID_LEN {
-        return None;
-    }
-    buf[..t.len()].copy_from_slice(t);
-    buf[t.len()] = SEP;
-    buf[t.len() + 1..t.len() + 1 + r.len()].copy_from_slice(r);
-    std::str::from_utf8(&buf[..t.len() + 1 + r.len()]).ok()
 }
 
 #[cfg(test)]
