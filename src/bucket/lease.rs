@@ -462,6 +462,17 @@ mod tests {
         }
     }
 
+    /// `n` requests, each spent from the lease with nothing else to do.
+    fn spend_from_lease(hot: &HotKeys, s: &BucketSpec, n: usize) {
+        for i in 0..n {
+            let p = plan(hot, s, false);
+            assert!(
+                matches!(p, Plan::Local(_, DecisionSource::Lease)),
+                "request {i}: {p:?}"
+            );
+        }
+    }
+
     /// One request every 2.5 ms for a second: exactly 400 tokens/s.
     fn warm(hot: &HotKeys, clock: &ManualClock, s: &BucketSpec) {
         for _ in 0..400 {
@@ -558,12 +569,7 @@ mod tests {
         assert_eq!(call(plan(&hot, &s, false)), (40, 20, true));
         hot.record("k", &grant(40, 40, 0, 0), 1, true);
         // 39 leased after the fetching request; spends down to 10 stay local.
-        for _ in 0..29 {
-            assert!(matches!(
-                plan(&hot, &s, false),
-                Plan::Local(_, DecisionSource::Lease)
-            ));
-        }
+        spend_from_lease(&hot, &s, 29);
         // Under a quarter batch (10): this spend also fetches the next lease.
         let Plan::Refresh {
             decision,
@@ -576,24 +582,14 @@ mod tests {
         assert!(decision.allowed);
         assert_eq!((want, min), (31, 20), "tops the 9 left up to one batch");
         // Only one fetch at a time; the rest of the lease is still spent.
-        for _ in 0..9 {
-            assert!(matches!(
-                plan(&hot, &s, false),
-                Plan::Local(_, DecisionSource::Lease)
-            ));
-        }
+        spend_from_lease(&hot, &s, 9);
         assert!(
             matches!(plan(&hot, &s, false), Plan::Wait(_)),
             "lease used up"
         );
         // The background answer is all lease, and releases the key.
         hot.record("k", &grant(40, 0, 0, 0), 0, true);
-        for _ in 0..30 {
-            assert!(matches!(
-                plan(&hot, &s, false),
-                Plan::Local(_, DecisionSource::Lease)
-            ));
-        }
+        spend_from_lease(&hot, &s, 30);
         assert!(matches!(plan(&hot, &s, false), Plan::Refresh { .. }));
     }
 

@@ -530,49 +530,23 @@ mod tests {
                 .unwrap_or_else(|| panic!("no {line} in\n{text}"))
         };
         let (metrics, mut exported) = (Metrics::new(), BTreeSet::new());
-        let rows = vec![
-            row("gauge-eu", Some("gauge-t"), Some("api"), 0.75),
-            row("gauge-us", Some("gauge-t"), Some("api"), 0.25),
-        ];
-        export(
-            &regions,
-            &ShareSet::new("gauge-eu", 0.5, rows),
-            &mut exported,
-            &metrics,
-        );
-        assert_eq!(
-            (gauge("gauge-eu"), gauge("gauge-us")),
-            ("0.75".into(), "0.25".into())
-        );
-        let global = vec![
-            row("gauge-eu", None, None, 0.6),
-            row("gauge-us", None, None, 0.4),
-        ];
-        export(
-            &regions,
-            &ShareSet::new("gauge-eu", 0.5, global),
-            &mut exported,
-            &metrics,
-        );
-        assert_eq!(
-            (gauge("gauge-eu"), gauge("gauge-us")),
-            ("0.6".into(), "0.4".into())
-        );
+        // Exports `eu`/`us` shares of `scope` and reads the scoped gauges.
+        let mut step = |scope: Option<(&str, &str)>, eu: f64, us: f64| {
+            let (tenant, route) = (scope.map(|s| s.0), scope.map(|s| s.1));
+            let rows = vec![
+                row("gauge-eu", tenant, route, eu),
+                row("gauge-us", tenant, route, us),
+            ];
+            let set = ShareSet::new("gauge-eu", 0.5, rows);
+            export(&regions, &set, &mut exported, &metrics);
+            (gauge("gauge-eu"), gauge("gauge-us"))
+        };
+        let scoped = Some(("gauge-t", "api"));
+        assert_eq!(step(scoped, 0.75, 0.25), ("0.75".into(), "0.25".into()));
+        // The scoped rows are gone: the gauge shows the global share.
+        assert_eq!(step(None, 0.6, 0.4), ("0.6".into(), "0.4".into()));
         // And it keeps following the global share afterwards.
-        let moved = vec![
-            row("gauge-eu", None, None, 0.7),
-            row("gauge-us", None, None, 0.3),
-        ];
-        export(
-            &regions,
-            &ShareSet::new("gauge-eu", 0.5, moved),
-            &mut exported,
-            &metrics,
-        );
-        assert_eq!(
-            (gauge("gauge-eu"), gauge("gauge-us")),
-            ("0.7".into(), "0.3".into())
-        );
+        assert_eq!(step(None, 0.7, 0.3), ("0.7".into(), "0.3".into()));
     }
 
     #[test]
