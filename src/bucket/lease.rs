@@ -36,7 +36,7 @@ use tokio::sync::futures::OwnedNotified;
 
 use super::decision::{BucketSpec, Decision};
 use super::keymap::{Idle, KeyMap};
-use super::redis::Grant;
+use super::redis::{Ask, Grant};
 use crate::clock::SharedClock;
 use crate::config::LeaseSettings;
 use crate::telemetry::{DecisionSource, Metrics};
@@ -52,33 +52,25 @@ const MIN_PARTIAL_WINDOW_MS: u64 = 50;
 pub enum Plan {
     /// Decided here: spent from a lease, or rejected by the over-limit cache.
     Local(Decision, DecisionSource),
-    /// Ask Redis for up to `want` tokens, at least `min`: this request's
-    /// cost alone (`want == min == cost`), or a lease.
+    /// Ask Redis as `ask` says: this request's cost alone
+    /// ([`Ask::single`]), or a lease.
     Call {
-        /// Tokens wanted.
-        want: u32,
-        /// Fewest tokens worth taking (covers this request).
-        min: u32,
-        /// Tokens the request itself needs: taken alone when fewer than
-        /// `min` exist (equal to `min` for a contended key, which then waits
-        /// for a whole batch).
-        need: u32,
+        /// What to take.
+        ask: Ask,
         /// This call holds the key's slot (the one request after a block,
         /// or the one fetching a lease); [`HotKeys::record`] or
         /// [`HotKeys::settle`] must release it.
         owner: bool,
     },
-    /// Spent from the lease, which is running low: fetch the next one in
-    /// the background (this request holds the key's slot for it, as an
-    /// owner [`Plan::Call`] does), so that a steady hot key never waits for
-    /// Redis.
+    /// Spent from the lease, which is running low: fetch the next one, as
+    /// `ask` says, in the background (this request holds the key's slot for
+    /// it, as an owner [`Plan::Call`] does), so that a steady hot key never
+    /// waits for Redis.
     Refresh {
         /// This request's admission.
         decision: Decision,
-        /// Tokens wanted.
-        want: u32,
-        /// Fewest tokens worth taking.
-        min: u32,
+        /// The top-up to ask for.
+        ask: Ask,
     },
     /// Another request is fetching a lease for this key: wait for it, then
     /// plan again.
@@ -89,9 +81,7 @@ impl Plan {
     /// A call for `cost` tokens alone.
     fn single(cost: u32, owner: bool) -> Self {
         Self::Call {
-            want: cost,
-            min: cost,
-            need: cost,
+            ask: Ask::single(cost),
             owner,
         }
     }
@@ -277,10 +267,9 @@ impl HotKeys {
                 retry_after_ms: 0,
             };
             return match self.refresh(s, r) {
-                Some((want, min)) => Plan::Refresh {
+                Some(ask) => Plan::Refresh {
                     decision: allowed,
-                    want,
-                    min,
+                    ask,
                 },
                 None => Plan::Local(allowed, DecisionSource::Lease),
             };
@@ -328,9 +317,11 @@ impl HotKeys {
             (cost.max(batch / 2), cost)
         };
         Plan::Call {
-            want: batch,
-            min,
-            need,
+            ask: Ask {
+                want: batch,
+                min,
+                need,
+            },
             owner: true,
         }
     }
@@ -343,13 +334,13 @@ impl HotKeys {
             && batch >= 2 * r.cost
     }
 
-    /// After a spend from the lease: `(want, min)` of the next lease when
+    /// After a spend from the lease: the [`Ask`] for the next lease when
     /// what is left fell under a quarter batch and no call for the key is
     /// under way (the key's slot is then taken for it). Fetched ahead, the
     /// next lease usually arrives before this one runs out. It tops the
     /// lease up to one batch, never more, so the over-admission bound stays
     /// instances × batch.
-    fn refresh(&self, s: &mut KeyState, r: &Request<'_>) -> Option<(u32, u32)> {
+    fn refresh(&self, s: &mut KeyState, r: &Request<'_>) -> Option<Ask> {
         if s.fetch.is_some() || s.in_flight || r.now < s.blocked_until_ms {
             return None;
         }
@@ -361,7 +352,11 @@ impl HotKeys {
         s.fetch = Some(Arc::new(Notify::new()));
         // leased < max(batch/4, cost) and batch >= 2 × cost, so the top-up
         // exceeds half a batch: min <= want.
-        Some((batch - s.leased, r.cost.max(batch / 2)))
+        Some(Ask {
+            want: batch - s.leased,
+            min: r.cost.max(batch / 2),
+            need: r.cost,
+        })
     }
 
     /// Tokens to lease at a local rate of `rate` tokens/s.
@@ -455,9 +450,7 @@ mod tests {
     /// `(want, min, owner)` of a call plan.
     fn call(p: Plan) -> (u32, u32, bool) {
         match p {
-            Plan::Call {
-                want, min, owner, ..
-            } => (want, min, owner),
+            Plan::Call { ask, owner } => (ask.want, ask.min, owner),
             other => panic!("expected a call, got {other:?}"),
         }
     }
@@ -571,16 +564,15 @@ mod tests {
         // 39 leased after the fetching request; spends down to 10 stay local.
         spend_from_lease(&hot, &s, 29);
         // Under a quarter batch (10): this spend also fetches the next lease.
-        let Plan::Refresh {
-            decision,
-            want,
-            min,
-        } = plan(&hot, &s, false)
-        else {
+        let Plan::Refresh { decision, ask } = plan(&hot, &s, false) else {
             panic!("expected a refresh");
         };
         assert!(decision.allowed);
-        assert_eq!((want, min), (31, 20), "tops the 9 left up to one batch");
+        assert_eq!(
+            (ask.want, ask.min),
+            (31, 20),
+            "tops the 9 left up to one batch"
+        );
         // Only one fetch at a time; the rest of the lease is still spent.
         spend_from_lease(&hot, &s, 9);
         assert!(

@@ -15,6 +15,7 @@
 //! A rejection is a [`Decision`], never an error; this module never fails a
 //! request.
 
+use std::borrow::Borrow;
 use std::num::NonZeroU32;
 use std::sync::Arc;
 
@@ -248,20 +249,11 @@ impl Limiter {
                 .plan(key.as_str(), &spec, n, limit.exact, waits < 2)
             {
                 Plan::Local(decision, source) => return verdict(decision, source),
-                Plan::Refresh {
-                    decision,
-                    want,
-                    min,
-                } => {
-                    self.refresh(redis, key.as_str(), spec, Ask { want, min, need: n });
+                Plan::Refresh { decision, ask } => {
+                    self.refresh(redis, key.as_str(), spec, ask);
                     return verdict(decision, DecisionSource::Lease);
                 }
-                Plan::Call {
-                    want,
-                    min,
-                    need,
-                    owner,
-                } => break (Ask { want, min, need }, owner),
+                Plan::Call { ask, owner } => break (ask, owner),
                 Plan::Wait(lease) => {
                     waits += 1;
                     let _ = tokio::time::timeout(redis.timeout(), lease).await;
@@ -270,15 +262,15 @@ impl Limiter {
         };
         // Whatever happens to a call holding the key's slot (an error, or
         // the request being dropped mid-await), the slot is released.
-        let settle = owner.then(|| Settle(&core.hot, key.as_str()));
+        let mut settle = owner.then(|| SlotGuard::new(&**core, key.as_str()));
         match redis.take(key.as_str(), &spec, ask).await {
             Ok(grant) => {
                 gate.success();
                 core.hot.record(key.as_str(), &grant, n, owner);
                 // record() released the slot; the guard must not release a
                 // slot another request may hold by now.
-                if let Some(guard) = settle {
-                    std::mem::forget(guard);
+                if let Some(guard) = settle.as_mut() {
+                    guard.disarm();
                 }
                 let mut decision = grant.decision;
                 // Tokens leased for later requests are still this key's.
@@ -288,7 +280,14 @@ impl Limiter {
             Err(e) => {
                 drop(settle);
                 core.redis_failed(&e);
-                core.fallback(&BucketKey::new(tenant, route), &whole, cost)
+                // The fallback holds the whole bucket: the key just used,
+                // unless it named a sub-bucket.
+                let whole_key = if shards.get() == 1 {
+                    key
+                } else {
+                    BucketKey::new(tenant, route)
+                };
+                core.fallback(&whole_key, &whole, cost)
             }
         }
     }
@@ -299,13 +298,9 @@ impl Limiter {
     fn refresh(&self, redis: &RedisBucket, key: &str, spec: BucketSpec, ask: Ask) {
         let redis = redis.clone();
         // Released however the task ends, even dropped unfinished.
-        let mut slot = OwnedSettle {
-            core: self.core.clone(),
-            key: key.to_owned(),
-            armed: true,
-        };
+        let mut slot = SlotGuard::new(self.core.clone(), key.to_owned());
         actix_web::rt::spawn(async move {
-            let (core, key) = (slot.core.clone(), slot.key.as_str());
+            let (core, key): (&LimiterCore, &str) = (&slot.core, &slot.key);
             match redis.take(key, &spec, ask).await {
                 Ok(grant) => {
                     if let Some(gate) = &core.breaker {
@@ -322,37 +317,38 @@ impl Limiter {
     }
 }
 
-/// Releases a key's in-flight slot when dropped while armed, from a task
-/// that owns it.
-struct OwnedSettle {
+/// Releases a key's in-flight slot when dropped while armed: a call that
+/// fails, or a request or task dropped mid-call, never leaves the key held.
+/// Borrowed on the request path, owned by a background fetch.
+struct SlotGuard<C: Borrow<LimiterCore>, K: Borrow<str>> {
     /// Where the key's state lives.
-    core: Arc<LimiterCore>,
+    core: C,
     /// The key.
-    key: String,
+    key: K,
     /// Whether the slot is still held (no answer recorded).
     armed: bool,
 }
 
-impl OwnedSettle {
+impl<C: Borrow<LimiterCore>, K: Borrow<str>> SlotGuard<C, K> {
+    /// A guard over a held slot.
+    fn new(core: C, key: K) -> Self {
+        Self {
+            core,
+            key,
+            armed: true,
+        }
+    }
+
     /// The slot was released by recording an answer.
     fn disarm(&mut self) {
         self.armed = false;
     }
 }
 
-impl Drop for OwnedSettle {
+impl<C: Borrow<LimiterCore>, K: Borrow<str>> Drop for SlotGuard<C, K> {
     fn drop(&mut self) {
         if self.armed {
-            self.core.hot.settle(&self.key);
+            self.core.borrow().hot.settle(self.key.borrow());
         }
-    }
-}
-
-/// Releases a key's in-flight slot when dropped.
-struct Settle<'a>(&'a HotKeys, &'a str);
-
-impl Drop for Settle<'_> {
-    fn drop(&mut self) {
-        self.0.settle(self.1);
     }
 }
