@@ -159,7 +159,17 @@ impl BucketKey {
     /// `rl:<tenant>:<route>:<index>`, without a hash tag so that the
     /// sub-buckets spread over Redis Cluster nodes.
     pub fn shard(tenant: &TenantId, route: &RouteId, index: u32) -> Self {
-        Self(format!("rl:{tenant}:{route}:{index}"))
+        let (t, r) = (tenant.as_str(), route.as_str());
+        let mut digits = itoa::Buffer::new();
+        let i = digits.format(index);
+        let mut key = String::with_capacity(5 + t.len() + r.len() + i.len());
+        key.push_str("rl:");
+        key.push_str(t);
+        key.push(':');
+        key.push_str(r);
+        key.push(':');
+        key.push_str(i);
+        Self(key)
     }
 
     /// The key as text.
