@@ -96,21 +96,8 @@ fn page_from_snapshot(
     rules
         .into_iter()
         .take(limit as usize)
-        .map(|r| stored(&r.tenant, &r.route, r.limit))
+        .map(|r| StoredRule::in_force(&r.tenant, &r.route, r.limit))
         .collect()
-}
-
-/// A rule in force, shown like a database row (without `updated_at`).
-fn stored(tenant: &TenantId, route: &RouteId, limit: Limit) -> StoredRule {
-    StoredRule {
-        tenant: tenant.to_string(),
-        route: route.to_string(),
-        capacity: i32::try_from(limit.capacity.get()).unwrap_or(i32::MAX),
-        refill_per_second: i32::try_from(limit.refill_per_second.get()).unwrap_or(i32::MAX),
-        shards: i32::try_from(limit.shards.get()).unwrap_or(1),
-        exact: limit.exact,
-        updated_at: None,
-    }
 }
 
 /// `GET /admin/rules/{tenant}/{route}`.
@@ -125,7 +112,7 @@ async fn get_one(
             .rules
             .snapshot()
             .rule_for(tenant.as_str(), route.as_str())
-            .map(|limit| stored(&tenant, &route, limit)),
+            .map(|limit| StoredRule::in_force(&tenant, &route, limit)),
     };
     rule.map(|r| HttpResponse::Ok().json(r))
         .ok_or(AdminError::NotFound)

@@ -17,7 +17,7 @@ use super::rules::id;
 use super::{AdminState, authorize_write, read_body};
 use crate::key::{RouteId, TenantId};
 use crate::region::model::SUM_TOLERANCE;
-use crate::region::shares::{Scope, ShareStore};
+use crate::region::shares::{Scope, ShareStore, effective};
 
 /// Adds the share routes to an actix `App`.
 pub fn configure(cfg: &mut web::ServiceConfig) {
@@ -44,13 +44,7 @@ async fn list(state: web::Data<AdminState>) -> HttpResponse {
             all.all
                 .iter()
                 .map(|r| {
-                    let global = snapshot
-                        .rows()
-                        .iter()
-                        .find(|row| {
-                            row.region == r.id && row.tenant.is_none() && row.route.is_none()
-                        })
-                        .map_or(r.default_share, |row| row.share);
+                    let global = effective(snapshot.rows(), &r.id, r.default_share, None, None);
                     json!({ "id": r.id, "default_share": r.default_share, "share": global })
                 })
                 .collect()

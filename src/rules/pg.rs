@@ -56,6 +56,21 @@ pub struct StoredRule {
     pub updated_at: Option<String>,
 }
 
+impl StoredRule {
+    /// A rule in force, shown like a row (without `updated_at`).
+    pub fn in_force(tenant: &TenantId, route: &RouteId, limit: Limit) -> Self {
+        Self {
+            tenant: tenant.to_string(),
+            route: route.to_string(),
+            capacity: to_i32(limit.capacity),
+            refill_per_second: to_i32(limit.refill_per_second),
+            shards: to_i32(limit.shards),
+            exact: limit.exact,
+            updated_at: None,
+        }
+    }
+}
+
 /// Columns of [`StoredRule`], in order.
 const COLUMNS: &str = "tenant_id AS tenant, route_id AS route, capacity, refill_per_second, shards, exact, \
      to_char(updated_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') AS updated_at";
