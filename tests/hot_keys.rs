@@ -65,13 +65,7 @@ async fn hammer(fleet: &Fleet, tenant: &str, workers: usize, duration: Duration)
             async move {
                 let (mut sent, mut admitted) = (0u64, 0u64);
                 while clock.now_ms() < deadline {
-                    let status = c
-                        .get(&url)
-                        .insert_header(("x-api-key", tenant))
-                        .send()
-                        .await
-                        .map(|r| r.status().as_u16())
-                        .unwrap();
+                    let status = common::status_as(&c, &url, tenant).await.unwrap();
                     assert!(status == 200 || status == 429, "status {status}");
                     sent += 1;
                     admitted += u64::from(status == 200);

@@ -60,13 +60,7 @@ fn load(
         let period = Duration::from_micros(1_000_000 / per_second);
         let mut next = actix_web::rt::time::Instant::now();
         while !stop.get() {
-            let status = c
-                .get(&url)
-                .insert_header(("x-api-key", tenant))
-                .send()
-                .await
-                .map(|r| r.status().as_u16())
-                .unwrap_or(0);
+            let status = common::status_as(&c, &url, tenant).await.unwrap_or(0);
             assert!(status == 200 || status == 429, "status {status} from {url}");
             if status == 200 && counting.get() {
                 admitted.set(admitted.get() + 1);

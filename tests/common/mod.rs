@@ -554,6 +554,13 @@ pub async fn get(url: &str, key: Option<&str>) -> (u16, Option<String>) {
     (res.status().as_u16(), header(&res, "x-ratelimit-remaining"))
 }
 
+/// The status of a GET of `url` as `tenant` on a client kept across
+/// requests (so the connection is reused); `None` when nothing answered.
+pub async fn status_as(c: &awc::Client, url: &str, tenant: &str) -> Option<u16> {
+    let res = c.get(url).insert_header(("x-api-key", tenant)).send().await;
+    res.ok().map(|r| r.status().as_u16())
+}
+
 /// Runs a PostgreSQL client command (`psql`), failing with an install hint
 /// when it is missing. Returns trimmed stdout of an unaligned, tuples-only
 /// query.
