@@ -298,14 +298,23 @@ impl RequestCounters {
 
     /// Gives the first `metrics.max_tenant_labels` of `tenants` (in sorted
     /// order) a label of their own; the rest count as `_other`.
+    /// Tenants already labelled keep their counters, so a rule change
+    /// that leaves the labelled set alone registers nothing.
     pub fn label_tenants<'a>(&self, tenants: impl IntoIterator<Item = &'a str>) {
         let chosen: std::collections::BTreeSet<&str> = tenants.into_iter().collect();
+        let current = self.labeled.load();
+        let chosen: Vec<&str> = chosen.into_iter().take(self.max_tenants).collect();
+        if chosen.len() == current.len() && chosen.iter().all(|t| current.contains_key(*t)) {
+            return;
+        }
         let map = chosen
             .into_iter()
-            .take(self.max_tenants)
-            .map(|t| {
-                let per_route = self.routes.iter().map(|r| register(r, t)).collect();
-                (Arc::from(t), per_route)
+            .map(|t| match current.get_key_value(t) {
+                Some((name, per_route)) => (name.clone(), per_route.clone()),
+                None => {
+                    let per_route = self.routes.iter().map(|r| register(r, t)).collect();
+                    (Arc::from(t), per_route)
+                }
             })
             .collect();
         self.labeled.store(Arc::new(map));
