@@ -267,6 +267,7 @@ pub async fn run(
         clock: clock.clone(),
     });
     let upstream = config.upstream.clone();
+    let routes = config.routes.clone();
     let request_timeout = redis_settings.timeout;
     let core = limiter.clone();
     let proxy = HttpServer::new(move || {
@@ -277,7 +278,7 @@ pub async fn run(
         App::new()
             .app_data(proxy_state.clone())
             .app_data(web::Data::new(Limiter::new(redis, core.clone())))
-            .app_data(web::Data::new(Forwarder::new(&upstream)))
+            .app_data(web::Data::new(Forwarder::new(&upstream, &routes)))
             .configure(proxy::configure)
     })
     .workers(config.server.workers)

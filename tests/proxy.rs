@@ -177,3 +177,95 @@ async fn unreachable_upstream_is_502_and_slow_upstream_is_504() {
     let body: serde_json::Value = slow.json().await.unwrap();
     assert_eq!(body["error"], "upstream_timeout");
 }
+
+/// A bare HTTP/1.1 upstream that counts the connections it accepts and
+/// answers every request with `200 ok`; with `close_after_each`, it closes
+/// the connection after each response without announcing it, as upstreams
+/// with short keep-alive timeouts do.
+struct CountingUpstream {
+    addr: std::net::SocketAddr,
+    accepted: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl CountingUpstream {
+    fn start(close_after_each: bool) -> Self {
+        use std::sync::atomic::Ordering;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counter = accepted.clone();
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { return };
+                counter.fetch_add(1, Ordering::SeqCst);
+                std::thread::spawn(move || {
+                    let mut buf = Vec::new();
+                    let mut chunk = [0u8; 4096];
+                    loop {
+                        let Ok(n) = stream.read(&mut chunk) else {
+                            return;
+                        };
+                        if n == 0 {
+                            return;
+                        }
+                        buf.extend_from_slice(&chunk[..n]);
+                        // Bodiless requests only: one head, one answer.
+                        while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            buf.drain(..end + 4);
+                            let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                            if stream.write_all(answer).is_err() || close_after_each {
+                                return;
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        Self { addr, accepted }
+    }
+
+    fn accepted(&self) -> usize {
+        self.accepted.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// Runs 20 sequential GETs through a gateway in front of `up`; all must
+/// be answered by the upstream.
+async fn twenty_requests_through(up: &CountingUpstream, tag: &str) {
+    let redis = RedisServer::start();
+    let dir = TempDir::new(tag);
+    let mut config = GatewayConfig::new(
+        &redis.url(),
+        dir.file("rules.toml", ""),
+        &format!("http://{}", up.addr),
+    );
+    config.extra = "[default_rule]\ncapacity = 1000\nrefill_per_second = 100\n".to_owned();
+    let gw = Gateway::start(&config);
+    let c = client();
+    for i in 0..20 {
+        let mut res = c
+            .get(gw.url("/ping"))
+            .insert_header(("x-api-key", "pool"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 200, "request {i}");
+        assert_eq!(res.body().await.unwrap(), "ok", "request {i}");
+    }
+}
+
+#[actix_web::test]
+async fn upstream_connections_are_kept_and_reused() {
+    let up = CountingUpstream::start(false);
+    twenty_requests_through(&up, "reuse").await;
+    // One client connection lands on one worker, which keeps one
+    // upstream connection for all of its requests.
+    assert_eq!(up.accepted(), 1);
+}
+
+#[actix_web::test]
+async fn an_upstream_closing_kept_connections_fails_no_request() {
+    let up = CountingUpstream::start(true);
+    twenty_requests_through(&up, "closing").await;
+    assert_eq!(up.accepted(), 20, "each request needed a new connection");
+}

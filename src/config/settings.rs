@@ -211,9 +211,11 @@ pub struct UpstreamSettings {
     /// Longest wait to open a connection to an upstream (→ 502 when refused,
     /// 504 when it times out).
     pub connect_timeout: Duration,
-    /// Longest wait for an upstream's response head (→ 504).
+    /// Longest wait for a free connection plus the upstream's response
+    /// head (→ 504).
     pub timeout: Duration,
-    /// Pooled upstream connections per proxy worker.
+    /// Upstream connections one proxy worker uses at once (kept alive and
+    /// reused; further requests wait for one).
     pub max_connections_per_worker: usize,
 }
 

@@ -30,7 +30,7 @@ pub enum ProxyError {
     RateLimited,
     /// The upstream refused the connection or could not be reached.
     #[error("upstream unreachable")]
-    UpstreamUnreachable(#[source] awc::error::SendRequestError),
+    UpstreamUnreachable(#[source] Box<dyn std::error::Error + Send + Sync>),
     /// Connecting to or hearing from the upstream took too long.
     #[error("upstream timed out")]
     UpstreamTimeout,

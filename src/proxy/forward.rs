@@ -1,62 +1,144 @@
 //! Forwarding an admitted request to its upstream and streaming the answer.
 //!
-//! Owns the upstream HTTP client (one pooled `awc` client per worker, since
-//! `awc` is single-threaded), hop-by-hop header removal in both directions,
-//! `X-Forwarded-*`, and upstream timeouts. Bodies are streamed in both
-//! directions, never buffered; a known `Content-Length` is kept.
+//! Owns the upstream connections (each worker keeps its own idle HTTP/1.1
+//! connections per upstream, driven by tasks on that worker's runtime, with
+//! a cap on how many it uses at once), hop-by-hop header removal in both
+//! directions, `X-Forwarded-*`, and upstream timeouts. Bodies are streamed
+//! in both directions, never buffered; a known `Content-Length` is kept.
+//!
+//! actix-web speaks `http` 0.2 types and hyper `http` 1.x ones, so method,
+//! URI, status and headers cross over as bytes.
 
+use std::cell::RefCell;
+use std::error::Error as StdError;
 use std::fmt::Write as _;
+use std::io;
 use std::net::IpAddr;
+use std::pin::Pin;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
 
 use actix_web::body::SizedStream;
-use actix_web::http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use actix_web::http::header as ax;
 use actix_web::http::{Method, StatusCode};
 use actix_web::{HttpRequest, HttpResponse, HttpResponseBuilder, web};
-use awc::error::{ConnectError, SendRequestError};
+use futures_util::{Stream, StreamExt};
+use hyper::body::{Body, Bytes, Frame, Incoming, SizeHint};
+use hyper::client::conn::http1::{self, SendRequest};
+use hyper::header as hy;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
 use super::error::ProxyError;
+use super::route::Route;
 use crate::config::{RouteSpec, UpstreamSettings};
 
-/// Headers that describe one hop and are never forwarded.
-const HOP_BY_HOP: [HeaderName; 9] = [
-    header::CONNECTION,
-    HeaderName::from_static("keep-alive"),
-    HeaderName::from_static("proxy-connection"),
-    header::PROXY_AUTHENTICATE,
-    header::PROXY_AUTHORIZATION,
-    header::TE,
-    header::TRAILER,
-    header::TRANSFER_ENCODING,
-    header::UPGRADE,
+/// Headers that describe one hop and are never forwarded (lower case, as
+/// both header libraries store names).
+const HOP_BY_HOP: [&str; 9] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
 ];
 
 /// `X-Forwarded-For`.
-const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+const X_FORWARDED_FOR: hy::HeaderName = hy::HeaderName::from_static("x-forwarded-for");
 /// `X-Forwarded-Proto`.
-const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+const X_FORWARDED_PROTO: hy::HeaderName = hy::HeaderName::from_static("x-forwarded-proto");
 /// `X-Forwarded-Host`.
-const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+const X_FORWARDED_HOST: hy::HeaderName = hy::HeaderName::from_static("x-forwarded-host");
 
-/// One worker's pooled upstream client.
+/// Request-body chunks in flight between the client connection and the
+/// upstream one.
+const BODY_CHUNKS_IN_FLIGHT: usize = 4;
+
+/// One upstream origin as seen by one worker.
+struct Upstream {
+    /// `host:port` to connect to.
+    address: String,
+    /// The `Host` header sent upstream.
+    host: hy::HeaderValue,
+    /// Idle connections, the most recently used last.
+    idle: RefCell<Vec<SendRequest<RequestBody>>>,
+}
+
+impl Upstream {
+    /// The upstream of `spec`, or why its origin cannot be used.
+    fn new(spec: &RouteSpec) -> Result<Self, ProxyError> {
+        let unusable = |e: Box<dyn StdError + Send + Sync>| ProxyError::UpstreamUnreachable(e);
+        let uri = spec
+            .upstream_origin
+            .parse::<hyper::Uri>()
+            .map_err(|e| unusable(Box::new(e)))?;
+        let authority = uri
+            .authority()
+            .ok_or_else(|| unusable("upstream origin without a host".into()))?;
+        let port = authority.port_u16().unwrap_or(80);
+        let host = match authority.port() {
+            Some(p) => format!("{}:{}", authority.host(), p.as_str()),
+            None => authority.host().to_owned(),
+        };
+        Ok(Self {
+            address: format!("{}:{port}", authority.host()),
+            host: hy::HeaderValue::try_from(host).map_err(|e| unusable(Box::new(e)))?,
+            idle: RefCell::new(Vec::new()),
+        })
+    }
+
+    /// An idle connection still open, if any.
+    fn take_idle(&self) -> Option<SendRequest<RequestBody>> {
+        let mut idle = self.idle.borrow_mut();
+        while let Some(sender) = idle.pop() {
+            if !sender.is_closed() {
+                return Some(sender);
+            }
+        }
+        None
+    }
+}
+
+/// One worker's upstream connections.
 pub struct Forwarder {
-    /// Keeps connections alive per upstream; follows no redirects and adds
-    /// no headers of its own.
-    client: awc::Client,
+    /// Each route's upstream, by route index; routes with the same origin
+    /// share one.
+    upstreams: Vec<Result<Rc<Upstream>, Rc<ProxyError>>>,
+    /// One permit per upstream connection this worker may use at once.
+    connections: Arc<Semaphore>,
+    /// Bound on one connection attempt.
+    connect_timeout: Duration,
+    /// Bound on waiting for a connection plus the upstream's response head.
+    timeout: Duration,
 }
 
 impl Forwarder {
-    /// A client with the configured pool size and timeouts.
-    pub fn new(settings: &UpstreamSettings) -> Self {
-        let connector = awc::Connector::new()
-            .timeout(settings.connect_timeout)
-            .limit(settings.max_connections_per_worker);
-        let client = awc::Client::builder()
-            .connector(connector)
-            .timeout(settings.timeout)
-            .disable_redirects()
-            .no_default_headers()
-            .finish();
-        Self { client }
+    /// Connection handling for `routes` with the configured cap and
+    /// timeouts. Connects to nothing until the first request.
+    pub fn new(settings: &UpstreamSettings, routes: &[RouteSpec]) -> Self {
+        let mut upstreams: Vec<Result<Rc<Upstream>, Rc<ProxyError>>> = Vec::new();
+        for (i, spec) in routes.iter().enumerate() {
+            let same = routes[..i]
+                .iter()
+                .position(|earlier| earlier.upstream_origin == spec.upstream_origin);
+            upstreams.push(match same {
+                Some(j) => upstreams[j].clone(),
+                None => Upstream::new(spec).map(Rc::new).map_err(Rc::new),
+            });
+        }
+        Self {
+            upstreams,
+            connections: Arc::new(Semaphore::new(settings.max_connections_per_worker)),
+            connect_timeout: settings.connect_timeout,
+            timeout: settings.timeout,
+        }
     }
 
     /// Sends `req` with its streamed `payload` to `route`'s upstream and
@@ -68,52 +150,173 @@ impl Forwarder {
         &self,
         req: &HttpRequest,
         payload: web::Payload,
-        route: &RouteSpec,
+        route: &Route,
         decorate: impl FnOnce(&mut HttpResponseBuilder),
     ) -> Result<HttpResponse, ProxyError> {
-        let path = req.uri().path_and_query().map_or("/", |pq| pq.as_str());
-        let (origin, base) = (&route.upstream_origin, &route.upstream_base_path);
-        let mut url = String::with_capacity(origin.len() + base.len() + path.len());
-        url.push_str(origin);
-        url.push_str(base);
-        url.push_str(path);
-        // no_decompress: pass bodies through untouched and add no
-        // Accept-Encoding of our own.
-        let mut upstream = self
-            .client
-            .request(req.method().clone(), url)
-            .no_decompress();
-        copy_end_to_end(req.headers(), upstream.headers_mut());
-        add_forwarded(req, upstream.headers_mut());
-
-        let send = match request_body_length(req.headers()) {
-            BodyLength::None => upstream.send(),
-            BodyLength::Sized(len) => upstream.send_body(SizedStream::new(len, payload)),
-            BodyLength::Chunked => upstream.send_stream(payload),
+        let upstream = match &self.upstreams[route.index] {
+            Ok(upstream) => Rc::clone(upstream),
+            Err(e) => return Err(ProxyError::UpstreamUnreachable(e.to_string().into())),
         };
-        let response = send.await.map_err(classify)?;
+        let request = upstream_request(req, payload, &route.spec, &upstream)?;
+        let exchange = async {
+            let permit = Arc::clone(&self.connections)
+                .acquire_owned()
+                .await
+                .map_err(|e| ProxyError::UpstreamUnreachable(Box::new(e)))?;
+            let (sender, response) = self.exchange(&upstream, request).await?;
+            Ok((
+                Lease {
+                    sender,
+                    upstream,
+                    _permit: permit,
+                },
+                response,
+            ))
+        };
+        let (lease, response) = tokio::time::timeout(self.timeout, exchange)
+            .await
+            .map_err(|_| ProxyError::UpstreamTimeout)??;
 
-        let status = response.status();
+        let (head, body) = response.into_parts();
+        let status = StatusCode::from_u16(head.status.as_u16())
+            .map_err(|e| ProxyError::UpstreamUnreachable(Box::new(e)))?;
         let mut builder = HttpResponse::build(status);
-        let listed = connection_tokens(response.headers());
-        for (name, value) in response.headers() {
-            if !is_hop_by_hop(name, &listed) && name != header::CONTENT_LENGTH {
-                builder.append_header((name.clone(), value.clone()));
+        let listed = connection_tokens(head.headers.get_all(hy::CONNECTION).iter());
+        for (name, value) in &head.headers {
+            if is_end_to_end(name.as_str(), &listed)
+                && name != hy::CONTENT_LENGTH
+                && let (Ok(name), Ok(value)) = (
+                    ax::HeaderName::from_bytes(name.as_str().as_bytes()),
+                    ax::HeaderValue::from_bytes(value.as_bytes()),
+                )
+            {
+                builder.append_header((name, value));
             }
         }
         decorate(&mut builder);
         let bodiless = status.is_informational()
             || status == StatusCode::NO_CONTENT
             || status == StatusCode::NOT_MODIFIED;
+        let done = body.is_end_stream();
+        let stream = ResponseBody {
+            body,
+            done,
+            lease: Some(lease),
+        };
         // A HEAD answer keeps the upstream's Content-Length; actix writes
         // no body for HEAD, and the upstream sent none.
-        Ok(match response_length(response.headers()) {
+        let length = response_length(head.headers.get(hy::TRANSFER_ENCODING).is_some(), || {
+            head.headers.get(hy::CONTENT_LENGTH).map(|v| v.as_bytes())
+        });
+        Ok(match length {
             _ if bodiless => builder.finish(),
-            Some(len) => builder.body(SizedStream::new(len, response)),
+            Some(len) => builder.body(SizedStream::new(len, stream)),
             None if req.method() == Method::HEAD => builder.finish(),
-            None => builder.streaming(response),
+            None => builder.streaming(stream),
         })
     }
+
+    /// Sends `request` on an idle connection to `upstream`, or a new one,
+    /// and waits for the response head. A request an idle connection
+    /// could not take (it was closing) goes to the next one.
+    async fn exchange(
+        &self,
+        upstream: &Upstream,
+        mut request: hyper::Request<RequestBody>,
+    ) -> Result<(SendRequest<RequestBody>, hyper::Response<Incoming>), ProxyError> {
+        loop {
+            let (mut sender, reused) = match upstream.take_idle() {
+                Some(sender) => (sender, true),
+                None => (self.connect(upstream).await?, false),
+            };
+            if sender.ready().await.is_err() {
+                if reused {
+                    continue;
+                }
+                return Err(ProxyError::UpstreamUnreachable(
+                    "upstream closed the connection".into(),
+                ));
+            }
+            match sender.try_send_request(request).await {
+                Ok(response) => return Ok((sender, response)),
+                Err(mut failed) => match failed.take_message() {
+                    Some(unsent) if reused => request = unsent,
+                    _ => return Err(unreachable(failed.into_error())),
+                },
+            }
+        }
+    }
+
+    /// A new connection to `upstream`, its task running on this worker.
+    async fn connect(&self, upstream: &Upstream) -> Result<SendRequest<RequestBody>, ProxyError> {
+        let stream =
+            tokio::time::timeout(self.connect_timeout, TcpStream::connect(&upstream.address))
+                .await
+                .map_err(|_| ProxyError::UpstreamTimeout)?
+                .map_err(unreachable)?;
+        stream.set_nodelay(true).map_err(unreachable)?;
+        let (sender, connection) = http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(unreachable)?;
+        actix_web::rt::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!(error = %e, "Upstream connection ended with an error.");
+            }
+        });
+        Ok(sender)
+    }
+}
+
+/// A connection in use by one exchange, returned to its upstream's idle
+/// list once the response body has been read to the end.
+struct Lease {
+    /// The connection.
+    sender: SendRequest<RequestBody>,
+    /// Where it goes back to.
+    upstream: Rc<Upstream>,
+    /// Counts against the worker's connection cap while in use.
+    _permit: OwnedSemaphorePermit,
+}
+
+/// Maps a connection-level failure to 502.
+fn unreachable(e: impl StdError + Send + Sync + 'static) -> ProxyError {
+    tracing::debug!(error = %e, "Upstream request failed.");
+    ProxyError::UpstreamUnreachable(Box::new(e))
+}
+
+/// The upstream request for `req`: same method, the route's upstream URL
+/// with the request's path and query, end-to-end headers plus
+/// `X-Forwarded-*`, and the body pumped from `payload`.
+fn upstream_request(
+    req: &HttpRequest,
+    payload: web::Payload,
+    route: &RouteSpec,
+    upstream: &Upstream,
+) -> Result<hyper::Request<RequestBody>, ProxyError> {
+    let path = req.uri().path_and_query().map_or("/", |pq| pq.as_str());
+    let base = &route.upstream_base_path;
+    let mut target = String::with_capacity(base.len() + path.len());
+    target.push_str(base);
+    target.push_str(path);
+    let uri = hyper::Uri::try_from(target).map_err(unreachable)?;
+    let method =
+        hyper::Method::from_bytes(req.method().as_str().as_bytes()).map_err(unreachable)?;
+
+    let body = match request_body_length(req.headers()) {
+        BodyLength::None => RequestBody::empty(),
+        BodyLength::Sized(len) => RequestBody::pumped(payload, Some(len)),
+        BodyLength::Chunked => RequestBody::pumped(payload, None),
+    };
+    let upstream_host = upstream.host.clone();
+    let mut upstream = hyper::Request::new(body);
+    *upstream.method_mut() = method;
+    *upstream.uri_mut() = uri;
+    let headers = upstream.headers_mut();
+    headers.reserve(req.headers().len() + 4);
+    headers.insert(hy::HOST, upstream_host);
+    copy_end_to_end(req.headers(), headers);
+    add_forwarded(req, headers);
+    Ok(upstream)
 }
 
 /// How the client framed its request body.
@@ -126,85 +329,93 @@ enum BodyLength {
     Chunked,
 }
 
-fn request_body_length(headers: &HeaderMap) -> BodyLength {
-    if headers.contains_key(header::TRANSFER_ENCODING) {
+fn request_body_length(headers: &ax::HeaderMap) -> BodyLength {
+    if headers.contains_key(ax::TRANSFER_ENCODING) {
         BodyLength::Chunked
     } else {
-        match content_length(headers) {
+        match content_length(headers.get(ax::CONTENT_LENGTH).map(|v| v.as_bytes())) {
             Some(len) => BodyLength::Sized(len),
             None => BodyLength::None,
         }
     }
 }
 
-fn response_length(headers: &HeaderMap) -> Option<u64> {
-    if headers.contains_key(header::TRANSFER_ENCODING) {
+/// A response's body length: unknown when it is chunked, else its
+/// `Content-Length` (read only when needed).
+fn response_length<'a>(chunked: bool, length: impl FnOnce() -> Option<&'a [u8]>) -> Option<u64> {
+    if chunked {
         None
     } else {
-        content_length(headers)
+        content_length(length())
     }
 }
 
-fn content_length(headers: &HeaderMap) -> Option<u64> {
-    headers
-        .get(header::CONTENT_LENGTH)?
-        .to_str()
-        .ok()?
-        .trim()
-        .parse()
-        .ok()
+fn content_length(value: Option<&[u8]>) -> Option<u64> {
+    std::str::from_utf8(value?).ok()?.trim().parse().ok()
 }
 
 /// The header names a message's `Connection` header lists (hop-by-hop for
-/// that message), read once per message.
-fn connection_tokens(headers: &HeaderMap) -> Vec<&str> {
-    headers
-        .get_all(header::CONNECTION)
-        .filter_map(|v| v.to_str().ok())
+/// that message), read once per message from its `Connection` values.
+fn connection_tokens<'a, V>(values: impl Iterator<Item = &'a V>) -> Vec<&'a str>
+where
+    V: AsRef<[u8]> + 'a,
+{
+    values
+        .filter_map(|v| std::str::from_utf8(v.as_ref()).ok())
         .flat_map(|list| list.split(','))
         .map(str::trim)
         .filter(|t| !t.is_empty())
         .collect()
 }
 
-/// Whether `name` applies to one hop only: a fixed hop-by-hop header or one
-/// of the message's `listed` [`connection_tokens`].
-fn is_hop_by_hop(name: &HeaderName, listed: &[&str]) -> bool {
-    HOP_BY_HOP.contains(name) || listed.iter().any(|t| t.eq_ignore_ascii_case(name.as_str()))
+/// Whether the (lower-case) header `name` travels end to end: neither a
+/// fixed hop-by-hop header nor one of the message's `listed`
+/// [`connection_tokens`].
+fn is_end_to_end(name: &str, listed: &[&str]) -> bool {
+    !HOP_BY_HOP.contains(&name) && !listed.iter().any(|t| t.eq_ignore_ascii_case(name))
 }
 
 /// Copies the client's end-to-end headers. `Host` is left to the client
 /// library (the upstream's authority) and `Content-Length` to the body.
-fn copy_end_to_end(from: &HeaderMap, to: &mut HeaderMap) {
-    let listed = connection_tokens(from);
+fn copy_end_to_end(from: &ax::HeaderMap, to: &mut hy::HeaderMap) {
+    let listed = connection_tokens(from.get_all(ax::CONNECTION));
     for (name, value) in from {
-        if !is_hop_by_hop(name, &listed) && name != header::HOST && name != header::CONTENT_LENGTH {
-            to.append(name.clone(), value.clone());
+        if is_end_to_end(name.as_str(), &listed)
+            && name != ax::HOST
+            && name != ax::CONTENT_LENGTH
+            && let (Ok(name), Ok(value)) = (
+                hy::HeaderName::from_bytes(name.as_str().as_bytes()),
+                hy::HeaderValue::from_bytes(value.as_bytes()),
+            )
+        {
+            to.append(name, value);
         }
     }
 }
 
 /// Adds `X-Forwarded-For` (appending the peer), `-Proto` and `-Host`.
-fn add_forwarded(req: &HttpRequest, to: &mut HeaderMap) {
+fn add_forwarded(req: &HttpRequest, to: &mut hy::HeaderMap) {
     if let Some(peer) = req.peer_addr() {
         // Every earlier hop, from however many header lines, then the peer.
         let mut chain = String::with_capacity(48);
         for earlier in req
             .headers()
-            .get_all(&X_FORWARDED_FOR)
+            .get_all("x-forwarded-for")
             .filter_map(|v| v.to_str().ok())
         {
             chain.push_str(earlier);
             chain.push_str(", ");
         }
         push_ip(&mut chain, peer.ip());
-        if let Ok(value) = HeaderValue::try_from(chain) {
+        if let Ok(value) = hy::HeaderValue::try_from(chain) {
             to.insert(X_FORWARDED_FOR, value);
         }
     }
-    to.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
-    if let Some(host) = req.headers().get(header::HOST) {
-        to.insert(X_FORWARDED_HOST, host.clone());
+    to.insert(X_FORWARDED_PROTO, hy::HeaderValue::from_static("http"));
+    if let Some(host) = req.headers().get(ax::HOST)
+        && let Ok(host) = hy::HeaderValue::from_bytes(host.as_bytes())
+    {
+        to.insert(X_FORWARDED_HOST, host);
     }
 }
 
@@ -228,15 +439,111 @@ fn push_ip(out: &mut String, ip: IpAddr) {
     }
 }
 
-/// Maps a client failure to 502 or 504.
-fn classify(e: SendRequestError) -> ProxyError {
-    match e {
-        SendRequestError::Timeout | SendRequestError::Connect(ConnectError::Timeout) => {
-            ProxyError::UpstreamTimeout
+/// A request body for hyper, which needs `Send` bodies: the client's
+/// `!Send` payload is read by a task on the worker and its chunks handed
+/// over through a small bounded channel (back-pressure both ways).
+pub struct RequestBody {
+    /// Chunks from the pump; `None` for a request without a body.
+    chunks: Option<mpsc::Receiver<io::Result<Bytes>>>,
+    /// The declared length, when known.
+    length: Option<u64>,
+}
+
+impl RequestBody {
+    /// No body at all.
+    fn empty() -> Self {
+        Self {
+            chunks: None,
+            length: Some(0),
         }
-        other => {
-            tracing::debug!(error = %other, "Upstream request failed.");
-            ProxyError::UpstreamUnreachable(other)
+    }
+
+    /// Starts a task that moves `payload` into the body, chunk by chunk.
+    fn pumped(mut payload: web::Payload, length: Option<u64>) -> Self {
+        let (tx, rx) = mpsc::channel(BODY_CHUNKS_IN_FLIGHT);
+        actix_web::rt::spawn(async move {
+            while let Some(chunk) = payload.next().await {
+                let chunk = chunk.map_err(|e| io::Error::other(e.to_string()));
+                let failed = chunk.is_err();
+                if tx.send(chunk).await.is_err() || failed {
+                    break;
+                }
+            }
+        });
+        Self {
+            chunks: Some(rx),
+            length,
+        }
+    }
+}
+
+impl Body for RequestBody {
+    type Data = Bytes;
+    type Error = io::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
+        match &mut self.get_mut().chunks {
+            None => Poll::Ready(None),
+            Some(chunks) => chunks
+                .poll_recv(cx)
+                .map(|chunk| chunk.map(|c| c.map(Frame::data))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.chunks.is_none()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.length
+            .map_or_else(SizeHint::default, SizeHint::with_exact)
+    }
+}
+
+/// The upstream's response body as a byte stream for actix; holds the
+/// connection until the body is done (then it goes back to the idle list)
+/// or dropped (then it is closed).
+struct ResponseBody {
+    /// hyper's body: data frames, possibly trailers (dropped).
+    body: Incoming,
+    /// Whether the body has been read to the end.
+    done: bool,
+    /// The connection it arrives on.
+    lease: Option<Lease>,
+}
+
+impl Stream for ResponseBody {
+    type Item = Result<Bytes, hyper::Error>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = self.get_mut();
+        loop {
+            return match Pin::new(&mut this.body).poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                    Ok(data) => Poll::Ready(Some(Ok(data))),
+                    // Trailers are hop-level here: skip them.
+                    Err(_) => continue,
+                },
+                Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(e))),
+                Poll::Ready(None) => {
+                    this.done = true;
+                    Poll::Ready(None)
+                }
+                Poll::Pending => Poll::Pending,
+            };
+        }
+    }
+}
+
+impl Drop for ResponseBody {
+    fn drop(&mut self) {
+        if let Some(lease) = self.lease.take()
+            && (self.done || self.body.is_end_stream())
+        {
+            lease.upstream.idle.borrow_mut().push(lease.sender);
         }
     }
 }
@@ -247,26 +554,26 @@ mod tests {
 
     #[test]
     fn hop_by_hop_headers_and_connection_listed_ones_are_dropped() {
-        let mut from = HeaderMap::new();
+        let mut from = ax::HeaderMap::new();
         from.insert(
-            header::CONNECTION,
-            HeaderValue::from_static("keep-alive, x-secret"),
+            ax::CONNECTION,
+            ax::HeaderValue::from_static("keep-alive, x-secret"),
         );
         from.insert(
-            HeaderName::from_static("x-secret"),
-            HeaderValue::from_static("1"),
+            ax::HeaderName::from_static("x-secret"),
+            ax::HeaderValue::from_static("1"),
         );
         from.insert(
-            header::TRANSFER_ENCODING,
-            HeaderValue::from_static("chunked"),
+            ax::TRANSFER_ENCODING,
+            ax::HeaderValue::from_static("chunked"),
         );
-        from.insert(header::HOST, HeaderValue::from_static("gateway"));
+        from.insert(ax::HOST, ax::HeaderValue::from_static("gateway"));
         from.insert(
-            HeaderName::from_static("x-api-key"),
-            HeaderValue::from_static("t"),
+            ax::HeaderName::from_static("x-api-key"),
+            ax::HeaderValue::from_static("t"),
         );
-        from.insert(header::ACCEPT, HeaderValue::from_static("*/*"));
-        let mut to = HeaderMap::new();
+        from.insert(ax::ACCEPT, ax::HeaderValue::from_static("*/*"));
+        let mut to = hy::HeaderMap::new();
         copy_end_to_end(&from, &mut to);
         let mut names: Vec<_> = to.keys().map(|k| k.as_str().to_owned()).collect();
         names.sort();

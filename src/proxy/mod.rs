@@ -106,7 +106,7 @@ async fn handle(
 
     let started = state.clock.now_micros();
     let forwarded = forwarder
-        .forward(&req, payload, &route.spec, |b| headers.apply(b))
+        .forward(&req, payload, route, |b| headers.apply(b))
         .await;
     let elapsed = state.clock.now_micros().saturating_sub(started);
     route.metrics.upstream_seconds(elapsed as f64 / 1e6);
