@@ -126,7 +126,11 @@ impl RedisConnector {
                     .set_number_of_retries(1)
                     .set_max_delay(Duration::from_millis(200))
                     .set_connection_timeout(Some(self.connect_timeout))
-                    .set_response_timeout(Some(self.connect_timeout));
+                    // Every call is bounded by its caller's timeout
+                    // already; a second timer per call would cost another
+                    // timer registration, often a wake-up of the worker's
+                    // event loop with it.
+                    .set_response_timeout(None);
                 // unwrap: a lazy manager only fails for push/resubscribe
                 // settings, which are never set here.
                 let manager = client
