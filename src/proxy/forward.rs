@@ -241,7 +241,7 @@ impl Forwarder {
                 Ok(response) => return Ok((sender, response)),
                 Err(mut failed) => match failed.take_message() {
                     Some(unsent) if reused => request = unsent,
-                    _ => return Err(unreachable(failed.into_error())),
+                    _ => return Err(upstream_failure(failed.into_error())),
                 },
             }
         }
@@ -253,11 +253,11 @@ impl Forwarder {
             tokio::time::timeout(self.connect_timeout, TcpStream::connect(&upstream.address))
                 .await
                 .map_err(|_| ProxyError::UpstreamTimeout)?
-                .map_err(unreachable)?;
-        stream.set_nodelay(true).map_err(unreachable)?;
+                .map_err(upstream_failure)?;
+        stream.set_nodelay(true).map_err(upstream_failure)?;
         let (sender, connection) = http1::handshake(TokioIo::new(stream))
             .await
-            .map_err(unreachable)?;
+            .map_err(upstream_failure)?;
         actix_web::rt::spawn(async move {
             if let Err(e) = connection.await {
                 tracing::debug!(error = %e, "Upstream connection ended with an error.");
@@ -279,14 +279,14 @@ struct Lease {
 }
 
 /// Maps a connection-level failure to 502.
-fn unreachable(e: impl StdError + Send + Sync + 'static) -> ProxyError {
+fn upstream_failure(e: impl StdError + Send + Sync + 'static) -> ProxyError {
     tracing::debug!(error = %e, "Upstream request failed.");
     ProxyError::UpstreamUnreachable(Box::new(e))
 }
 
-/// The upstream request for `req`: same method, the route's upstream URL
-/// with the request's path and query, end-to-end headers plus
-/// `X-Forwarded-*`, and the body pumped from `payload`.
+/// The upstream request for `req`: same method; the route's base path
+/// followed by the request's path and query; the upstream's `Host`, the
+/// end-to-end headers and `X-Forwarded-*`; the body pumped from `payload`.
 fn upstream_request(
     req: &HttpRequest,
     payload: web::Payload,
@@ -298,25 +298,24 @@ fn upstream_request(
     let mut target = String::with_capacity(base.len() + path.len());
     target.push_str(base);
     target.push_str(path);
-    let uri = hyper::Uri::try_from(target).map_err(unreachable)?;
+    let uri = hyper::Uri::try_from(target).map_err(upstream_failure)?;
     let method =
-        hyper::Method::from_bytes(req.method().as_str().as_bytes()).map_err(unreachable)?;
+        hyper::Method::from_bytes(req.method().as_str().as_bytes()).map_err(upstream_failure)?;
 
     let body = match request_body_length(req.headers()) {
         BodyLength::None => RequestBody::empty(),
         BodyLength::Sized(len) => RequestBody::pumped(payload, Some(len)),
         BodyLength::Chunked => RequestBody::pumped(payload, None),
     };
-    let upstream_host = upstream.host.clone();
-    let mut upstream = hyper::Request::new(body);
-    *upstream.method_mut() = method;
-    *upstream.uri_mut() = uri;
-    let headers = upstream.headers_mut();
+    let mut request = hyper::Request::new(body);
+    *request.method_mut() = method;
+    *request.uri_mut() = uri;
+    let headers = request.headers_mut();
     headers.reserve(req.headers().len() + 4);
-    headers.insert(hy::HOST, upstream_host);
+    headers.insert(hy::HOST, upstream.host.clone());
     copy_end_to_end(req.headers(), headers);
     add_forwarded(req, headers);
-    Ok(upstream)
+    Ok(request)
 }
 
 /// How the client framed its request body.
@@ -442,7 +441,7 @@ fn push_ip(out: &mut String, ip: IpAddr) {
 /// A request body for hyper, which needs `Send` bodies: the client's
 /// `!Send` payload is read by a task on the worker and its chunks handed
 /// over through a small bounded channel (back-pressure both ways).
-pub struct RequestBody {
+struct RequestBody {
     /// Chunks from the pump; `None` for a request without a body.
     chunks: Option<mpsc::Receiver<io::Result<Bytes>>>,
     /// The declared length, when known.
