@@ -72,26 +72,28 @@ struct Upstream {
 }
 
 impl Upstream {
-    /// The upstream of `spec`, or why its origin cannot be used.
-    fn new(spec: &RouteSpec) -> Result<Self, ProxyError> {
-        let unusable = |e: Box<dyn StdError + Send + Sync>| ProxyError::UpstreamUnreachable(e);
-        let uri = spec
+    /// The upstream of `spec`, whose origin config validation has checked.
+    fn new(spec: &RouteSpec) -> Self {
+        // expect: validation accepts only `http://host[:port]` origins, and
+        // their authority is a valid header value.
+        let authority: hyper::http::uri::Authority = spec
             .upstream_origin
-            .parse::<hyper::Uri>()
-            .map_err(|e| unusable(Box::new(e)))?;
-        let authority = uri
-            .authority()
-            .ok_or_else(|| unusable("upstream origin without a host".into()))?;
-        let port = authority.port_u16().unwrap_or(80);
+            .trim_start_matches("http://")
+            .parse()
+            .expect("a validated upstream origin");
         let host = match authority.port() {
-            Some(p) => format!("{}:{}", authority.host(), p.as_str()),
+            Some(port) => format!("{}:{}", authority.host(), port.as_str()),
             None => authority.host().to_owned(),
         };
-        Ok(Self {
-            address: format!("{}:{port}", authority.host()),
-            host: hy::HeaderValue::try_from(host).map_err(|e| unusable(Box::new(e)))?,
+        Self {
+            address: format!(
+                "{}:{}",
+                authority.host(),
+                authority.port_u16().unwrap_or(80)
+            ),
+            host: hy::HeaderValue::try_from(host).expect("an authority is a header value"),
             idle: RefCell::new(Vec::new()),
-        })
+        }
     }
 
     /// An idle connection still open, if any.
@@ -110,7 +112,7 @@ impl Upstream {
 pub struct Forwarder {
     /// Each route's upstream, by route index; routes with the same origin
     /// share one.
-    upstreams: Vec<Result<Rc<Upstream>, Rc<ProxyError>>>,
+    upstreams: Vec<Rc<Upstream>>,
     /// One permit per upstream connection this worker may use at once.
     connections: Arc<Semaphore>,
     /// Bound on one connection attempt.
@@ -123,14 +125,14 @@ impl Forwarder {
     /// Connection handling for `routes` with the configured cap and
     /// timeouts. Connects to nothing until the first request.
     pub fn new(settings: &UpstreamSettings, routes: &[RouteSpec]) -> Self {
-        let mut upstreams: Vec<Result<Rc<Upstream>, Rc<ProxyError>>> = Vec::new();
+        let mut upstreams: Vec<Rc<Upstream>> = Vec::new();
         for (i, spec) in routes.iter().enumerate() {
             let same = routes[..i]
                 .iter()
                 .position(|earlier| earlier.upstream_origin == spec.upstream_origin);
             upstreams.push(match same {
                 Some(j) => upstreams[j].clone(),
-                None => Upstream::new(spec).map(Rc::new).map_err(Rc::new),
+                None => Rc::new(Upstream::new(spec)),
             });
         }
         Self {
@@ -153,10 +155,7 @@ impl Forwarder {
         route: &Route,
         decorate: impl FnOnce(&mut HttpResponseBuilder),
     ) -> Result<HttpResponse, ProxyError> {
-        let upstream = match &self.upstreams[route.index] {
-            Ok(upstream) => Rc::clone(upstream),
-            Err(e) => return Err(ProxyError::UpstreamUnreachable(e.to_string().into())),
-        };
+        let upstream = Rc::clone(&self.upstreams[route.index]);
         let request = upstream_request(req, payload, &route.spec, &upstream)?;
         let exchange = async {
             let permit = Arc::clone(&self.connections)
