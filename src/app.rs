@@ -278,7 +278,7 @@ pub async fn run(
         App::new()
             .app_data(proxy_state.clone())
             .app_data(web::Data::new(Limiter::new(redis, core.clone())))
-            .app_data(web::Data::new(Forwarder::new(&upstream, &routes)))
+            .app_data(web::Data::new(Forwarder::new(&upstream, &routes, &clock)))
             .configure(proxy::configure)
     })
     .workers(config.server.workers)

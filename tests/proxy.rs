@@ -229,9 +229,16 @@ impl CountingUpstream {
     }
 }
 
-/// Runs 20 sequential GETs through a gateway in front of `up`; all must
-/// be answered by the upstream.
-async fn twenty_requests_through(up: &CountingUpstream, tag: &str) {
+/// Runs `n` sequential GETs through a gateway in front of `up`, `pause`
+/// apart, with `upstream_config` as its `[upstream]` lines; all must be
+/// answered by the upstream.
+async fn requests_through(
+    up: &CountingUpstream,
+    tag: &str,
+    n: usize,
+    upstream_config: &str,
+    pause: std::time::Duration,
+) {
     let redis = RedisServer::start();
     let dir = TempDir::new(tag);
     let mut config = GatewayConfig::new(
@@ -240,9 +247,13 @@ async fn twenty_requests_through(up: &CountingUpstream, tag: &str) {
         &format!("http://{}", up.addr),
     );
     config.extra = "[default_rule]\ncapacity = 1000\nrefill_per_second = 100\n".to_owned();
+    config.upstream_extra = upstream_config.to_owned();
     let gw = Gateway::start(&config);
     let c = client();
-    for i in 0..20 {
+    for i in 0..n {
+        if i > 0 {
+            actix_web::rt::time::sleep(pause).await;
+        }
         let mut res = c
             .get(gw.url("/ping"))
             .insert_header(("x-api-key", "pool"))
@@ -252,6 +263,11 @@ async fn twenty_requests_through(up: &CountingUpstream, tag: &str) {
         assert_eq!(res.status(), 200, "request {i}");
         assert_eq!(res.body().await.unwrap(), "ok", "request {i}");
     }
+}
+
+/// Twenty requests back to back, default upstream settings.
+async fn twenty_requests_through(up: &CountingUpstream, tag: &str) {
+    requests_through(up, tag, 20, "", std::time::Duration::ZERO).await;
 }
 
 #[actix_web::test]
@@ -268,4 +284,18 @@ async fn an_upstream_closing_kept_connections_fails_no_request() {
     let up = CountingUpstream::start(true);
     twenty_requests_through(&up, "closing").await;
     assert_eq!(up.accepted(), 20, "each request needed a new connection");
+}
+
+#[actix_web::test]
+async fn connections_idle_past_their_timeout_are_not_used_again() {
+    let up = CountingUpstream::start(false);
+    requests_through(
+        &up,
+        "idle",
+        3,
+        "idle_timeout_ms = 50",
+        std::time::Duration::from_millis(300),
+    )
+    .await;
+    assert_eq!(up.accepted(), 3, "each pause outlasted the idle timeout");
 }

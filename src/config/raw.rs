@@ -262,6 +262,7 @@ pub(crate) struct RawUpstream {
     pub(crate) connect_timeout_ms: i64,
     pub(crate) timeout_ms: i64,
     pub(crate) max_connections_per_worker: i64,
+    pub(crate) idle_timeout_ms: i64,
 }
 
 impl Default for RawUpstream {
@@ -270,6 +271,7 @@ impl Default for RawUpstream {
             connect_timeout_ms: 1000,
             timeout_ms: 30_000,
             max_connections_per_worker: 256,
+            idle_timeout_ms: 4000,
         }
     }
 }

@@ -217,6 +217,9 @@ pub struct UpstreamSettings {
     /// Upstream connections one proxy worker uses at once (kept alive and
     /// reused; further requests wait for one).
     pub max_connections_per_worker: usize,
+    /// Longest time a kept upstream connection may stay idle and still be
+    /// used; shorter than the upstreams' own keep-alive timeouts.
+    pub idle_timeout: Duration,
 }
 
 /// `[log]`.
@@ -490,6 +493,11 @@ pub(crate) fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
             )
             .and_then(|n| usize::try_from(n).ok())
             .unwrap_or(1),
+        idle_timeout: c.millis(
+            "upstream.idle_timeout_ms",
+            raw.upstream.idle_timeout_ms,
+            3_600_000,
+        ),
     };
 
     if let Err(e) = tracing_subscriber::EnvFilter::try_new(&raw.log.level) {

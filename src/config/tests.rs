@@ -41,6 +41,10 @@ fn defaults_match_the_interface_contract() {
     assert_eq!(config.default_rule.capacity.get(), 20);
     assert_eq!(config.default_rule.refill_per_second.get(), 10);
     assert!(config.admin.token.is_none());
+    assert_eq!(
+        config.upstream.idle_timeout,
+        std::time::Duration::from_secs(4)
+    );
     let route = &config.routes[0];
     assert_eq!(route.id.as_str(), "create-order");
     assert_eq!(route.methods, vec![actix_web::http::Method::POST]);
@@ -68,6 +72,7 @@ fn environment_overrides_keys_with_the_schema_type() {
             ("TOLLGATE__INSTANCE__ID", "1234"),
             ("TOLLGATE__ROUTES__0__UPSTREAM", "http://10.0.0.1:81/base/"),
             ("TOLLGATE__ROUTES__0__METHODS", "get, post"),
+            ("TOLLGATE__UPSTREAM__IDLE_TIMEOUT_MS", "60000"),
             ("OTHER_VARIABLE", "ignored"),
         ]),
     )
@@ -78,6 +83,10 @@ fn environment_overrides_keys_with_the_schema_type() {
     assert_eq!(config.routes[0].upstream_origin, "http://10.0.0.1:81");
     assert_eq!(config.routes[0].upstream_base_path, "/base");
     assert_eq!(config.routes[0].methods.len(), 2);
+    assert_eq!(
+        config.upstream.idle_timeout,
+        std::time::Duration::from_secs(60)
+    );
 }
 
 #[test]

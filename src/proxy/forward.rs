@@ -1,15 +1,15 @@
 //! Forwarding an admitted request to its upstream and streaming the answer.
 //!
 //! Owns the upstream connections (each worker keeps its own idle HTTP/1.1
-//! connections per upstream, driven by tasks on that worker's runtime, with
-//! a cap on how many it uses at once), hop-by-hop header removal in both
-//! directions, `X-Forwarded-*`, and upstream timeouts. Bodies are streamed
-//! in both directions, never buffered; a known `Content-Length` is kept.
+//! connections per upstream in an [`IdleList`], driven by tasks on that
+//! worker's runtime, with a cap on how many it uses at once), hop-by-hop
+//! header removal in both directions, `X-Forwarded-*`, and upstream
+//! timeouts. Bodies are streamed in both directions, never buffered; a
+//! known `Content-Length` is kept.
 //!
 //! actix-web speaks `http` 0.2 types and hyper `http` 1.x ones, so method,
 //! URI, status and headers cross over as bytes.
 
-use std::cell::RefCell;
 use std::error::Error as StdError;
 use std::fmt::Write as _;
 use std::io;
@@ -33,7 +33,9 @@ use tokio::net::TcpStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
 use super::error::ProxyError;
+use super::pool::IdleList;
 use super::route::Route;
+use crate::clock::SharedClock;
 use crate::config::{RouteSpec, UpstreamSettings};
 
 /// Headers that describe one hop and are never forwarded (lower case, as
@@ -67,13 +69,16 @@ struct Upstream {
     address: String,
     /// The `Host` header sent upstream.
     host: hy::HeaderValue,
-    /// Idle connections, the most recently used last.
-    idle: RefCell<Vec<SendRequest<RequestBody>>>,
+    /// Idle connections.
+    idle: IdleList<SendRequest<RequestBody>>,
+    /// When connections become idle and expire.
+    clock: SharedClock,
 }
 
 impl Upstream {
-    /// The upstream of `spec`, whose origin config validation has checked.
-    fn new(spec: &RouteSpec) -> Self {
+    /// The upstream of `spec`, whose origin config validation has checked;
+    /// connections idle longer than `max_idle` are not used again.
+    fn new(spec: &RouteSpec, max_idle: Duration, clock: SharedClock) -> Self {
         // expect: validation accepts only `http://host[:port]` origins, and
         // their authority is a valid header value.
         let authority: hyper::http::uri::Authority = spec
@@ -92,19 +97,20 @@ impl Upstream {
                 authority.port_u16().unwrap_or(80)
             ),
             host: hy::HeaderValue::try_from(host).expect("an authority is a header value"),
-            idle: RefCell::new(Vec::new()),
+            idle: IdleList::new(u64::try_from(max_idle.as_millis()).unwrap_or(u64::MAX)),
+            clock,
         }
     }
 
-    /// An idle connection still open, if any.
+    /// An idle connection still open and not expired, if any.
     fn take_idle(&self) -> Option<SendRequest<RequestBody>> {
-        let mut idle = self.idle.borrow_mut();
-        while let Some(sender) = idle.pop() {
-            if !sender.is_closed() {
-                return Some(sender);
-            }
-        }
-        None
+        self.idle
+            .take(self.clock.now_ms(), |sender| !sender.is_closed())
+    }
+
+    /// Keeps `sender` for a later request.
+    fn keep(&self, sender: SendRequest<RequestBody>) {
+        self.idle.put(sender, self.clock.now_ms());
     }
 }
 
@@ -123,8 +129,9 @@ pub struct Forwarder {
 
 impl Forwarder {
     /// Connection handling for `routes` with the configured cap and
-    /// timeouts. Connects to nothing until the first request.
-    pub fn new(settings: &UpstreamSettings, routes: &[RouteSpec]) -> Self {
+    /// timeouts, idle time measured by `clock`. Connects to nothing until
+    /// the first request.
+    pub fn new(settings: &UpstreamSettings, routes: &[RouteSpec], clock: &SharedClock) -> Self {
         let mut upstreams: Vec<Rc<Upstream>> = Vec::new();
         for (i, spec) in routes.iter().enumerate() {
             let same = routes[..i]
@@ -132,7 +139,7 @@ impl Forwarder {
                 .position(|earlier| earlier.upstream_origin == spec.upstream_origin);
             upstreams.push(match same {
                 Some(j) => upstreams[j].clone(),
-                None => Rc::new(Upstream::new(spec)),
+                None => Rc::new(Upstream::new(spec, settings.idle_timeout, clock.clone())),
             });
         }
         Self {
@@ -541,7 +548,7 @@ impl Drop for ResponseBody {
         if let Some(lease) = self.lease.take()
             && (self.done || self.body.is_end_stream())
         {
-            lease.upstream.idle.borrow_mut().push(lease.sender);
+            lease.upstream.keep(lease.sender);
         }
     }
 }

@@ -14,6 +14,7 @@
 pub mod error;
 pub mod forward;
 pub mod headers;
+mod pool;
 pub mod route;
 
 use std::sync::Arc;

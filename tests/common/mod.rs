@@ -391,6 +391,8 @@ pub struct GatewayConfig {
     pub rules_extra: String,
     /// `admin.token`.
     pub admin_token: String,
+    /// More `[upstream]` keys, one per line.
+    pub upstream_extra: String,
     /// More sections (e.g. `[default_rule]`).
     pub extra: String,
     pub routes: String,
@@ -407,6 +409,7 @@ impl GatewayConfig {
             database_url: String::new(),
             rules_extra: String::new(),
             admin_token: String::new(),
+            upstream_extra: String::new(),
             extra: "[default_rule]\ncapacity = 2\nrefill_per_second = 1\n".to_owned(),
             routes: format!(
                 "[[routes]]\nid = \"api\"\npath_prefix = \"/\"\nupstream = \"{upstream}\"\n"
@@ -421,7 +424,7 @@ impl GatewayConfig {
              [redis]\nurl = \"{}\"\ncluster_nodes = {:?}\ntimeout_ms = {}\n\
              [rules]\nfile = \"{}\"\ndatabase_url = \"{}\"\n{}\n\
              [admin]\ntoken = \"{}\"\n\
-             [upstream]\nconnect_timeout_ms = 500\ntimeout_ms = 1000\n\
+             [upstream]\nconnect_timeout_ms = 500\ntimeout_ms = 1000\n{}\n\
              {}\n{}",
             self.redis_url,
             self.cluster_nodes,
@@ -430,6 +433,7 @@ impl GatewayConfig {
             self.database_url,
             self.rules_extra,
             self.admin_token,
+            self.upstream_extra,
             self.extra,
             self.routes
         )
