@@ -1,7 +1,7 @@
 //! Forwarding an admitted request to its upstream and streaming the answer.
 //!
 //! Owns the upstream connections (each worker keeps its own idle HTTP/1.1
-//! connections per upstream in an [`IdleList`], driven by tasks on that
+//! connections per upstream in a `pool::IdleList`, driven by tasks on that
 //! worker's runtime, with a cap on how many it uses at once), hop-by-hop
 //! header removal in both directions, `X-Forwarded-*`, and upstream
 //! timeouts. Bodies are streamed in both directions, never buffered; a
