@@ -52,6 +52,9 @@ const HOP_BY_HOP: [&str; 9] = [
     "upgrade",
 ];
 
+/// `X-Forwarded-For` as the client sent it (looked up by name, not by a
+/// string, which actix-web would turn into a new header name every time).
+const CLIENT_X_FORWARDED_FOR: ax::HeaderName = ax::HeaderName::from_static("x-forwarded-for");
 /// `X-Forwarded-For`.
 const X_FORWARDED_FOR: hy::HeaderName = hy::HeaderName::from_static("x-forwarded-for");
 /// `X-Forwarded-Proto`.
@@ -168,7 +171,7 @@ impl Forwarder {
             let permit = Arc::clone(&self.connections)
                 .acquire_owned()
                 .await
-                .map_err(|e| ProxyError::UpstreamUnreachable(Box::new(e)))?;
+                .map_err(upstream_failure)?;
             let (sender, response) = self.exchange(&upstream, request).await?;
             Ok((
                 Lease {
@@ -184,8 +187,7 @@ impl Forwarder {
             .map_err(|_| ProxyError::UpstreamTimeout)??;
 
         let (head, body) = response.into_parts();
-        let status = StatusCode::from_u16(head.status.as_u16())
-            .map_err(|e| ProxyError::UpstreamUnreachable(Box::new(e)))?;
+        let status = StatusCode::from_u16(head.status.as_u16()).map_err(upstream_failure)?;
         let mut builder = HttpResponse::build(status);
         let listed = connection_tokens(head.headers.get_all(hy::CONNECTION).iter());
         for (name, value) in &head.headers {
@@ -203,17 +205,19 @@ impl Forwarder {
         let bodiless = status.is_informational()
             || status == StatusCode::NO_CONTENT
             || status == StatusCode::NOT_MODIFIED;
-        let done = body.is_end_stream();
         let stream = ResponseBody {
             body,
-            done,
+            done: false,
             lease: Some(lease),
         };
-        // A HEAD answer keeps the upstream's Content-Length; actix writes
-        // no body for HEAD, and the upstream sent none.
-        let length = response_length(head.headers.get(hy::TRANSFER_ENCODING).is_some(), || {
-            head.headers.get(hy::CONTENT_LENGTH).map(|v| v.as_bytes())
-        });
+        // A chunked answer has no length. A HEAD answer keeps the
+        // upstream's Content-Length; actix writes no body for HEAD, and the
+        // upstream sent none.
+        let length = if head.headers.contains_key(hy::TRANSFER_ENCODING) {
+            None
+        } else {
+            content_length(head.headers.get(hy::CONTENT_LENGTH).map(|v| v.as_bytes()))
+        };
         Ok(match length {
             _ if bodiless => builder.finish(),
             Some(len) => builder.body(SizedStream::new(len, stream)),
@@ -345,16 +349,6 @@ fn request_body_length(headers: &ax::HeaderMap) -> BodyLength {
     }
 }
 
-/// A response's body length: unknown when it is chunked, else its
-/// `Content-Length` (read only when needed).
-fn response_length<'a>(chunked: bool, length: impl FnOnce() -> Option<&'a [u8]>) -> Option<u64> {
-    if chunked {
-        None
-    } else {
-        content_length(length())
-    }
-}
-
 fn content_length(value: Option<&[u8]>) -> Option<u64> {
     std::str::from_utf8(value?).ok()?.trim().parse().ok()
 }
@@ -405,7 +399,7 @@ fn add_forwarded(req: &HttpRequest, to: &mut hy::HeaderMap) {
         let mut chain = String::with_capacity(48);
         for earlier in req
             .headers()
-            .get_all("x-forwarded-for")
+            .get_all(&CLIENT_X_FORWARDED_FOR)
             .filter_map(|v| v.to_str().ok())
         {
             chain.push_str(earlier);
@@ -514,7 +508,8 @@ impl Body for RequestBody {
 struct ResponseBody {
     /// hyper's body: data frames, possibly trailers (dropped).
     body: Incoming,
-    /// Whether the body has been read to the end.
+    /// Whether the body has been read to the end (a body hyper knows to be
+    /// empty or fully read by its length also reports `is_end_stream`).
     done: bool,
     /// The connection it arrives on.
     lease: Option<Lease>,
