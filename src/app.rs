@@ -267,6 +267,7 @@ pub async fn run(
         clock: clock.clone(),
     });
     let upstream = config.upstream.clone();
+    let client = config.client;
     let routes = config.routes.clone();
     let request_timeout = redis_settings.timeout;
     let core = limiter.clone();
@@ -278,11 +279,18 @@ pub async fn run(
         App::new()
             .app_data(proxy_state.clone())
             .app_data(web::Data::new(Limiter::new(redis, core.clone())))
-            .app_data(web::Data::new(Forwarder::new(&upstream, &routes, &clock)))
+            .app_data(web::Data::new(Forwarder::new(
+                &upstream,
+                client,
+                &routes,
+                &clock,
+                metrics.clone(),
+            )))
             .configure(proxy::configure)
     })
     .workers(config.server.workers)
     .tcp_nodelay(true)
+    .client_request_timeout(config.client.header_timeout)
     .shutdown_timeout(config.server.shutdown_timeout.as_secs())
     .disable_signals()
     .listen(listeners.proxy)?

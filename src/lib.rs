@@ -17,7 +17,7 @@
 //! ```
 //!
 //! Layers, lowest first; a module uses only its own layer or lower ones:
-//! 1. [`config`], [`clock`], [`key`], [`telemetry`], [`redis_client`]
+//! 1. [`config`], [`clock`], [`key`], [`path`], [`telemetry`], [`redis_client`]
 //! 2. [`rules`], [`breaker`], [`cluster`], [`region`]
 //! 3. [`bucket`]
 //! 4. [`proxy`], [`admin`]
@@ -37,6 +37,7 @@ pub mod cluster;
 pub mod config;
 pub mod demo;
 pub mod key;
+pub mod path;
 pub mod proxy;
 pub mod redis_client;
 pub mod region;

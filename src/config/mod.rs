@@ -25,9 +25,10 @@ use toml::{Table, Value};
 
 use raw::{RawConfig, RawRoute};
 pub use settings::{
-    AdminSettings, BreakerSettings, Config, FallbackSettings, InstanceSettings, LeaseSettings,
-    LimitSettings, LogSettings, MetricsSettings, RebalancerSettings, RedisSettings, RedisTarget,
-    RouteSpec, RuleSource, RulesSettings, ServerSettings, UpstreamSettings, database_url,
+    AdminSettings, BreakerSettings, ClientSettings, Config, FallbackSettings, InstanceSettings,
+    LeaseSettings, LimitSettings, LogSettings, MetricsSettings, Pace, RebalancerSettings,
+    RedisSettings, RedisTarget, RouteSpec, RuleSource, RulesSettings, ServerSettings,
+    UpstreamSettings, database_url,
 };
 
 /// Prefix of environment variables that override config keys.

@@ -25,6 +25,7 @@ pub(crate) struct RawConfig {
     pub(crate) regions: RawRegions,
     pub(crate) rebalancer: RawRebalancer,
     pub(crate) upstream: RawUpstream,
+    pub(crate) client: RawClient,
     pub(crate) log: RawLog,
     pub(crate) routes: Vec<RawRoute>,
 }
@@ -262,6 +263,8 @@ pub(crate) struct RawUpstream {
     pub(crate) connect_timeout_ms: i64,
     pub(crate) timeout_ms: i64,
     pub(crate) max_connections_per_worker: i64,
+    pub(crate) max_connections_per_tenant: i64,
+    pub(crate) max_connections_without_rule: i64,
     pub(crate) idle_timeout_ms: i64,
 }
 
@@ -271,7 +274,30 @@ impl Default for RawUpstream {
             connect_timeout_ms: 1000,
             timeout_ms: 30_000,
             max_connections_per_worker: 256,
+            max_connections_per_tenant: 64,
+            max_connections_without_rule: 128,
             idle_timeout_ms: 4000,
+        }
+    }
+}
+
+/// `[client]`: deadlines for clients of the proxy listener.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(crate) struct RawClient {
+    pub(crate) header_timeout_ms: i64,
+    pub(crate) read_timeout_ms: i64,
+    pub(crate) write_timeout_ms: i64,
+    pub(crate) min_bytes_per_second: i64,
+}
+
+impl Default for RawClient {
+    fn default() -> Self {
+        Self {
+            header_timeout_ms: 5000,
+            read_timeout_ms: 10_000,
+            write_timeout_ms: 10_000,
+            min_bytes_per_second: 1024,
         }
     }
 }

@@ -14,6 +14,7 @@ use actix_web::http::{Method, Uri};
 use super::Problem;
 use super::raw::{RawConfig, RawLimit, RawRoute};
 use crate::key::{RouteId, validate_id};
+use crate::path::normalize;
 
 /// The validated gateway configuration.
 #[derive(Debug, Clone)]
@@ -44,6 +45,8 @@ pub struct Config {
     pub rebalancer: RebalancerSettings,
     /// Upstream connection behaviour.
     pub upstream: UpstreamSettings,
+    /// Deadlines for the proxy's clients.
+    pub client: ClientSettings,
     /// Log verbosity.
     pub log: LogSettings,
     /// The route table, in file order.
@@ -217,9 +220,39 @@ pub struct UpstreamSettings {
     /// Upstream connections one proxy worker uses at once (kept alive and
     /// reused; further requests wait for one).
     pub max_connections_per_worker: usize,
+    /// Upstream exchanges one tenant may have in flight on one worker;
+    /// further requests are refused with 429 before any token is taken.
+    pub max_connections_per_tenant: u32,
+    /// Upstream exchanges all tenants without a rule for the route may
+    /// have in flight together on one worker (so fresh keys cannot take
+    /// every connection).
+    pub max_connections_without_rule: u32,
     /// Longest time a kept upstream connection may stay idle and still be
     /// used; shorter than the upstreams' own keep-alive timeouts.
     pub idle_timeout: Duration,
+}
+
+/// `[client]`: how long the proxy waits for its clients.
+#[derive(Debug, Clone, Copy)]
+pub struct ClientSettings {
+    /// Longest wait for a request's head (line and headers).
+    pub header_timeout: Duration,
+    /// Request bodies: the pace a client must keep while uploading.
+    pub read: Pace,
+    /// Responses: the pace a client must keep while downloading.
+    pub write: Pace,
+}
+
+/// A progress-based deadline's settings: a transfer that waits on its
+/// client longer than `timeout` without progress, or moves less than
+/// `min_bytes_per_second` on average, is cut off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pace {
+    /// Longest wait for the client without progress, and the most credit
+    /// fast progress can build up.
+    pub timeout: Duration,
+    /// Average rate below which the client loses credit; 0 = no minimum.
+    pub min_bytes_per_second: u64,
 }
 
 /// `[log]`.
@@ -493,11 +526,48 @@ pub(crate) fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
             )
             .and_then(|n| usize::try_from(n).ok())
             .unwrap_or(1),
+        max_connections_per_tenant: c
+            .range(
+                "upstream.max_connections_per_tenant",
+                raw.upstream.max_connections_per_tenant,
+                1,
+                100_000,
+            )
+            .map_or(1, |n| u32::try_from(n).unwrap_or(1)),
+        max_connections_without_rule: c
+            .range(
+                "upstream.max_connections_without_rule",
+                raw.upstream.max_connections_without_rule,
+                1,
+                100_000,
+            )
+            .map_or(1, |n| u32::try_from(n).unwrap_or(1)),
         idle_timeout: c.millis(
             "upstream.idle_timeout_ms",
             raw.upstream.idle_timeout_ms,
             3_600_000,
         ),
+    };
+
+    let cl = &raw.client;
+    let min_bytes_per_second = c
+        .range(
+            "client.min_bytes_per_second",
+            cl.min_bytes_per_second,
+            0,
+            1 << 40,
+        )
+        .unwrap_or(0);
+    let client = ClientSettings {
+        header_timeout: c.millis("client.header_timeout_ms", cl.header_timeout_ms, 3_600_000),
+        read: Pace {
+            timeout: c.millis("client.read_timeout_ms", cl.read_timeout_ms, 3_600_000),
+            min_bytes_per_second,
+        },
+        write: Pace {
+            timeout: c.millis("client.write_timeout_ms", cl.write_timeout_ms, 3_600_000),
+            min_bytes_per_second,
+        },
     };
 
     if let Err(e) = tracing_subscriber::EnvFilter::try_new(&raw.log.level) {
@@ -533,6 +603,7 @@ pub(crate) fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
             regions_dir: PathBuf::from(&raw.regions.dir),
             rebalancer,
             upstream,
+            client,
             log,
             routes,
         })
@@ -656,6 +727,21 @@ fn route(c: &mut Check, i: usize, r: &RawRoute, seen: &mut HashSet<String>) -> O
             at("path_prefix"),
             format!("must start with '/', found {:?}", r.path_prefix),
         );
+    } else {
+        match normalize(&r.path_prefix) {
+            Ok(normal) if normal == r.path_prefix => {}
+            Ok(normal) => c.bad(
+                at("path_prefix"),
+                format!(
+                    "must be written as requests are matched: {:?}, not {:?}",
+                    normal, r.path_prefix
+                ),
+            ),
+            Err(e) => c.bad(
+                at("path_prefix"),
+                format!("{:?} is refused in requests ({e})", r.path_prefix),
+            ),
+        }
     }
     let path_prefix = match r.path_prefix.trim_end_matches('/') {
         "" => "/".to_owned(),

@@ -5,14 +5,25 @@
 //! socket or parser messages) is logged, never sent to clients.
 
 use actix_web::http::StatusCode;
-use actix_web::http::header::{CACHE_CONTROL, CONTENT_TYPE, HeaderValue};
+use actix_web::http::header::{ALLOW, CACHE_CONTROL, CONTENT_TYPE, HeaderValue, RETRY_AFTER};
 use actix_web::{HttpResponse, HttpResponseBuilder};
 
 use crate::key::IdError;
+use crate::path::PathError;
+
+/// The methods a 405 names: every standard method but `CONNECT` and
+/// `TRACE` (routes may accept fewer).
+const PROXIED_METHODS: &str = "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS";
 
 /// Why the gateway answered instead of the upstream.
 #[derive(Debug, thiserror::Error)]
 pub enum ProxyError {
+    /// `CONNECT` or `TRACE`, which are never proxied.
+    #[error("method not allowed")]
+    MethodNotAllowed,
+    /// The path is ambiguous or malformed.
+    #[error("invalid path: {0}")]
+    BadPath(#[source] PathError),
     /// No route matches the method and path.
     #[error("no route matches")]
     NoRoute,
@@ -25,9 +36,23 @@ pub enum ProxyError {
     /// The key is not text (non-UTF-8 bytes).
     #[error("api key is not text")]
     BadKeyEncoding,
+    /// More than one key: repeated headers, a list, or another spelling of
+    /// the header name.
+    #[error("more than one api key")]
+    SeveralKeys,
     /// The tenant is over its limit.
     #[error("rate limited")]
     RateLimited,
+    /// The tenant (or the default-rule group) has as many requests in
+    /// flight as it may.
+    #[error("too many requests in flight")]
+    TooManyInFlight,
+    /// The client sent its request body too slowly.
+    #[error("client too slow")]
+    ClientTimeout,
+    /// The client's request body broke off.
+    #[error("client request body broken")]
+    ClientAborted,
     /// The upstream refused the connection or could not be reached.
     #[error("upstream unreachable")]
     UpstreamUnreachable(#[source] Box<dyn std::error::Error + Send + Sync>),
@@ -40,10 +65,16 @@ impl ProxyError {
     /// The HTTP status of this error.
     pub fn status(&self) -> StatusCode {
         match self {
+            Self::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             Self::NoRoute => StatusCode::NOT_FOUND,
             Self::MissingKey => StatusCode::UNAUTHORIZED,
-            Self::BadKey(_) | Self::BadKeyEncoding => StatusCode::BAD_REQUEST,
-            Self::RateLimited => StatusCode::TOO_MANY_REQUESTS,
+            Self::BadPath(_)
+            | Self::BadKey(_)
+            | Self::BadKeyEncoding
+            | Self::SeveralKeys
+            | Self::ClientAborted => StatusCode::BAD_REQUEST,
+            Self::RateLimited | Self::TooManyInFlight => StatusCode::TOO_MANY_REQUESTS,
+            Self::ClientTimeout => StatusCode::REQUEST_TIMEOUT,
             Self::UpstreamUnreachable(_) => StatusCode::BAD_GATEWAY,
             Self::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
         }
@@ -52,10 +83,16 @@ impl ProxyError {
     /// Short, stable machine-readable code.
     pub fn code(&self) -> &'static str {
         match self {
+            Self::MethodNotAllowed => "method_not_allowed",
+            Self::BadPath(_) => "invalid_path",
             Self::NoRoute => "no_route",
             Self::MissingKey => "missing_api_key",
             Self::BadKey(_) | Self::BadKeyEncoding => "invalid_api_key",
+            Self::SeveralKeys => "ambiguous_api_key",
             Self::RateLimited => "rate_limited",
+            Self::TooManyInFlight => "too_many_in_flight",
+            Self::ClientTimeout => "client_timeout",
+            Self::ClientAborted => "client_aborted",
             Self::UpstreamUnreachable(_) => "upstream_unreachable",
             Self::UpstreamTimeout => "upstream_timeout",
         }
@@ -64,6 +101,18 @@ impl ProxyError {
     /// Fixed human-readable explanation.
     fn message(&self) -> &'static str {
         match self {
+            Self::MethodNotAllowed => "CONNECT and TRACE are not proxied.",
+            Self::BadPath(PathError::EncodedSlash) => {
+                "The path may not contain an encoded slash or backslash (%2F, %5C)."
+            }
+            Self::BadPath(PathError::Backslash) => "The path may not contain a backslash.",
+            Self::BadPath(PathError::MatrixParameter) => {
+                "The path may not contain ';' (matrix parameters)."
+            }
+            Self::BadPath(PathError::BadEscape) => {
+                "The path holds a '%' not followed by two hex digits."
+            }
+            Self::BadPath(PathError::NotAbsolute) => "The request target must be an absolute path.",
             Self::NoRoute => "No route matches this method and path.",
             Self::MissingKey => "The X-Api-Key header is required.",
             Self::BadKey(IdError::Empty) => "The X-Api-Key header is empty.",
@@ -71,7 +120,13 @@ impl ProxyError {
             Self::BadKey(IdError::BadChar | IdError::RouteColon) | Self::BadKeyEncoding => {
                 "The X-Api-Key header may only contain letters, digits and . _ : -"
             }
+            Self::SeveralKeys => "Send exactly one X-Api-Key header holding one key.",
             Self::RateLimited => "Too many requests for this API key and route; see Retry-After.",
+            Self::TooManyInFlight => {
+                "Too many requests of this API key are in flight; retry when one has finished."
+            }
+            Self::ClientTimeout => "The request body arrived too slowly.",
+            Self::ClientAborted => "The request body broke off.",
             Self::UpstreamUnreachable(_) => "The upstream service could not be reached.",
             Self::UpstreamTimeout => "The upstream service did not answer in time.",
         }
@@ -84,6 +139,15 @@ impl ProxyError {
         builder
             .insert_header((CONTENT_TYPE, HeaderValue::from_static("application/json")))
             .insert_header((CACHE_CONTROL, HeaderValue::from_static("no-store")));
+        match self {
+            Self::MethodNotAllowed => {
+                builder.insert_header((ALLOW, HeaderValue::from_static(PROXIED_METHODS)));
+            }
+            Self::TooManyInFlight => {
+                builder.insert_header((RETRY_AFTER, HeaderValue::from_static("1")));
+            }
+            _ => {}
+        }
         builder
     }
 
@@ -109,10 +173,15 @@ mod tests {
     #[actix_web::test]
     async fn bodies_are_json_with_a_stable_code_and_no_internal_text() {
         for err in [
+            ProxyError::MethodNotAllowed,
+            ProxyError::BadPath(PathError::EncodedSlash),
             ProxyError::NoRoute,
             ProxyError::MissingKey,
             ProxyError::BadKey(IdError::BadChar),
+            ProxyError::SeveralKeys,
             ProxyError::RateLimited,
+            ProxyError::TooManyInFlight,
+            ProxyError::ClientTimeout,
             ProxyError::UpstreamTimeout,
         ] {
             let res = err.response();

@@ -1,70 +1,48 @@
 //! Forwarding an admitted request to its upstream and streaming the answer.
 //!
-//! Owns the upstream connections (each worker keeps its own idle HTTP/1.1
+//! Owns one worker's upstream connections (its own idle HTTP/1.1
 //! connections per upstream in a `pool::IdleList`, driven by tasks on that
-//! worker's runtime, with a cap on how many it uses at once), hop-by-hop
-//! header removal in both directions, `X-Forwarded-*`, and upstream
-//! timeouts. Bodies are streamed in both directions, never buffered; a
-//! known `Content-Length` is kept.
+//! worker's runtime, with a cap on how many it uses at once), the per-tenant
+//! bound on exchanges in flight (`slots`), and the upstream timeouts.
+//! Bodies stream in both directions under the client deadlines (`body`,
+//! `stall`); a known `Content-Length` is kept.
 //!
-//! actix-web speaks `http` 0.2 types and hyper `http` 1.x ones, so method,
-//! URI, status and headers cross over as bytes.
+//! Blame is kept straight: time spent waiting for a slow uploading client
+//! never counts against `upstream.timeout_ms`, and an upload the client
+//! fails answers 408 (or is dropped with the client), never 502/504.
 
 use std::error::Error as StdError;
-use std::fmt::Write as _;
-use std::io;
-use std::net::IpAddr;
-use std::pin::Pin;
+use std::pin::pin;
 use std::rc::Rc;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use actix_web::body::SizedStream;
 use actix_web::http::header as ax;
 use actix_web::http::{Method, StatusCode};
 use actix_web::{HttpRequest, HttpResponse, HttpResponseBuilder, web};
-use futures_util::{Stream, StreamExt};
-use hyper::body::{Body, Bytes, Frame, Incoming, SizeHint};
+use hyper::body::Incoming;
 use hyper::client::conn::http1::{self, SendRequest};
 use hyper::header as hy;
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use super::body::{ClientFault, Held, RequestBody, ResponseBody, Reuse, Upload};
 use super::error::ProxyError;
+use super::hop;
 use super::pool::IdleList;
 use super::route::Route;
+use super::slots::{Slot, Slots};
+use super::stall::Watchdog;
 use crate::clock::SharedClock;
-use crate::config::{RouteSpec, UpstreamSettings};
+use crate::config::{ClientSettings, RouteSpec, UpstreamSettings};
+use crate::key::TenantId;
+use crate::telemetry::Metrics;
 
-/// Headers that describe one hop and are never forwarded (lower case, as
-/// both header libraries store names).
-const HOP_BY_HOP: [&str; 9] = [
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-];
-
-/// `X-Forwarded-For` as the client sent it (looked up by name, not by a
-/// string, which actix-web would turn into a new header name every time).
-const CLIENT_X_FORWARDED_FOR: ax::HeaderName = ax::HeaderName::from_static("x-forwarded-for");
-/// `X-Forwarded-For`.
-const X_FORWARDED_FOR: hy::HeaderName = hy::HeaderName::from_static("x-forwarded-for");
-/// `X-Forwarded-Proto`.
-const X_FORWARDED_PROTO: hy::HeaderName = hy::HeaderName::from_static("x-forwarded-proto");
-/// `X-Forwarded-Host`.
-const X_FORWARDED_HOST: hy::HeaderName = hy::HeaderName::from_static("x-forwarded-host");
-
-/// Request-body chunks in flight between the client connection and the
-/// upstream one.
-const BODY_CHUNKS_IN_FLIGHT: usize = 4;
+/// Largest read buffer of one upstream connection: bounds what a response
+/// whose client reads slowly holds in memory.
+const UPSTREAM_READ_BUFFER: usize = 64 * 1024;
 
 /// One upstream origin as seen by one worker.
 struct Upstream {
@@ -117,6 +95,17 @@ impl Upstream {
     }
 }
 
+/// What one request is sent as: its route, its normalised path and the
+/// tenant it was limited as.
+pub(super) struct Target<'a> {
+    /// The matched route.
+    pub(super) route: &'a Route,
+    /// The normalised path (the query is taken from the request as sent).
+    pub(super) path: &'a str,
+    /// The identity the upstream receives in `X-Api-Key`.
+    pub(super) tenant: &'a TenantId,
+}
+
 /// One worker's upstream connections.
 pub struct Forwarder {
     /// Each route's upstream, by route index; routes with the same origin
@@ -124,17 +113,33 @@ pub struct Forwarder {
     upstreams: Vec<Rc<Upstream>>,
     /// One permit per upstream connection this worker may use at once.
     connections: Arc<Semaphore>,
+    /// Exchanges in flight per tenant.
+    slots: Rc<Slots>,
+    /// Responses whose clients may stop reading.
+    watchdog: Rc<Watchdog<Held<Lease>>>,
     /// Bound on one connection attempt.
     connect_timeout: Duration,
-    /// Bound on waiting for a connection plus the upstream's response head.
+    /// Bound on waiting for a connection plus the upstream's response head,
+    /// not counting time spent waiting on an uploading client.
     timeout: Duration,
+    /// The pace clients must keep.
+    client: ClientSettings,
+    /// Reads now for deadlines and idle times.
+    clock: SharedClock,
 }
 
 impl Forwarder {
-    /// Connection handling for `routes` with the configured cap and
-    /// timeouts, idle time measured by `clock`. Connects to nothing until
-    /// the first request.
-    pub fn new(settings: &UpstreamSettings, routes: &[RouteSpec], clock: &SharedClock) -> Self {
+    /// Connection handling for `routes` with the configured caps, timeouts
+    /// and client pace, time measured by `clock`. Connects to nothing until
+    /// the first request. Must be created on the worker that uses it (it
+    /// starts that worker's watchdog).
+    pub fn new(
+        settings: &UpstreamSettings,
+        client: ClientSettings,
+        routes: &[RouteSpec],
+        clock: &SharedClock,
+        metrics: Metrics,
+    ) -> Self {
         let mut upstreams: Vec<Rc<Upstream>> = Vec::new();
         for (i, spec) in routes.iter().enumerate() {
             let same = routes[..i]
@@ -145,28 +150,45 @@ impl Forwarder {
                 None => Rc::new(Upstream::new(spec, settings.idle_timeout, clock.clone())),
             });
         }
+        let sweep =
+            (client.write.timeout / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
         Self {
             upstreams,
             connections: Arc::new(Semaphore::new(settings.max_connections_per_worker)),
+            slots: Slots::new(settings),
+            watchdog: Watchdog::start(sweep, clock.clone(), metrics),
             connect_timeout: settings.connect_timeout,
             timeout: settings.timeout,
+            client,
+            clock: clock.clone(),
         }
     }
 
-    /// Sends `req` with its streamed `payload` to `route`'s upstream and
-    /// streams the answer back; `decorate` adds gateway headers.
+    /// A place for one exchange of `tenant` (whose pair has a rule when
+    /// `has_rule`); `None` when the tenant, or the default-rule group, has
+    /// as many in flight as it may on this worker.
+    pub(super) fn slot(&self, tenant: &TenantId, has_rule: bool) -> Option<Slot> {
+        self.slots.acquire(tenant, has_rule)
+    }
+
+    /// Sends `req` with its streamed `payload` to `target`'s upstream and
+    /// streams the answer back, holding `slot` until the answer ends;
+    /// `decorate` adds gateway headers.
     ///
     /// # Errors
-    /// [`ProxyError::UpstreamUnreachable`] or [`ProxyError::UpstreamTimeout`].
-    pub async fn forward(
+    /// [`ProxyError::UpstreamUnreachable`] or [`ProxyError::UpstreamTimeout`]
+    /// for the upstream's failures, [`ProxyError::ClientTimeout`] or
+    /// [`ProxyError::ClientAborted`] when the client failed its upload.
+    pub(super) async fn forward(
         &self,
         req: &HttpRequest,
+        target: Target<'_>,
         payload: web::Payload,
-        route: &Route,
+        slot: Slot,
         decorate: impl FnOnce(&mut HttpResponseBuilder),
     ) -> Result<HttpResponse, ProxyError> {
-        let upstream = Rc::clone(&self.upstreams[route.index]);
-        let request = upstream_request(req, payload, &route.spec, &upstream)?;
+        let upstream = Rc::clone(&self.upstreams[target.route.index]);
+        let (request, upload) = self.upstream_request(req, &target, payload, &upstream)?;
         let exchange = async {
             let permit = Arc::clone(&self.connections)
                 .acquire_owned()
@@ -178,38 +200,25 @@ impl Forwarder {
                     sender,
                     upstream,
                     _permit: permit,
+                    _slot: slot,
                 },
                 response,
             ))
         };
-        let (lease, response) = tokio::time::timeout(self.timeout, exchange)
-            .await
-            .map_err(|_| ProxyError::UpstreamTimeout)??;
+        let (lease, response) = self.bounded(exchange, &upload).await?;
 
         let (head, body) = response.into_parts();
         let status = StatusCode::from_u16(head.status.as_u16()).map_err(upstream_failure)?;
         let mut builder = HttpResponse::build(status);
-        let listed = connection_tokens(head.headers.get_all(hy::CONNECTION).iter());
-        for (name, value) in &head.headers {
-            if is_end_to_end(name.as_str(), &listed)
-                && name != hy::CONTENT_LENGTH
-                && let (Ok(name), Ok(value)) = (
-                    ax::HeaderName::from_bytes(name.as_str().as_bytes()),
-                    ax::HeaderValue::from_bytes(value.as_bytes()),
-                )
-            {
-                builder.append_header((name, value));
-            }
-        }
+        hop::copy_response_headers(&head.headers, |name, value| {
+            builder.append_header((name, value));
+        });
         decorate(&mut builder);
         let bodiless = status.is_informational()
             || status == StatusCode::NO_CONTENT
             || status == StatusCode::NOT_MODIFIED;
-        let stream = ResponseBody {
-            body,
-            done: false,
-            lease: Some(lease),
-        };
+        let watch = self.watchdog.watch(Held { body, lease }, self.client.write);
+        let stream = ResponseBody::new(watch, self.clock.clone());
         // A chunked answer has no length. A HEAD answer keeps the
         // upstream's Content-Length; actix writes no body for HEAD, and the
         // upstream sent none.
@@ -224,6 +233,41 @@ impl Forwarder {
             None if req.method() == Method::HEAD => builder.finish(),
             None => builder.streaming(stream),
         })
+    }
+
+    /// Runs `exchange` under `upstream.timeout_ms`, not counting the time
+    /// `upload` spent waiting on its client; a failed upload is the
+    /// client's fault whatever hyper reports.
+    async fn bounded<T>(
+        &self,
+        exchange: impl Future<Output = Result<T, ProxyError>>,
+        upload: &Upload,
+    ) -> Result<T, ProxyError> {
+        let started = self.clock.now_ms();
+        let limit = u64::try_from(self.timeout.as_millis()).unwrap_or(u64::MAX);
+        let mut exchange = pin!(exchange);
+        let mut wait = self.timeout;
+        loop {
+            match tokio::time::timeout(wait, &mut exchange).await {
+                Ok(result) => {
+                    return result.map_err(|e| match upload.fault() {
+                        Some(ClientFault::Slow) => ProxyError::ClientTimeout,
+                        Some(ClientFault::Broken) => ProxyError::ClientAborted,
+                        None => e,
+                    });
+                }
+                Err(_) => {
+                    let now = self.clock.now_ms();
+                    let upstream_ms = now
+                        .saturating_sub(started)
+                        .saturating_sub(upload.waited(now));
+                    if upstream_ms >= limit {
+                        return Err(ProxyError::UpstreamTimeout);
+                    }
+                    wait = Duration::from_millis(limit - upstream_ms);
+                }
+            }
+        }
     }
 
     /// Sends `request` on an idle connection to `upstream`, or a new one,
@@ -265,7 +309,9 @@ impl Forwarder {
                 .map_err(|_| ProxyError::UpstreamTimeout)?
                 .map_err(upstream_failure)?;
         stream.set_nodelay(true).map_err(upstream_failure)?;
-        let (sender, connection) = http1::handshake(TokioIo::new(stream))
+        let (sender, connection) = http1::Builder::new()
+            .max_buf_size(UPSTREAM_READ_BUFFER)
+            .handshake(TokioIo::new(stream))
             .await
             .map_err(upstream_failure)?;
         actix_web::rt::spawn(async move {
@@ -275,17 +321,69 @@ impl Forwarder {
         });
         Ok(sender)
     }
+
+    /// The upstream request for `req`: same method; the route's base path
+    /// followed by the normalised path and the query as sent; the
+    /// upstream's `Host`, the end-to-end headers, the limited `X-Api-Key`
+    /// and `X-Forwarded-*`; the body read from `payload` at the client
+    /// read pace.
+    fn upstream_request(
+        &self,
+        req: &HttpRequest,
+        target: &Target<'_>,
+        payload: web::Payload,
+        upstream: &Upstream,
+    ) -> Result<(hyper::Request<RequestBody>, Rc<Upload>), ProxyError> {
+        let base = &target.route.spec.upstream_base_path;
+        let query = req.uri().query();
+        let mut uri = String::with_capacity(
+            base.len() + target.path.len() + query.map_or(0, |q| q.len() + 1),
+        );
+        uri.push_str(base);
+        uri.push_str(target.path);
+        if let Some(query) = query {
+            uri.push('?');
+            uri.push_str(query);
+        }
+        let uri = hyper::Uri::try_from(uri).map_err(upstream_failure)?;
+        let method = hyper::Method::from_bytes(req.method().as_str().as_bytes())
+            .map_err(upstream_failure)?;
+
+        let (body, upload) = RequestBody::new(
+            payload,
+            request_body_length(req.headers()),
+            self.client.read,
+            self.clock.clone(),
+        );
+        let mut request = hyper::Request::new(body);
+        *request.method_mut() = method;
+        *request.uri_mut() = uri;
+        let headers = request.headers_mut();
+        headers.reserve(req.headers().len() + 4);
+        headers.insert(hy::HOST, upstream.host.clone());
+        hop::copy_request_headers(req.headers(), target.tenant, headers);
+        hop::add_forwarded(req, headers);
+        Ok((request, upload))
+    }
 }
 
 /// A connection in use by one exchange, returned to its upstream's idle
 /// list once the response body has been read to the end.
-struct Lease {
+pub(super) struct Lease {
     /// The connection.
     sender: SendRequest<RequestBody>,
     /// Where it goes back to.
     upstream: Rc<Upstream>,
     /// Counts against the worker's connection cap while in use.
     _permit: OwnedSemaphorePermit,
+    /// Counts against the tenant's bound while in use.
+    _slot: Slot,
+}
+
+impl Reuse for Lease {
+    fn reuse(self) {
+        self.upstream.keep(self.sender);
+    }
 }
 
 /// Maps a connection-level failure to 502.
@@ -294,289 +392,17 @@ fn upstream_failure(e: impl StdError + Send + Sync + 'static) -> ProxyError {
     ProxyError::UpstreamUnreachable(Box::new(e))
 }
 
-/// The upstream request for `req`: same method; the route's base path
-/// followed by the request's path and query; the upstream's `Host`, the
-/// end-to-end headers and `X-Forwarded-*`; the body pumped from `payload`.
-fn upstream_request(
-    req: &HttpRequest,
-    payload: web::Payload,
-    route: &RouteSpec,
-    upstream: &Upstream,
-) -> Result<hyper::Request<RequestBody>, ProxyError> {
-    let path = req.uri().path_and_query().map_or("/", |pq| pq.as_str());
-    let base = &route.upstream_base_path;
-    let mut target = String::with_capacity(base.len() + path.len());
-    target.push_str(base);
-    target.push_str(path);
-    let uri = hyper::Uri::try_from(target).map_err(upstream_failure)?;
-    let method =
-        hyper::Method::from_bytes(req.method().as_str().as_bytes()).map_err(upstream_failure)?;
-
-    let body = match request_body_length(req.headers()) {
-        BodyLength::None => RequestBody::empty(),
-        BodyLength::Sized(len) => RequestBody::pumped(payload, Some(len)),
-        BodyLength::Chunked => RequestBody::pumped(payload, None),
-    };
-    let mut request = hyper::Request::new(body);
-    *request.method_mut() = method;
-    *request.uri_mut() = uri;
-    let headers = request.headers_mut();
-    headers.reserve(req.headers().len() + 4);
-    headers.insert(hy::HOST, upstream.host.clone());
-    copy_end_to_end(req.headers(), headers);
-    add_forwarded(req, headers);
-    Ok(request)
-}
-
-/// How the client framed its request body.
-enum BodyLength {
-    /// No body at all.
-    None,
-    /// `Content-Length` bytes.
-    Sized(u64),
-    /// Chunked transfer encoding: length unknown.
-    Chunked,
-}
-
-fn request_body_length(headers: &ax::HeaderMap) -> BodyLength {
+/// How the client framed its request body: `None` without a body,
+/// `Some(None)` for chunked transfer encoding (length unknown),
+/// `Some(Some(n))` for `Content-Length: n`.
+fn request_body_length(headers: &ax::HeaderMap) -> Option<Option<u64>> {
     if headers.contains_key(ax::TRANSFER_ENCODING) {
-        BodyLength::Chunked
+        Some(None)
     } else {
-        match content_length(headers.get(ax::CONTENT_LENGTH).map(|v| v.as_bytes())) {
-            Some(len) => BodyLength::Sized(len),
-            None => BodyLength::None,
-        }
+        content_length(headers.get(ax::CONTENT_LENGTH).map(|v| v.as_bytes())).map(Some)
     }
 }
 
 fn content_length(value: Option<&[u8]>) -> Option<u64> {
     std::str::from_utf8(value?).ok()?.trim().parse().ok()
-}
-
-/// The header names a message's `Connection` header lists (hop-by-hop for
-/// that message), read once per message from its `Connection` values.
-fn connection_tokens<'a, V>(values: impl Iterator<Item = &'a V>) -> Vec<&'a str>
-where
-    V: AsRef<[u8]> + 'a,
-{
-    values
-        .filter_map(|v| std::str::from_utf8(v.as_ref()).ok())
-        .flat_map(|list| list.split(','))
-        .map(str::trim)
-        .filter(|t| !t.is_empty())
-        .collect()
-}
-
-/// Whether the (lower-case) header `name` travels end to end: neither a
-/// fixed hop-by-hop header nor one of the message's `listed`
-/// [`connection_tokens`].
-fn is_end_to_end(name: &str, listed: &[&str]) -> bool {
-    !HOP_BY_HOP.contains(&name) && !listed.iter().any(|t| t.eq_ignore_ascii_case(name))
-}
-
-/// Copies the client's end-to-end headers. `Host` is left to the client
-/// library (the upstream's authority) and `Content-Length` to the body.
-fn copy_end_to_end(from: &ax::HeaderMap, to: &mut hy::HeaderMap) {
-    let listed = connection_tokens(from.get_all(ax::CONNECTION));
-    for (name, value) in from {
-        if is_end_to_end(name.as_str(), &listed)
-            && name != ax::HOST
-            && name != ax::CONTENT_LENGTH
-            && let (Ok(name), Ok(value)) = (
-                hy::HeaderName::from_bytes(name.as_str().as_bytes()),
-                hy::HeaderValue::from_bytes(value.as_bytes()),
-            )
-        {
-            to.append(name, value);
-        }
-    }
-}
-
-/// Adds `X-Forwarded-For` (appending the peer), `-Proto` and `-Host`.
-fn add_forwarded(req: &HttpRequest, to: &mut hy::HeaderMap) {
-    if let Some(peer) = req.peer_addr() {
-        // Every earlier hop, from however many header lines, then the peer.
-        let mut chain = String::with_capacity(48);
-        for earlier in req
-            .headers()
-            .get_all(&CLIENT_X_FORWARDED_FOR)
-            .filter_map(|v| v.to_str().ok())
-        {
-            chain.push_str(earlier);
-            chain.push_str(", ");
-        }
-        push_ip(&mut chain, peer.ip());
-        if let Ok(value) = hy::HeaderValue::try_from(chain) {
-            to.insert(X_FORWARDED_FOR, value);
-        }
-    }
-    to.insert(X_FORWARDED_PROTO, hy::HeaderValue::from_static("http"));
-    if let Some(host) = req.headers().get(ax::HOST)
-        && let Ok(host) = hy::HeaderValue::from_bytes(host.as_bytes())
-    {
-        to.insert(X_FORWARDED_HOST, host);
-    }
-}
-
-/// Appends `ip` in its usual text form (IPv4 without the formatter, which
-/// costs more than the rest of the header work of a request).
-fn push_ip(out: &mut String, ip: IpAddr) {
-    match ip {
-        IpAddr::V4(v4) => {
-            let mut digits = itoa::Buffer::new();
-            for (i, octet) in v4.octets().into_iter().enumerate() {
-                if i > 0 {
-                    out.push('.');
-                }
-                out.push_str(digits.format(octet));
-            }
-        }
-        IpAddr::V6(v6) => {
-            // unwrap-free: writing into a String cannot fail.
-            let _ = write!(out, "{v6}");
-        }
-    }
-}
-
-/// A request body for hyper, which needs `Send` bodies: the client's
-/// `!Send` payload is read by a task on the worker and its chunks handed
-/// over through a small bounded channel (back-pressure both ways).
-struct RequestBody {
-    /// Chunks from the pump; `None` for a request without a body.
-    chunks: Option<mpsc::Receiver<io::Result<Bytes>>>,
-    /// The declared length, when known.
-    length: Option<u64>,
-}
-
-impl RequestBody {
-    /// No body at all.
-    fn empty() -> Self {
-        Self {
-            chunks: None,
-            length: Some(0),
-        }
-    }
-
-    /// Starts a task that moves `payload` into the body, chunk by chunk.
-    fn pumped(mut payload: web::Payload, length: Option<u64>) -> Self {
-        let (tx, rx) = mpsc::channel(BODY_CHUNKS_IN_FLIGHT);
-        actix_web::rt::spawn(async move {
-            while let Some(chunk) = payload.next().await {
-                let chunk = chunk.map_err(|e| io::Error::other(e.to_string()));
-                let failed = chunk.is_err();
-                if tx.send(chunk).await.is_err() || failed {
-                    break;
-                }
-            }
-        });
-        Self {
-            chunks: Some(rx),
-            length,
-        }
-    }
-}
-
-impl Body for RequestBody {
-    type Data = Bytes;
-    type Error = io::Error;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
-        match &mut self.get_mut().chunks {
-            None => Poll::Ready(None),
-            Some(chunks) => chunks
-                .poll_recv(cx)
-                .map(|chunk| chunk.map(|c| c.map(Frame::data))),
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.chunks.is_none()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.length
-            .map_or_else(SizeHint::default, SizeHint::with_exact)
-    }
-}
-
-/// The upstream's response body as a byte stream for actix; holds the
-/// connection until the body is done (then it goes back to the idle list)
-/// or dropped (then it is closed).
-struct ResponseBody {
-    /// hyper's body: data frames, possibly trailers (dropped).
-    body: Incoming,
-    /// Whether the body has been read to the end (a body hyper knows to be
-    /// empty or fully read by its length also reports `is_end_stream`).
-    done: bool,
-    /// The connection it arrives on.
-    lease: Option<Lease>,
-}
-
-impl Stream for ResponseBody {
-    type Item = Result<Bytes, hyper::Error>;
-
-    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        let this = self.get_mut();
-        loop {
-            return match Pin::new(&mut this.body).poll_frame(cx) {
-                Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
-                    Ok(data) => Poll::Ready(Some(Ok(data))),
-                    // Trailers are hop-level here: skip them.
-                    Err(_) => continue,
-                },
-                Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(e))),
-                Poll::Ready(None) => {
-                    this.done = true;
-                    Poll::Ready(None)
-                }
-                Poll::Pending => Poll::Pending,
-            };
-        }
-    }
-}
-
-impl Drop for ResponseBody {
-    fn drop(&mut self) {
-        if let Some(lease) = self.lease.take()
-            && (self.done || self.body.is_end_stream())
-        {
-            lease.upstream.keep(lease.sender);
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn hop_by_hop_headers_and_connection_listed_ones_are_dropped() {
-        let mut from = ax::HeaderMap::new();
-        from.insert(
-            ax::CONNECTION,
-            ax::HeaderValue::from_static("keep-alive, x-secret"),
-        );
-        from.insert(
-            ax::HeaderName::from_static("x-secret"),
-            ax::HeaderValue::from_static("1"),
-        );
-        from.insert(
-            ax::TRANSFER_ENCODING,
-            ax::HeaderValue::from_static("chunked"),
-        );
-        from.insert(ax::HOST, ax::HeaderValue::from_static("gateway"));
-        from.insert(
-            ax::HeaderName::from_static("x-api-key"),
-            ax::HeaderValue::from_static("t"),
-        );
-        from.insert(ax::ACCEPT, ax::HeaderValue::from_static("*/*"));
-        let mut to = hy::HeaderMap::new();
-        copy_end_to_end(&from, &mut to);
-        let mut names: Vec<_> = to.keys().map(|k| k.as_str().to_owned()).collect();
-        names.sort();
-        assert_eq!(names, vec!["accept", "x-api-key"]);
-    }
 }

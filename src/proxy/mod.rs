@@ -1,35 +1,49 @@
 //! The proxy listener: route, identify, limit, forward.
 //!
 //! Owns the request phases, in order:
+//! 0. **screen** — `CONNECT` and `TRACE` answer 405; the path is
+//!    normalised ([`crate::path`]: 400 when ambiguous), and the normal form
+//!    is what is matched and what the upstream receives;
 //! 1. **route** — method + path → [`route::Route`] (404 when none);
-//! 2. **identify** — `X-Api-Key` → [`TenantId`] (401 missing, 400 malformed;
-//!    a rejected key never reaches Redis);
-//! 3. **limit** — rule snapshot → [`Limiter::check`] (429 with headers);
+//! 2. **identify** — exactly one `X-Api-Key` → [`TenantId`] (401 missing,
+//!    400 malformed or more than one; a rejected key never reaches Redis);
+//! 3. **limit** — a slot among the tenant's exchanges in flight (429 when
+//!    at its bound, before any token is taken), then rule snapshot →
+//!    [`Limiter::check`] (429 with headers);
 //! 4. **forward** — stream to the upstream and back ([`forward`]), adding
 //!    the rate-limit headers ([`headers`]).
 //!
 //! The phases run inline in one handler: no per-request actor message and
-//! no lock beyond the local limiter's short shard lock.
+//! no lock beyond the local limiter's short shard lock. The upstream gets
+//! exactly the key that was limited, whatever the client's `Connection`
+//! header lists.
 
 pub mod error;
 pub mod forward;
 pub mod headers;
+
+mod body;
+mod hop;
 mod pool;
 pub mod route;
+mod slots;
+mod stall;
 
 use std::sync::Arc;
 
+use actix_web::http::Method;
 use actix_web::http::header::HeaderName;
 use actix_web::{HttpRequest, HttpResponse, web};
 
 use crate::bucket::Limiter;
 use crate::clock::SharedClock;
 use crate::key::TenantId;
+use crate::path;
 use crate::region::shares::SharesHandle;
 use crate::rules::RulesHandle;
-use crate::telemetry::{Metrics, Outcome, RequestCounters};
+use crate::telemetry::{BodyDirection, Metrics, Outcome, RequestCounters, Unrouted};
 use error::ProxyError;
-use forward::Forwarder;
+use forward::{Forwarder, Target};
 use headers::RateLimitHeaders;
 use route::RouteTable;
 
@@ -57,7 +71,7 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
     cfg.default_service(web::to(handle));
 }
 
-/// Runs the four phases for one request.
+/// Runs the phases for one request.
 async fn handle(
     req: HttpRequest,
     payload: web::Payload,
@@ -65,8 +79,19 @@ async fn handle(
     limiter: web::Data<Limiter>,
     forwarder: web::Data<Forwarder>,
 ) -> HttpResponse {
-    let Some(route) = state.routes.find(req.method(), req.path()) else {
-        state.metrics.no_route();
+    if matches!(*req.method(), Method::CONNECT | Method::TRACE) {
+        state.metrics.unrouted(Unrouted::BadRequest);
+        return ProxyError::MethodNotAllowed.response();
+    }
+    let path = match path::normalize(req.path()) {
+        Ok(path) => path,
+        Err(e) => {
+            state.metrics.unrouted(Unrouted::BadRequest);
+            return ProxyError::BadPath(e).response();
+        }
+    };
+    let Some(route) = state.routes.find(req.method(), &path) else {
+        state.metrics.unrouted(Unrouted::NoRoute);
         return ProxyError::NoRoute.response();
     };
 
@@ -82,11 +107,20 @@ async fn handle(
             return e.response();
         }
     };
+    let count = |outcome| {
+        state
+            .requests
+            .count(Some(tenant.as_str()), route.index, outcome);
+    };
 
-    let limit = state
-        .rules
-        .snapshot()
-        .limit_for(tenant.as_str(), route.spec.id.as_str());
+    let rules = state.rules.snapshot();
+    let rule = rules.rule_for(tenant.as_str(), route.spec.id.as_str());
+    let Some(slot) = forwarder.slot(&tenant, rule.is_some()) else {
+        count(Outcome::InFlightLimited);
+        return ProxyError::TooManyInFlight.response();
+    };
+    let limit = rule.unwrap_or(rules.default_limit());
+    drop(rules);
     let share = state
         .shares
         .snapshot()
@@ -96,9 +130,7 @@ async fn handle(
         .await;
     let headers = RateLimitHeaders::new(route.spec.id.as_str(), &verdict);
     if !verdict.decision.allowed {
-        state
-            .requests
-            .count(Some(tenant.as_str()), route.index, Outcome::Rejected);
+        count(Outcome::Rejected);
         let rejected = ProxyError::RateLimited;
         let mut builder = rejected.builder();
         headers.apply(&mut builder);
@@ -106,19 +138,26 @@ async fn handle(
     }
 
     let started = state.clock.now_micros();
+    let target = Target {
+        route,
+        path: &path,
+        tenant: &tenant,
+    };
     let forwarded = forwarder
-        .forward(&req, payload, route, |b| headers.apply(b))
+        .forward(&req, target, payload, slot, |b| headers.apply(b))
         .await;
     let elapsed = state.clock.now_micros().saturating_sub(started);
     route.metrics.upstream_seconds(elapsed as f64 / 1e6);
-    let outcome = match &forwarded {
+    count(match &forwarded {
         Ok(_) => Outcome::Allowed,
         Err(ProxyError::UpstreamTimeout) => Outcome::UpstreamTimeout,
+        Err(ProxyError::ClientTimeout) => {
+            state.metrics.client_timeout(BodyDirection::Request);
+            Outcome::ClientTimeout
+        }
+        Err(ProxyError::ClientAborted) => Outcome::ClientAborted,
         Err(_) => Outcome::UpstreamError,
-    };
-    state
-        .requests
-        .count(Some(tenant.as_str()), route.index, outcome);
+    });
     match forwarded {
         Ok(response) => response,
         Err(e) => {
@@ -129,9 +168,47 @@ async fn handle(
     }
 }
 
-/// Reads and validates the tenant from `X-Api-Key`.
+/// Reads and validates the tenant: exactly one `X-Api-Key` header holding
+/// one key, and no other spelling of the header name (`X_Api_Key`, which
+/// CGI-style servers read as the same header).
 fn identify(req: &HttpRequest) -> Result<TenantId, ProxyError> {
-    let raw = req.headers().get(API_KEY).ok_or(ProxyError::MissingKey)?;
+    if req.headers().keys().any(|name| is_key_alias(name.as_str())) {
+        return Err(ProxyError::SeveralKeys);
+    }
+    let mut keys = req.headers().get_all(API_KEY);
+    let raw = keys.next().ok_or(ProxyError::MissingKey)?;
+    if keys.next().is_some() {
+        return Err(ProxyError::SeveralKeys);
+    }
     let text = raw.to_str().map_err(|_| ProxyError::BadKeyEncoding)?;
+    if text.contains(',') {
+        return Err(ProxyError::SeveralKeys);
+    }
     TenantId::parse(text).map_err(ProxyError::BadKey)
+}
+
+/// Whether the (lower-case) header `name` is `x-api-key` spelt with
+/// underscores for some of its dashes.
+fn is_key_alias(name: &str) -> bool {
+    const KEY: &[u8] = b"x-api-key";
+    name.len() == KEY.len()
+        && name.contains('_')
+        && name
+            .bytes()
+            .zip(KEY)
+            .all(|(b, &k)| b == k || (b == b'_' && k == b'-'))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn underscore_spellings_of_the_key_header_are_aliases() {
+        assert!(is_key_alias("x_api_key"));
+        assert!(is_key_alias("x-api_key"));
+        assert!(!is_key_alias("x-api-key"));
+        assert!(!is_key_alias("x_api_kez"));
+        assert!(!is_key_alias("accept"));
+    }
 }

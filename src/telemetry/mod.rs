@@ -12,10 +12,10 @@
 
 #![allow(clippy::disallowed_macros)] // The one module that names metrics.
 
-use std::collections::HashMap;
-use std::sync::{Arc, OnceLock};
+mod log;
+mod requests;
 
-use arc_swap::ArcSwap;
+use std::sync::OnceLock;
 
 use metrics::{Counter, Gauge, Histogram, Unit};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
@@ -55,6 +55,10 @@ pub const REGION_SHARE: &str = "tollgate_region_share";
 pub const REBALANCE_ROUNDS_TOTAL: &str = "tollgate_rebalance_rounds_total";
 /// Live gateway instances seen by the membership heartbeat (gauge).
 pub const LIVE_INSTANCES: &str = "tollgate_live_instances";
+/// Clients cut off for moving a body too slowly, by body (counter).
+pub const CLIENT_TIMEOUTS_TOTAL: &str = "tollgate_client_timeouts_total";
+/// Client mistakes the HTTP layer refused before routing (counter).
+pub const MALFORMED_REQUESTS_TOTAL: &str = "tollgate_malformed_requests_total";
 
 /// Label value for requests that matched no route.
 pub const NO_ROUTE: &str = "_none";
@@ -67,6 +71,9 @@ const DECISION_BUCKETS: &[f64] = &[
 const UPSTREAM_BUCKETS: &[f64] = &[
     0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 ];
+
+pub use log::{init_tracing, log_filter};
+pub use requests::{OTHER_TENANTS, Outcome, RequestCounters, RouteMetrics};
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 
@@ -184,6 +191,16 @@ fn describe() {
         Unit::Count,
         "Redis circuit breaker transitions by target state."
     );
+    describe_counter!(
+        CLIENT_TIMEOUTS_TOTAL,
+        Unit::Count,
+        "Clients cut off for sending a request body or reading a response too slowly, by body."
+    );
+    describe_counter!(
+        MALFORMED_REQUESTS_TOTAL,
+        Unit::Count,
+        "Connections the HTTP layer closed over a malformed request or a broken stream."
+    );
     describe_gauge!(
         LIVE_INSTANCES,
         Unit::Count,
@@ -191,153 +208,15 @@ fn describe() {
     );
 }
 
-/// What happened to one proxied request, as a metric label.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome {
-    /// Admitted and answered by the upstream.
-    Allowed,
-    /// Over the limit: 429.
-    Rejected,
-    /// No `X-Api-Key`: 401.
-    Unauthorized,
-    /// Malformed `X-Api-Key`: 400.
-    BadKey,
-    /// Upstream refused or broke the connection: 502.
-    UpstreamError,
-    /// Upstream too slow: 504.
-    UpstreamTimeout,
-}
-
-impl Outcome {
-    /// Every outcome, in label order.
-    const ALL: [Self; 6] = [
-        Self::Allowed,
-        Self::Rejected,
-        Self::Unauthorized,
-        Self::BadKey,
-        Self::UpstreamError,
-        Self::UpstreamTimeout,
-    ];
-
-    /// The label value.
-    pub fn label(self) -> &'static str {
-        match self {
-            Self::Allowed => "allowed",
-            Self::Rejected => "rejected",
-            Self::Unauthorized => "unauthorized",
-            Self::BadKey => "bad_key",
-            Self::UpstreamError => "upstream_error",
-            Self::UpstreamTimeout => "upstream_timeout",
-        }
-    }
-}
-
-/// Pre-registered series of one route.
-#[derive(Clone)]
-pub struct RouteMetrics {
-    /// `tollgate_upstream_duration_seconds{route}`.
-    upstream: Histogram,
-}
-
-impl RouteMetrics {
-    /// Registers the series of `route`.
-    pub fn new(route: &str) -> Self {
-        Self {
-            upstream: metrics::histogram!(UPSTREAM_SECONDS, "route" => route.to_owned()),
-        }
-    }
-
-    /// Records the time to an upstream's response head.
-    pub fn upstream_seconds(&self, seconds: f64) {
-        self.upstream.record(seconds);
-    }
-}
-
-/// `tollgate_requests_total{route, tenant, outcome}` with a bounded tenant
-/// label: tenants that have an explicit rule get their own label, up to
-/// `metrics.max_tenant_labels`; every other request counts under
-/// `tenant="_other"`. The rebalancer reads per-tenant demand from these.
-pub struct RequestCounters {
-    /// Route ids, by route index.
-    routes: Vec<String>,
-    /// `tenant="_other"` counters, by route index then outcome.
-    other: Vec<[Counter; 6]>,
-    /// Labelled tenants' counters, by route index then outcome.
-    labeled: ArcSwap<HashMap<Arc<str>, Vec<[Counter; 6]>>>,
-    /// Most tenants with their own label.
-    max_tenants: usize,
-}
-
-/// Label value for tenants without a label of their own.
-pub const OTHER_TENANTS: &str = "_other";
-
-impl RequestCounters {
-    /// Registers the `_other` series of every route.
-    pub fn new<'a>(routes: impl IntoIterator<Item = &'a str>, max_tenants: usize) -> Self {
-        let routes: Vec<String> = routes.into_iter().map(str::to_owned).collect();
-        let other = routes.iter().map(|r| register(r, OTHER_TENANTS)).collect();
-        Self {
-            routes,
-            other,
-            labeled: ArcSwap::from_pointee(HashMap::new()),
-            max_tenants,
-        }
-    }
-
-    /// Counts one request of `tenant` (when known) on route `route`.
-    pub fn count(&self, tenant: Option<&str>, route: usize, outcome: Outcome) {
-        let labeled = self.labeled.load();
-        let counters = tenant
-            .and_then(|t| labeled.get(t))
-            .and_then(|per_route| per_route.get(route))
-            .or_else(|| self.other.get(route));
-        if let Some(c) = counters {
-            c[outcome as usize].increment(1);
-        }
-    }
-
-    /// Gives the first `metrics.max_tenant_labels` of `tenants` (in sorted
-    /// order) a label of their own; the rest count as `_other`.
-    /// Tenants already labelled keep their counters, so a rule change
-    /// that leaves the labelled set alone registers nothing.
-    pub fn label_tenants<'a>(&self, tenants: impl IntoIterator<Item = &'a str>) {
-        let chosen: std::collections::BTreeSet<&str> = tenants.into_iter().collect();
-        let current = self.labeled.load();
-        let chosen: Vec<&str> = chosen.into_iter().take(self.max_tenants).collect();
-        if chosen.len() == current.len() && chosen.iter().all(|t| current.contains_key(*t)) {
-            return;
-        }
-        let map = chosen
-            .into_iter()
-            .map(|t| match current.get_key_value(t) {
-                Some((name, per_route)) => (name.clone(), per_route.clone()),
-                None => {
-                    let per_route = self.routes.iter().map(|r| register(r, t)).collect();
-                    (Arc::from(t), per_route)
-                }
-            })
-            .collect();
-        self.labeled.store(Arc::new(map));
-    }
-}
-
-/// The six outcome counters of one (route, tenant) label pair.
-fn register(route: &str, tenant: &str) -> [Counter; 6] {
-    Outcome::ALL.map(|o| {
-        metrics::counter!(
-            REQUESTS_TOTAL,
-            "route" => route.to_owned(),
-            "tenant" => tenant.to_owned(),
-            "outcome" => o.label()
-        )
-    })
-}
-
 /// Pre-registered series outside any route.
 #[derive(Clone)]
 pub struct Metrics {
-    /// `tollgate_requests_total{route="_none", outcome="no_route"}`.
-    no_route: Counter,
+    /// `tollgate_requests_total{route="_none", outcome}` for requests
+    /// refused before routing, indexed like [`Unrouted::ALL`].
+    unrouted: [Counter; 2],
+    /// `tollgate_client_timeouts_total{body}`, indexed like
+    /// [`BodyDirection::ALL`].
+    client_timeouts: [Counter; 2],
     /// `tollgate_decision_duration_seconds{source}`, indexed like
     /// [`DecisionSource::ALL`].
     decisions: [Histogram; 4],
@@ -369,6 +248,50 @@ pub struct Metrics {
 
 /// Breaker states, as labels, in discriminant order.
 const BREAKER_STATES: [&str; 3] = ["closed", "open", "half_open"];
+
+/// Why a request was answered before any route was chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unrouted {
+    /// No route matches: 404.
+    NoRoute,
+    /// A method that is never proxied, or an ambiguous path: 405 / 400.
+    BadRequest,
+}
+
+impl Unrouted {
+    /// Every reason, in label order.
+    const ALL: [Self; 2] = [Self::NoRoute, Self::BadRequest];
+
+    /// The `outcome` label value.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::NoRoute => "no_route",
+            Self::BadRequest => "bad_request",
+        }
+    }
+}
+
+/// Which body a client moved too slowly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BodyDirection {
+    /// The request body (upload).
+    Request,
+    /// The response body (download).
+    Response,
+}
+
+impl BodyDirection {
+    /// Both, in label order.
+    const ALL: [Self; 2] = [Self::Request, Self::Response];
+
+    /// The `body` label value.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Request => "request",
+            Self::Response => "response",
+        }
+    }
+}
 
 /// Where a decision came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -405,12 +328,16 @@ impl Metrics {
     /// Registers the series (call after [`install`]).
     pub fn new() -> Self {
         Self {
-            no_route: metrics::counter!(
-                REQUESTS_TOTAL,
-                "route" => NO_ROUTE,
-                "tenant" => OTHER_TENANTS,
-                "outcome" => "no_route"
-            ),
+            unrouted: Unrouted::ALL.map(|u| {
+                metrics::counter!(
+                    REQUESTS_TOTAL,
+                    "route" => NO_ROUTE,
+                    "tenant" => OTHER_TENANTS,
+                    "outcome" => u.label()
+                )
+            }),
+            client_timeouts: BodyDirection::ALL
+                .map(|b| metrics::counter!(CLIENT_TIMEOUTS_TOTAL, "body" => b.label())),
             decisions: DecisionSource::ALL
                 .map(|s| metrics::histogram!(DECISION_SECONDS, "source" => s.label())),
             leases: metrics::counter!(LEASES_TOTAL),
@@ -432,9 +359,14 @@ impl Metrics {
         }
     }
 
-    /// Counts a request that matched no route.
-    pub fn no_route(&self) {
-        self.no_route.increment(1);
+    /// Counts a request answered before any route was chosen.
+    pub fn unrouted(&self, why: Unrouted) {
+        self.unrouted[why as usize].increment(1);
+    }
+
+    /// Counts a client cut off for moving `body` too slowly.
+    pub fn client_timeout(&self, body: BodyDirection) {
+        self.client_timeouts[body as usize].increment(1);
     }
 
     /// Records how long a decision took and where it came from.
@@ -534,61 +466,5 @@ impl Metrics {
 impl Default for Metrics {
     fn default() -> Self {
         Self::new()
-    }
-}
-
-/// The filter for a configured level: a bare level (`info`, `debug`)
-/// applies to tollgate while other crates stay at `warn`; anything else is a
-/// full `tracing` filter used as written.
-pub fn log_filter(level: &str) -> String {
-    let bare = ["error", "warn", "info", "debug", "trace", "off"];
-    if bare.contains(&level.trim()) {
-        format!("warn,tollgate={}", level.trim())
-    } else {
-        level.to_owned()
-    }
-}
-
-/// Starts the log subscriber. `RUST_LOG`, when set, wins over `level`.
-///
-/// # Errors
-/// When a subscriber is already installed or the filter is invalid.
-pub fn init_tracing(level: &str) -> anyhow::Result<()> {
-    let filter = match std::env::var("RUST_LOG") {
-        Ok(from_env) if !from_env.is_empty() => tracing_subscriber::EnvFilter::try_new(from_env)?,
-        _ => tracing_subscriber::EnvFilter::try_new(log_filter(level))?,
-    };
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_target(false)
-        .try_init()
-        .map_err(|e| anyhow::anyhow!(e))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn only_capped_rule_tenants_get_their_own_label() {
-        let handle = install();
-        let counters = RequestCounters::new(["cap-route"], 2);
-        counters.label_tenants(["zeta", "alpha", "beta", "alpha"]);
-        counters.count(Some("alpha"), 0, Outcome::Allowed);
-        counters.count(Some("zeta"), 0, Outcome::Allowed);
-        counters.count(None, 0, Outcome::Unauthorized);
-        let text = handle.render();
-        let series = |tenant: &str, outcome: &str| {
-            format!(
-                "tollgate_requests_total{{route=\"cap-route\",tenant=\"{tenant}\",outcome=\"{outcome}\"}} 1"
-            )
-        };
-        assert!(text.contains(&series("alpha", "allowed")), "{text}");
-        assert!(
-            text.contains(&series("_other", "allowed")),
-            "zeta is past the cap:\n{text}"
-        );
-        assert!(text.contains(&series("_other", "unauthorized")));
-        assert!(!text.contains("tenant=\"zeta\""));
     }
 }

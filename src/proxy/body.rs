@@ -1,0 +1,267 @@
+//! Request and response bodies between a client and an upstream.
+//!
+//! Owns streaming in both directions, never buffering a whole body, and
+//! the client deadlines on each: [`RequestBody`] reads the client's upload
+//! as hyper asks for it and fails it when the client falls behind
+//! `client.read_timeout_ms` / `client.min_bytes_per_second`, recording
+//! that the client (not the upstream) was at fault; [`ResponseBody`]
+//! streams the upstream's answer to actix, holding the upstream connection
+//! and the tenant's slot until the body ends, and is watched so that a
+//! client that stops reading loses both (see [`super::stall`]).
+
+use std::cell::Cell;
+use std::io;
+use std::pin::Pin;
+use std::rc::Rc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use actix_web::web;
+use futures_util::Stream;
+use hyper::body::{Body, Bytes, Frame, Incoming, SizeHint};
+
+use super::stall::{Progress, Watch};
+use crate::clock::SharedClock;
+use crate::config::Pace;
+
+/// How a client failed its upload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum ClientFault {
+    /// It fell behind the read pace.
+    Slow,
+    /// Its stream broke off (disconnect, bad framing).
+    Broken,
+}
+
+/// What the forwarder learns about an upload while hyper sends it.
+pub(super) struct Upload {
+    /// The upload's credit, and the time it waited on the client.
+    progress: Cell<Progress>,
+    /// Why the client failed the upload, if it did.
+    fault: Cell<Option<ClientFault>>,
+}
+
+impl Upload {
+    /// Why the client failed the upload, if it did.
+    pub(super) fn fault(&self) -> Option<ClientFault> {
+        self.fault.get()
+    }
+
+    /// Time the upload has spent waiting on the client up to `now`.
+    pub(super) fn waited(&self, now: u64) -> u64 {
+        self.progress.get().waited(now)
+    }
+}
+
+/// A request body for hyper: the client's payload, read as hyper asks
+/// for it (back-pressure both ways), under the read pace.
+pub(super) struct RequestBody {
+    /// The client's payload; `None` for a request without a body.
+    payload: Option<web::Payload>,
+    /// The declared length, when known.
+    length: Option<u64>,
+    /// Shared with the forwarder.
+    upload: Rc<Upload>,
+    /// Fires when the client's credit runs out during a wait.
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// Reads now.
+    clock: SharedClock,
+}
+
+impl RequestBody {
+    /// The body of a request framed as `length` (`None` without a body,
+    /// `Some(None)` for chunked), read from `payload` at `pace`.
+    pub(super) fn new(
+        payload: web::Payload,
+        length: Option<Option<u64>>,
+        pace: Pace,
+        clock: SharedClock,
+    ) -> (Self, Rc<Upload>) {
+        let upload = Rc::new(Upload {
+            progress: Cell::new(Progress::new(pace)),
+            fault: Cell::new(None),
+        });
+        let body = Self {
+            length: length.map_or(Some(0), |declared| declared),
+            payload: length.map(|_| payload),
+            upload: upload.clone(),
+            timer: None,
+            clock,
+        };
+        (body, upload)
+    }
+
+    /// Records `fault` and ends the body with an error, so hyper abandons
+    /// the exchange instead of finishing a cut-short body.
+    fn fail(&mut self, fault: ClientFault) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
+        self.upload.fault.set(Some(fault));
+        self.payload = None;
+        let kind = match fault {
+            ClientFault::Slow => io::ErrorKind::TimedOut,
+            ClientFault::Broken => io::ErrorKind::UnexpectedEof,
+        };
+        Poll::Ready(Some(Err(io::Error::new(kind, "client upload failed"))))
+    }
+}
+
+impl Body for RequestBody {
+    type Data = Bytes;
+    type Error = io::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
+        let this = self.get_mut();
+        let Some(payload) = this.payload.as_mut() else {
+            return Poll::Ready(None);
+        };
+        let now = this.clock.now_ms();
+        let mut progress = this.upload.progress.get();
+        let polled = Pin::new(payload).poll_next(cx);
+        let result = match polled {
+            Poll::Ready(Some(Ok(chunk))) => {
+                progress.moved(now, chunk.len());
+                Poll::Ready(Some(Ok(Frame::data(chunk))))
+            }
+            Poll::Ready(None) => {
+                progress.moved(now, 0);
+                this.payload = None;
+                Poll::Ready(None)
+            }
+            Poll::Ready(Some(Err(_))) => {
+                this.upload.progress.set(progress);
+                return this.fail(ClientFault::Broken);
+            }
+            Poll::Pending => {
+                progress.wait(now);
+                match progress.deadline() {
+                    Some(deadline) if now > deadline => {
+                        this.upload.progress.set(progress);
+                        return this.fail(ClientFault::Slow);
+                    }
+                    Some(deadline) => {
+                        let at =
+                            tokio::time::Instant::now() + Duration::from_millis(deadline - now + 1);
+                        let timer = this
+                            .timer
+                            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(at)));
+                        timer.as_mut().reset(at);
+                        if timer.as_mut().poll(cx).is_ready() {
+                            this.upload.progress.set(progress);
+                            return this.fail(ClientFault::Slow);
+                        }
+                    }
+                    None => {}
+                }
+                Poll::Pending
+            }
+        };
+        this.upload.progress.set(progress);
+        result
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.payload.is_none() && self.upload.fault.get().is_none()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.length
+            .map_or_else(SizeHint::default, SizeHint::with_exact)
+    }
+}
+
+/// What a response holds while it streams: the upstream's body and the
+/// connection (with its permit and slot) it arrives on.
+pub(super) struct Held<L> {
+    /// hyper's body: data frames, possibly trailers (dropped).
+    pub(super) body: Incoming,
+    /// Returned to its upstream when the body ends, dropped otherwise.
+    pub(super) lease: L,
+}
+
+/// Where a finished exchange's connection goes.
+pub(super) trait Reuse {
+    /// Keeps the connection for a later request.
+    fn reuse(self);
+}
+
+/// The upstream's response body as a byte stream for actix, under the
+/// write pace: the worker's watchdog releases what it holds if the client
+/// stops taking it.
+pub(super) struct ResponseBody<L: Reuse> {
+    /// The watched body and connection.
+    watch: Watch<Held<L>>,
+    /// Bytes handed to actix by the last poll, not yet known taken.
+    handed: Option<usize>,
+    /// Whether the body has been read to the end.
+    done: bool,
+    /// Reads now.
+    clock: SharedClock,
+}
+
+impl<L: Reuse> ResponseBody<L> {
+    /// Streams what `watch` holds.
+    pub(super) fn new(watch: Watch<Held<L>>, clock: SharedClock) -> Self {
+        Self {
+            watch,
+            handed: None,
+            done: false,
+            clock,
+        }
+    }
+}
+
+impl<L: Reuse> Stream for ResponseBody<L> {
+    type Item = Result<Bytes, io::Error>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = self.get_mut();
+        let now = this.clock.now_ms();
+        let mut progress = this.watch.progress();
+        // Polled again: the client took what the last poll handed over.
+        if let Some(bytes) = this.handed.take() {
+            progress.moved(now, bytes);
+        }
+        let result = {
+            let mut held = this.watch.held();
+            let Some(held) = held.as_mut() else {
+                return Poll::Ready(Some(Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "client stopped reading",
+                ))));
+            };
+            loop {
+                break match Pin::new(&mut held.body).poll_frame(cx) {
+                    Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                        Ok(data) => {
+                            this.handed = Some(data.len());
+                            progress.wait(now);
+                            Poll::Ready(Some(Ok(data)))
+                        }
+                        // Trailers are hop-level here: skip them.
+                        Err(_) => continue,
+                    },
+                    Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(io::Error::other(e)))),
+                    Poll::Ready(None) => {
+                        this.done = true;
+                        Poll::Ready(None)
+                    }
+                    Poll::Pending => Poll::Pending,
+                };
+            }
+        };
+        this.watch.set_progress(progress);
+        result
+    }
+}
+
+impl<L: Reuse> Drop for ResponseBody<L> {
+    fn drop(&mut self) {
+        if let Some(held) = self.watch.held().take()
+            && (self.done || held.body.is_end_stream())
+        {
+            held.lease.reuse();
+        }
+    }
+}
