@@ -10,7 +10,7 @@
 
 use std::future::Future;
 use std::net::{SocketAddr, TcpListener};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use actix_web::{App, HttpServer, web};
@@ -20,9 +20,9 @@ use tokio_cron_scheduler::{Job, JobScheduler};
 use crate::admin::{self, AdminState};
 use crate::breaker::{self, BreakerGate};
 use crate::bucket::{HotKeys, Limiter, LimiterCore, LocalBuckets, RedisBucket};
-use crate::clock::SystemClock;
+use crate::clock::{SharedClock, SystemClock};
 use crate::cluster::{LiveInstances, Membership};
-use crate::config::{Config, RedisTarget, RuleSource, ServerSettings};
+use crate::config::{self, Config, RedisTarget, RuleSource, ServerSettings};
 use crate::proxy::forward::Forwarder;
 use crate::proxy::route::RouteTable;
 use crate::proxy::{self, ProxyState};
@@ -31,7 +31,7 @@ use crate::region;
 use crate::region::model::{RegionSpec, Regions};
 use crate::region::shares::SharesHandle;
 use crate::rules::{self, RulesHandle};
-use crate::telemetry::{self, Metrics, RequestCounters};
+use crate::telemetry::{self, ClientNoise, Metrics, RequestCounters};
 
 /// Period of metric upkeep and local-bucket eviction.
 const HOUSEKEEPING_PERIOD: Duration = Duration::from_secs(5);
@@ -194,7 +194,9 @@ pub async fn run(
             instances = config.instance.expected_count.get(),
             "No Redis configured: every limit is enforced by this instance alone, at 1/N."
         ),
-        RedisTarget::Single(url) => tracing::info!(url = %url, "Buckets live in Redis."),
+        RedisTarget::Single(url) => {
+            tracing::info!(url = %config::redact_url(url), "Buckets live in Redis.")
+        }
         RedisTarget::Cluster(nodes) => {
             tracing::info!(seeds = nodes.len(), "Buckets live in a Redis Cluster.")
         }
@@ -253,8 +255,16 @@ pub async fn run(
         }
         _ => None,
     };
-    let mut scheduler =
-        schedule(&config, &rules, &shares, &limiter, &prometheus, rebalancer).await?;
+    let mut scheduler = schedule(
+        &config,
+        &rules,
+        &shares,
+        &limiter,
+        &prometheus,
+        rebalancer,
+        &clock,
+    )
+    .await?;
 
     let proxy_addr = listeners.proxy_addr()?;
     let admin_addr = listeners.admin_addr()?;
@@ -346,7 +356,8 @@ pub async fn run(
 
 /// Starts the periodic jobs: the full rule and share reload (safety net
 /// behind file watching and `NOTIFY`), housekeeping (metric upkeep,
-/// local-bucket eviction), and the rebalancer's rounds.
+/// local-bucket eviction, the client-noise summary), and the rebalancer's
+/// rounds.
 async fn schedule(
     config: &Config,
     rules: &RulesHandle,
@@ -354,6 +365,7 @@ async fn schedule(
     limiter: &Arc<LimiterCore>,
     prometheus: &metrics_exporter_prometheus::PrometheusHandle,
     rebalancer: Option<actix::Addr<region::rebalancer::Rebalancer>>,
+    clock: &SharedClock,
 ) -> anyhow::Result<JobScheduler> {
     let scheduler = JobScheduler::new().await?;
 
@@ -396,15 +408,25 @@ async fn schedule(
         })?)
         .await?;
 
-    let (limiter, prometheus) = (limiter.clone(), prometheus.clone());
+    let (limiter, prometheus, clock) = (limiter.clone(), prometheus.clone(), clock.clone());
+    let noise = Arc::new(Mutex::new(ClientNoise::new()));
     scheduler
         .add(Job::new_repeated_async(
             HOUSEKEEPING_PERIOD,
             move |_, _| {
-                let (limiter, prometheus) = (limiter.clone(), prometheus.clone());
+                let (limiter, prometheus, noise, clock) = (
+                    limiter.clone(),
+                    prometheus.clone(),
+                    noise.clone(),
+                    clock.clone(),
+                );
                 Box::pin(async move {
                     prometheus.run_upkeep();
                     limiter.sweep_local();
+                    noise
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .report(clock.now_ms());
                 })
             },
         )?)

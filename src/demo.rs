@@ -49,7 +49,7 @@ const SHIPPED_RULES: &str = include_str!("../config/rules.toml");
 /// # Errors
 /// When a port is taken or the gateway fails to start.
 pub async fn run(mut config: crate::config::Config) -> anyhow::Result<()> {
-    use crate::config::{RedisTarget, RuleSource};
+    use crate::config::{RedisTarget, RuleSource, redact_url};
     use anyhow::Context as _;
 
     if let RuleSource::File(path) = &config.rules.source
@@ -68,13 +68,14 @@ pub async fn run(mut config: crate::config::Config) -> anyhow::Result<()> {
 
     let redis_line = match config.redis.target.clone() {
         RedisTarget::Single(url) if redis_answers(&url).await => {
-            format!("Redis at {url} (limits shared cluster-wide)")
+            format!("Redis at {} (limits shared cluster-wide)", redact_url(&url))
         }
         RedisTarget::Single(url) => {
             config.redis.target = RedisTarget::LocalOnly;
             format!(
-                "NO REDIS answered at {url}: LOCAL-ONLY limiting in this process.\n\
-                 !!! Limits are not shared between instances. Start redis-server for the real thing. !!!"
+                "NO REDIS answered at {}: LOCAL-ONLY limiting in this process.\n\
+                 !!! Limits are not shared between instances. Start redis-server for the real thing. !!!",
+                redact_url(&url)
             )
         }
         RedisTarget::LocalOnly => "LOCAL-ONLY limiting (redis.url is empty)".to_owned(),

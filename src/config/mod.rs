@@ -108,6 +108,23 @@ impl fmt::Display for ProblemList<'_> {
     }
 }
 
+/// `url` with the password of its user information replaced by `***`,
+/// for logs and messages (`redis://:secret@h:6379` →
+/// `redis://:***@h:6379`); a URL without one comes back unchanged.
+pub fn redact_url(url: &str) -> std::borrow::Cow<'_, str> {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.into();
+    };
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let Some(at) = rest[..authority_end].rfind('@') else {
+        return url.into();
+    };
+    match rest[..at].split_once(':') {
+        Some((user, _password)) => format!("{scheme}://{user}:***{}", &rest[at..]).into(),
+        None => url.into(),
+    }
+}
+
 /// The `TOLLGATE__*` variables of the running process.
 pub fn process_env() -> BTreeMap<String, String> {
     std::env::vars()

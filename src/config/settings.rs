@@ -13,6 +13,7 @@ use actix_web::http::{Method, Uri};
 
 use super::Problem;
 use super::raw::{RawConfig, RawLimit, RawRoute};
+use super::redact_url;
 use crate::key::{RouteId, validate_id};
 use crate::path::normalize;
 
@@ -482,7 +483,10 @@ pub(crate) fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
     {
         c.bad(
             "rebalancer.prometheus_url",
-            format!("expected http://host:port, found {:?}", r.prometheus_url),
+            format!(
+                "expected http://host:port, found {:?}",
+                redact_url(&r.prometheus_url)
+            ),
         );
     }
     if r.enabled && raw.rules.database_url.is_empty() {
@@ -654,7 +658,7 @@ fn redis_target(c: &mut Check, url: &str, nodes: &[String]) -> RedisTarget {
                 if redis::Client::open(url.as_str()).is_err() || !url.starts_with("redis://") {
                     c.bad(
                         format!("redis.cluster_nodes[{i}]"),
-                        format!("expected host:port, found {node:?}"),
+                        format!("expected host:port, found {:?}", redact_url(node)),
                     );
                 }
                 url
@@ -668,7 +672,10 @@ fn redis_target(c: &mut Check, url: &str, nodes: &[String]) -> RedisTarget {
     if !url.starts_with("redis://") {
         c.bad(
             "redis.url",
-            format!("expected redis://host:port[/db], found {url:?}"),
+            format!(
+                "expected redis://host:port[/db], found {:?}",
+                redact_url(url)
+            ),
         );
     } else if let Err(e) = redis::Client::open(url) {
         c.bad("redis.url", format!("not a usable Redis URL: {e}"));
@@ -684,10 +691,15 @@ pub fn database_url(url: &str) -> Result<(), String> {
     let rest = url
         .strip_prefix("postgres://")
         .or_else(|| url.strip_prefix("postgresql://"))
-        .ok_or_else(|| format!("expected postgres://user@host:port/database, found {url:?}"))?;
+        .ok_or_else(|| {
+            format!(
+                "expected postgres://user@host:port/database, found {:?}",
+                redact_url(url)
+            )
+        })?;
     let host = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
     if host.split(['/', '?']).next().unwrap_or("").is_empty() {
-        return Err(format!("no host in {url:?}"));
+        return Err(format!("no host in {:?}", redact_url(url)));
     }
     Ok(())
 }

@@ -274,3 +274,23 @@ fn a_database_url_switches_rules_to_postgresql() {
     assert_eq!(bad.len(), 1);
     assert!(bad[0].starts_with("rules.database_url:"), "{bad:?}");
 }
+
+#[test]
+fn passwords_in_urls_are_redacted() {
+    use super::redact_url;
+    assert_eq!(
+        redact_url("redis://:s3cret@h:6379/0"),
+        "redis://:***@h:6379/0"
+    );
+    assert_eq!(
+        redact_url("postgres://gw:p%40ss@db:5432/gw?sslmode=require"),
+        "postgres://gw:***@db:5432/gw?sslmode=require"
+    );
+    assert_eq!(redact_url("redis://user@h:6379"), "redis://user@h:6379");
+    assert_eq!(
+        redact_url("redis://127.0.0.1:6379"),
+        "redis://127.0.0.1:6379"
+    );
+    assert_eq!(redact_url("http://h/a@b"), "http://h/a@b");
+    assert_eq!(redact_url("not a url"), "not a url");
+}

@@ -377,6 +377,167 @@ async fn mock(req: HttpRequest, mut body: web::Payload) -> HttpResponse {
         }))
 }
 
+/// A Redis, the mock upstream, a rules file and one gateway in front of
+/// them: the set most gateway tests need.
+pub struct Stack {
+    pub redis: RedisServer,
+    pub up: Upstream,
+    pub dir: TempDir,
+    pub gw: Gateway,
+}
+
+impl Stack {
+    /// Starts the set with `rules` as the rules file; `configure` adjusts
+    /// the gateway's config (routes, default rule, timeouts) first, given
+    /// the upstream's URL.
+    pub fn start(tag: &str, rules: &str, configure: impl FnOnce(&mut GatewayConfig, &str)) -> Self {
+        let redis = RedisServer::start();
+        let up = Upstream::start();
+        let dir = TempDir::new(tag);
+        let mut config = GatewayConfig::new(&redis.url(), dir.file("rules.toml", rules), &up.url());
+        configure(&mut config, &up.url());
+        let gw = Gateway::start(&config);
+        Self { redis, up, dir, gw }
+    }
+}
+
+/// A response read off a raw socket.
+#[derive(Debug)]
+pub struct RawResponse {
+    pub status: u16,
+    /// Header lines as sent, names lower-cased.
+    pub headers: Vec<(String, String)>,
+    pub body: String,
+}
+
+impl RawResponse {
+    /// The first value of header `name` (lower case).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// The body parsed as JSON.
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.body)
+            .unwrap_or_else(|e| panic!("body is not JSON ({e}): {:?}", self.body))
+    }
+}
+
+/// Sends `head` (request line and headers, each line ending in CRLF, the
+/// blank line added here, `Connection: close` too) exactly as written, and
+/// reads the whole answer. For what a client library would normalise or
+/// refuse to send.
+pub fn raw_http(addr: SocketAddr, head: &str) -> RawResponse {
+    let mut stream = TcpStream::connect(addr).expect("gateway accepts");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    write!(stream, "{head}Connection: close\r\n\r\n").unwrap();
+    let mut raw = Vec::new();
+    stream
+        .read_to_end(&mut raw)
+        .expect("gateway answers in time");
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, body) = text
+        .split_once("\r\n\r\n")
+        .unwrap_or_else(|| panic!("no response head in {text:?}"));
+    let mut lines = head.split("\r\n");
+    let status = lines
+        .next()
+        .and_then(|l| l.split(' ').nth(1))
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no status line in {text:?}"));
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_owned()))
+        .collect::<Vec<_>>();
+    let chunked = headers
+        .iter()
+        .any(|(n, v)| n == "transfer-encoding" && v.contains("chunked"));
+    let body = if chunked {
+        dechunk(body)
+    } else {
+        body.to_owned()
+    };
+    RawResponse {
+        status,
+        headers,
+        body,
+    }
+}
+
+/// The payload of a chunked body.
+fn dechunk(mut body: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = body.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if n == 0 || rest.len() < n {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        body = rest[n..].trim_start_matches("\r\n");
+    }
+    out
+}
+
+/// An upstream on a raw socket that answers every request with a huge
+/// body, written as fast as the reader takes it, and records when the
+/// reader (the gateway) closes each connection.
+pub struct EndlessUpstream {
+    pub addr: SocketAddr,
+    open: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    closed: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl EndlessUpstream {
+    pub fn start() -> Self {
+        use std::sync::Arc;
+        use std::sync::atomic::AtomicUsize;
+        let listener = TcpListener::bind("127.0.0.1:0").expect("port for the upstream");
+        let addr = listener.local_addr().unwrap();
+        let open = Arc::new(AtomicUsize::new(0));
+        let closed = Arc::new(AtomicUsize::new(0));
+        let (o, c) = (open.clone(), closed.clone());
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { break };
+                let (o, c) = (o.clone(), c.clone());
+                std::thread::spawn(move || {
+                    o.fetch_add(1, Ordering::SeqCst);
+                    let mut head = [0u8; 4096];
+                    let _ = stream.read(&mut head);
+                    let chunk = vec![b'x'; 64 * 1024];
+                    let _ = write!(
+                        stream,
+                        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n",
+                        1u64 << 40
+                    );
+                    while stream.write_all(&chunk).is_ok() {}
+                    c.fetch_add(1, Ordering::SeqCst);
+                });
+            }
+        });
+        Self { addr, open, closed }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Connections opened so far.
+    pub fn opened(&self) -> usize {
+        self.open.load(Ordering::SeqCst)
+    }
+
+    /// Connections the reader has closed so far.
+    pub fn closed(&self) -> usize {
+        self.closed.load(Ordering::SeqCst)
+    }
+}
+
 /// Builds gateway configs for tests; both listeners bind port 0.
 pub struct GatewayConfig {
     pub redis_url: String,
@@ -396,6 +557,10 @@ pub struct GatewayConfig {
     /// More sections (e.g. `[default_rule]`).
     pub extra: String,
     pub routes: String,
+    /// `server.workers`.
+    pub workers: u32,
+    /// `upstream.timeout_ms`.
+    pub upstream_timeout_ms: u64,
 }
 
 impl GatewayConfig {
@@ -414,18 +579,21 @@ impl GatewayConfig {
             routes: format!(
                 "[[routes]]\nid = \"api\"\npath_prefix = \"/\"\nupstream = \"{upstream}\"\n"
             ),
+            workers: 2,
+            upstream_timeout_ms: 1000,
         }
     }
 
     pub fn toml(&self) -> String {
         format!(
-            "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nworkers = 2\n\
+            "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nworkers = {}\n\
              shutdown_timeout_seconds = 1\n\
              [redis]\nurl = \"{}\"\ncluster_nodes = {:?}\ntimeout_ms = {}\n\
              [rules]\nfile = \"{}\"\ndatabase_url = \"{}\"\n{}\n\
              [admin]\ntoken = \"{}\"\n\
-             [upstream]\nconnect_timeout_ms = 500\ntimeout_ms = 1000\n{}\n\
+             [upstream]\nconnect_timeout_ms = 500\ntimeout_ms = {}\n{}\n\
              {}\n{}",
+            self.workers,
             self.redis_url,
             self.cluster_nodes,
             self.redis_timeout_ms,
@@ -433,6 +601,7 @@ impl GatewayConfig {
             self.database_url,
             self.rules_extra,
             self.admin_token,
+            self.upstream_timeout_ms,
             self.upstream_extra,
             self.extra,
             self.routes

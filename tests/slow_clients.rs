@@ -1,0 +1,199 @@
+//! No client holds shared resources hostage: slow readers and uploaders
+//! are cut off and release their upstream connection, a slow upload is
+//! never blamed on the upstream, and neither one tenant nor a flood of
+//! fresh keys can take every upstream connection. Clients are raw sockets.
+
+#![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use tollgate::clock::{Clock, SystemClock};
+
+use common::{EndlessUpstream, Stack, raw_http, wait_until};
+
+/// Writes a request head with `key` and returns the open socket.
+fn open_request(addr: SocketAddr, head: &str) -> TcpStream {
+    let mut stream = TcpStream::connect(addr).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    stream.write_all(head.as_bytes()).unwrap();
+    stream
+}
+
+/// The status of the answer on `stream`.
+fn read_status(stream: &mut TcpStream) -> u16 {
+    let mut head = [0u8; 12];
+    stream.read_exact(&mut head).unwrap();
+    std::str::from_utf8(&head[9..12]).unwrap().parse().unwrap()
+}
+
+#[test]
+fn a_client_that_stops_reading_loses_its_upstream_connection() {
+    let endless = EndlessUpstream::start();
+    let s = Stack::start("slow-reader", "", |c, up| {
+        c.extra = "[default_rule]\ncapacity = 100\nrefill_per_second = 100\n\
+                   [client]\nwrite_timeout_ms = 300\nmin_bytes_per_second = 0\n"
+            .into();
+        c.routes = format!(
+            "[[routes]]\nid = \"big\"\npath_prefix = \"/big\"\nupstream = \"{}\"\n\
+             [[routes]]\nid = \"api\"\npath_prefix = \"/\"\nupstream = \"{up}\"\n",
+            endless.url()
+        );
+    });
+    // Reads the head, then nothing more, keeping the socket open.
+    let mut stalled = open_request(
+        s.gw.addr,
+        "GET /big HTTP/1.1\r\nHost: gw\r\nX-Api-Key: reader\r\n\r\n",
+    );
+    assert_eq!(read_status(&mut stalled), 200);
+    assert!(wait_until(Duration::from_secs(3), || endless.opened() == 1));
+    assert!(
+        wait_until(Duration::from_secs(10), || endless.closed() == 1),
+        "the gateway kept the upstream connection of a client that stopped reading"
+    );
+    let res = raw_http(
+        s.gw.addr,
+        "GET /ok HTTP/1.1\r\nHost: gw\r\nX-Api-Key: other\r\n",
+    );
+    assert_eq!(res.status, 200);
+    drop(stalled);
+}
+
+#[test]
+fn a_slow_uploader_gets_408_and_is_not_blamed_on_the_upstream() {
+    let s = Stack::start("slow-uploader", "", |c, _| {
+        c.extra = "[default_rule]\ncapacity = 100\nrefill_per_second = 100\n\
+                   [client]\nread_timeout_ms = 500\nmin_bytes_per_second = 1024\n"
+            .into();
+    });
+    let mut stream = open_request(
+        s.gw.addr,
+        "POST /upload HTTP/1.1\r\nHost: gw\r\nX-Api-Key: trickle\r\nContent-Length: 1000\r\n\r\n",
+    );
+    let clock = SystemClock::new();
+    let (done, finished) = mpsc::channel();
+    let mut writer = stream.try_clone().unwrap();
+    std::thread::spawn(move || {
+        // One byte every 100 ms, until the gateway gives up on us.
+        while finished.try_recv().is_err() && writer.write_all(b"x").is_ok() {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    });
+    let mut answer = String::new();
+    let _ = stream.read_to_string(&mut answer);
+    let _ = done.send(());
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("\"error\":\"client_timeout\""), "{answer}");
+    let elapsed_ms = clock.now_ms();
+    assert!(elapsed_ms < 3000, "cut off after {elapsed_ms} ms");
+}
+
+#[test]
+fn an_upload_longer_than_the_upstream_timeout_but_within_pace_is_served() {
+    let s = Stack::start("steady-uploader", "", |c, _| {
+        c.upstream_timeout_ms = 300;
+        c.extra = "[default_rule]\ncapacity = 100\nrefill_per_second = 100\n\
+                   [client]\nread_timeout_ms = 1000\nmin_bytes_per_second = 0\n"
+            .into();
+    });
+    let mut stream = open_request(
+        s.gw.addr,
+        "POST /upload HTTP/1.1\r\nHost: gw\r\nX-Api-Key: steady\r\nContent-Length: 600\r\n\r\n",
+    );
+    // 900 ms of upload, three times the upstream timeout.
+    for _ in 0..6 {
+        std::thread::sleep(Duration::from_millis(150));
+        stream.write_all(&[b'y'; 100]).unwrap();
+    }
+    let mut answer = String::new();
+    let _ = stream.read_to_string(&mut answer);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(answer.contains("\"body_bytes\":600"), "{answer}");
+}
+
+/// Sends `count` concurrent `GET target` requests, one per key from
+/// `key(i)`, and returns a receiver of their statuses in order of arrival.
+fn concurrent(
+    addr: SocketAddr,
+    target: &str,
+    count: usize,
+    key: impl Fn(usize) -> String,
+) -> mpsc::Receiver<u16> {
+    let (tx, rx) = mpsc::channel();
+    for i in 0..count {
+        let tx = tx.clone();
+        let head = format!(
+            "GET {target} HTTP/1.1\r\nHost: gw\r\nX-Api-Key: {}\r\n",
+            key(i)
+        );
+        std::thread::spawn(move || {
+            let _ = tx.send(raw_http(addr, &head).status);
+        });
+    }
+    rx
+}
+
+/// A one-worker gateway whose upstream answers `/slow?ms=N` after N ms.
+fn bounded_stack(tag: &str, upstream_extra: &str) -> Stack {
+    let rules = "[[rule]]\ntenant = \"acme\"\nroute = \"api\"\ncapacity = 100\nrefill_per_second = 100\n\
+                 [[rule]]\ntenant = \"beta\"\nroute = \"api\"\ncapacity = 100\nrefill_per_second = 100\n";
+    Stack::start(tag, rules, |c, _| {
+        c.workers = 1;
+        c.upstream_timeout_ms = 10_000;
+        c.upstream_extra = upstream_extra.into();
+        c.extra = "[default_rule]\ncapacity = 100\nrefill_per_second = 100\n".into();
+    })
+}
+
+#[test]
+fn fresh_keys_cannot_take_every_upstream_connection() {
+    let s = bounded_stack("fresh-keys", "max_connections_without_rule = 3");
+    let flood = concurrent(s.gw.addr, "/slow?ms=2000", 6, |i| format!("fresh{i}"));
+    // Three are refused at once, before any decision.
+    let refused: Vec<u16> = (0..3)
+        .map(|_| flood.recv_timeout(Duration::from_secs(5)).unwrap())
+        .collect();
+    assert_eq!(refused, vec![429, 429, 429]);
+    // While the other three hold their connections, a tenant with a rule
+    // is served at once.
+    let clock = SystemClock::new();
+    let res = raw_http(
+        s.gw.addr,
+        "GET /slow?ms=0 HTTP/1.1\r\nHost: gw\r\nX-Api-Key: acme\r\n",
+    );
+    assert_eq!(res.status, 200);
+    assert!(clock.now_ms() < 1000, "served after {} ms", clock.now_ms());
+    let served: Vec<u16> = (0..3)
+        .map(|_| flood.recv_timeout(Duration::from_secs(10)).unwrap())
+        .collect();
+    assert_eq!(served, vec![200, 200, 200]);
+}
+
+#[test]
+fn one_tenant_cannot_take_every_upstream_connection() {
+    let s = bounded_stack("one-tenant", "max_connections_per_tenant = 2");
+    let busy = concurrent(s.gw.addr, "/slow?ms=2000", 3, |_| "acme".to_owned());
+    let first = busy.recv_timeout(Duration::from_secs(5)).unwrap();
+    assert_eq!(first, 429, "the third request of acme is refused at once");
+    let res = raw_http(
+        s.gw.addr,
+        "GET /slow?ms=0 HTTP/1.1\r\nHost: gw\r\nX-Api-Key: beta\r\n",
+    );
+    assert_eq!(res.status, 200);
+    let refused = raw_http(
+        s.gw.addr,
+        "GET /slow?ms=0 HTTP/1.1\r\nHost: gw\r\nX-Api-Key: acme\r\n",
+    );
+    assert_eq!(refused.status, 429);
+    assert_eq!(refused.json()["error"], "too_many_in_flight");
+    assert_eq!(refused.header("retry-after"), Some("1"));
+    for _ in 0..2 {
+        assert_eq!(busy.recv_timeout(Duration::from_secs(10)).unwrap(), 200);
+    }
+}
