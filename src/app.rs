@@ -314,6 +314,7 @@ pub async fn run(
         region: config.instance.region.clone(),
         shares: shares.clone(),
         token: config.admin.token.clone(),
+        read_token: config.admin.read_token.clone(),
     });
     let admin = HttpServer::new(move || {
         App::new()

@@ -7,7 +7,7 @@ mod common;
 use std::io::Write;
 use std::process::{Command, Stdio};
 
-use common::{Gateway, GatewayConfig, RedisServer, TempDir, Upstream, client, get, ready};
+use common::{Gateway, GatewayConfig, RedisServer, TempDir, Upstream, admin, client, get, ready};
 
 #[actix_web::test]
 async fn live_ready_and_metrics_report_the_gateway() {
@@ -62,6 +62,63 @@ async fn live_ready_and_metrics_report_the_gateway() {
         "a tenant without a rule never becomes a label"
     );
     promtool_accepts(&text);
+}
+
+#[actix_web::test]
+async fn admin_reads_need_a_token_and_no_surface_shows_one() {
+    let redis = RedisServer::start();
+    let up = Upstream::start();
+    let dir = TempDir::new("admin-auth");
+    let rules = dir.file(
+        "rules.toml",
+        "[[rule]]\ntenant = \"secret-key\"\nroute = \"api\"\ncapacity = 5\nrefill_per_second = 1\n",
+    );
+    let mut config = GatewayConfig::new(&redis.url(), rules.clone(), &up.url());
+    let open = Gateway::start(&config);
+    for path in [
+        "/admin/rules",
+        "/admin/rules/secret-key/api",
+        "/admin/shares",
+    ] {
+        let (status, body) = admin(&open, "GET", path, None, None).await;
+        assert_eq!(
+            (status, body["error"].as_str()),
+            (403, Some("reads_disabled")),
+            "{path}"
+        );
+    }
+
+    config.admin_token = "write-token".into();
+    config.admin_read_token = "read-token".into();
+    let gw = Gateway::start(&config);
+    let (status, body) = admin(&gw, "GET", "/admin/rules", None, None).await;
+    assert_eq!(status, 401);
+    assert!(!body.to_string().contains("secret-key"));
+    assert_eq!(
+        admin(&gw, "GET", "/admin/rules", Some("wrong"), None)
+            .await
+            .0,
+        401
+    );
+    for token in ["read-token", "write-token"] {
+        let (status, page) = admin(&gw, "GET", "/admin/rules", Some(token), None).await;
+        assert_eq!(status, 200, "{token}");
+        assert_eq!(page["rules"][0]["tenant"], "secret-key");
+    }
+    for surface in ["/ready", "/metrics"] {
+        let text = client()
+            .get(gw.admin_url(surface))
+            .send()
+            .await
+            .unwrap()
+            .body()
+            .await
+            .unwrap();
+        let text = String::from_utf8_lossy(&text);
+        for secret in ["write-token", "read-token"] {
+            assert!(!text.contains(secret), "{surface} shows {secret}");
+        }
+    }
 }
 
 /// Runs `promtool check metrics` on the exposition.

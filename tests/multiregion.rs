@@ -75,6 +75,7 @@ fn load(
 async fn admin_json(gw: &GatewayProcess, path: &str) -> serde_json::Value {
     client()
         .get(gw.admin_url(path))
+        .insert_header(("authorization", format!("Bearer {TOKEN}")))
         .send()
         .await
         .unwrap()

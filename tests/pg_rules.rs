@@ -13,6 +13,7 @@ use common::{
 };
 
 const TOKEN: &str = "s3cret-token";
+const READ_TOKEN: &str = "read-only-token";
 
 struct Fleet {
     db: TestDatabase,
@@ -22,7 +23,8 @@ struct Fleet {
     _dir: TempDir,
 }
 
-/// `n` gateways on one database and one Redis, admin token [`TOKEN`].
+/// `n` gateways on one database and one Redis, admin token [`TOKEN`] and
+/// read token [`READ_TOKEN`].
 fn fleet(n: usize) -> Fleet {
     let db = TestDatabase::create();
     let redis = RedisServer::start();
@@ -33,6 +35,7 @@ fn fleet(n: usize) -> Fleet {
             let mut config = GatewayConfig::new(&redis.url(), dir.0.join("unused.toml"), &up.url());
             config.database_url = db.url();
             config.admin_token = TOKEN.to_owned();
+            config.admin_read_token = READ_TOKEN.to_owned();
             config.rules_extra = format!(
                 "snapshot_file = \"{}\"",
                 dir.0.join(format!("snap-{i}.json")).display()
@@ -124,14 +127,16 @@ async fn an_admin_put_through_one_gateway_is_enforced_by_both_within_one_second(
         "sub-bucket keys exist: {sub_buckets}"
     );
 
-    let (status, row) = admin(a, "GET", "/admin/rules/acme/api", None, None).await;
+    let (status, row) = admin(a, "GET", "/admin/rules/acme/api", Some(TOKEN), None).await;
     assert_eq!((status, row["capacity"].as_i64()), (200, Some(41)));
 
     let (status, _) = admin(a, "DELETE", "/admin/rules/acme/api", Some(TOKEN), None).await;
     assert_eq!(status, 204);
     all_reach(&fleet, "acme", "2").await;
     assert_eq!(
-        admin(a, "GET", "/admin/rules/acme/api", None, None).await.0,
+        admin(a, "GET", "/admin/rules/acme/api", Some(TOKEN), None)
+            .await
+            .0,
         404
     );
     assert_eq!(
@@ -242,7 +247,7 @@ async fn invalid_writes_are_refused_with_the_field_and_change_nothing() {
         (413, Some("body")),
         "{error}"
     );
-    let (_, row) = admin(gw, "GET", "/admin/rules/keep/api", None, None).await;
+    let (_, row) = admin(gw, "GET", "/admin/rules/keep/api", Some(TOKEN), None).await;
     assert_eq!(row["capacity"], 5, "nothing changed");
     assert_eq!(fleet.db.sql("SELECT count(*) FROM rate_limit_rule"), "1");
 }
@@ -274,6 +279,13 @@ async fn writes_need_the_bearer_token() {
             .0,
         401
     );
+    assert_eq!(
+        admin(gw, "PUT", "/admin/rules/t/api", Some(READ_TOKEN), body)
+            .await
+            .0,
+        401,
+        "the read token cannot write"
+    );
     assert_eq!(fleet.db.sql("SELECT count(*) FROM rate_limit_rule"), "0");
     assert_eq!(
         admin(gw, "PUT", "/admin/rules/t/api", Some(TOKEN), body)
@@ -294,7 +306,7 @@ async fn rules_are_listed_in_pages_and_by_tenant() {
     let mut seen = Vec::new();
     let mut path = "/admin/rules?limit=2".to_owned();
     loop {
-        let (status, page) = admin(gw, "GET", &path, None, None).await;
+        let (status, page) = admin(gw, "GET", &path, Some(TOKEN), None).await;
         assert_eq!(status, 200, "{page}");
         let rules = page["rules"].as_array().unwrap();
         assert!(rules.len() <= 2);
@@ -312,7 +324,7 @@ async fn rules_are_listed_in_pages_and_by_tenant() {
     }
     assert_eq!(seen, vec!["a/r1", "a/r2", "b/r1", "b/r2", "c/r1"]);
 
-    let (_, page) = admin(gw, "GET", "/admin/rules?tenant=b", None, None).await;
+    let (_, page) = admin(gw, "GET", "/admin/rules?tenant=b", Some(TOKEN), None).await;
     let caps: Vec<i64> = page["rules"]
         .as_array()
         .unwrap()
@@ -321,11 +333,15 @@ async fn rules_are_listed_in_pages_and_by_tenant() {
         .collect();
     assert_eq!(caps, vec![3, 4]);
     assert_eq!(
-        admin(gw, "GET", "/admin/rules?limit=0", None, None).await.1["field"],
+        admin(gw, "GET", "/admin/rules?limit=0", Some(TOKEN), None)
+            .await
+            .1["field"],
         "limit"
     );
     assert_eq!(
-        admin(gw, "GET", "/admin/rules?page=2", None, None).await.1["field"],
+        admin(gw, "GET", "/admin/rules?page=2", Some(TOKEN), None)
+            .await
+            .1["field"],
         "page"
     );
 }
@@ -339,9 +355,11 @@ async fn file_mode_lists_rules_but_refuses_writes_with_409() {
         "rules.toml",
         "[[rule]]\ntenant = \"f\"\nroute = \"api\"\ncapacity = 9\nrefill_per_second = 1\n",
     );
-    // The shipped default: no admin token. The 409 says where rules come
-    // from, before any token check.
-    let gw = Gateway::start(&GatewayConfig::new(&redis.url(), rules, &up.url()));
+    // No admin token (writes disabled), only a read token. The 409 says
+    // where rules come from, before any token check.
+    let mut config = GatewayConfig::new(&redis.url(), rules, &up.url());
+    config.admin_read_token = TOKEN.to_owned();
+    let gw = Gateway::start(&config);
     let put = r#"{"capacity": 5, "refill_per_second": 1}"#;
     for (method, body) in [("PUT", Some(put)), ("DELETE", None)] {
         let (status, error) = admin(&gw, method, "/admin/rules/f/api", None, body).await;
@@ -351,11 +369,13 @@ async fn file_mode_lists_rules_but_refuses_writes_with_409() {
             "{method}"
         );
     }
-    let (status, page) = admin(&gw, "GET", "/admin/rules", None, None).await;
+    let (status, page) = admin(&gw, "GET", "/admin/rules", Some(TOKEN), None).await;
     assert_eq!(status, 200);
     assert_eq!(page["rules"][0]["capacity"], 9);
     assert_eq!(
-        admin(&gw, "GET", "/admin/rules/f/api", None, None).await.1["capacity"],
+        admin(&gw, "GET", "/admin/rules/f/api", Some(TOKEN), None)
+            .await
+            .1["capacity"],
         9
     );
 }

@@ -156,7 +156,7 @@ async fn shares_are_validated_stored_and_enforced_per_region() {
     );
     assert_eq!(common::limit_of(&eu, "t").await.as_deref(), Some("20"));
 
-    let (_, listing) = admin(&eu, "GET", "/admin/shares", None, None).await;
+    let (_, listing) = admin(&eu, "GET", "/admin/shares", Some(TOKEN), None).await;
     assert_eq!(listing["region"], "eu");
     assert_eq!(listing["rows"].as_array().unwrap().len(), 4);
     let global: Vec<f64> = listing["regions"]
@@ -207,7 +207,7 @@ async fn without_regions_share_writes_are_refused() {
         (status, error["error"].as_str()),
         (409, Some("shares_unavailable"))
     );
-    let (status, listing) = admin(&gw, "GET", "/admin/shares", None, None).await;
+    let (status, listing) = admin(&gw, "GET", "/admin/shares", Some(TOKEN), None).await;
     assert_eq!(
         (status, listing["region"].clone()),
         (200, serde_json::Value::Null)

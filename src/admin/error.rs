@@ -21,6 +21,10 @@ pub enum AdminError {
     /// `admin.token` is empty, so writes are disabled.
     #[error("admin writes are disabled")]
     WritesDisabled,
+    /// Neither `admin.token` nor `admin.read_token` is set, so reads are
+    /// disabled.
+    #[error("admin reads are disabled")]
+    ReadsDisabled,
     /// Rules come from a file; the API cannot change them.
     #[error("rules come from a file")]
     FileMode,
@@ -62,6 +66,7 @@ impl AdminError {
         match self {
             Self::Unauthorized => "unauthorized",
             Self::WritesDisabled => "writes_disabled",
+            Self::ReadsDisabled => "reads_disabled",
             Self::FileMode => "rules_from_file",
             Self::NoShareStore => "shares_unavailable",
             Self::Invalid { .. } => "invalid_request",
@@ -76,7 +81,7 @@ impl ResponseError for AdminError {
     fn status_code(&self) -> StatusCode {
         match self {
             Self::Unauthorized => StatusCode::UNAUTHORIZED,
-            Self::WritesDisabled => StatusCode::FORBIDDEN,
+            Self::WritesDisabled | Self::ReadsDisabled => StatusCode::FORBIDDEN,
             Self::FileMode | Self::NoShareStore => StatusCode::CONFLICT,
             Self::Invalid { .. } => StatusCode::BAD_REQUEST,
             Self::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
@@ -89,6 +94,9 @@ impl ResponseError for AdminError {
         let message = match self {
             Self::Unauthorized => "Send Authorization: Bearer <admin.token>.".to_owned(),
             Self::WritesDisabled => "Admin writes are disabled: admin.token is empty.".to_owned(),
+            Self::ReadsDisabled => {
+                "Admin reads are disabled: admin.token and admin.read_token are empty.".to_owned()
+            }
             Self::FileMode => {
                 "Rules come from a file (rules.file); edit the file instead, it is reloaded on change."
                     .to_owned()

@@ -2,7 +2,9 @@
 //!
 //! Owns `/live`, `/ready`, `/metrics` and `/admin/rules…` ([`rules`]) on
 //! `server.admin_listen`, a port apart from the proxy so operators and
-//! scrapers never compete with tenant traffic. Health handlers only read
+//! scrapers never compete with tenant traffic. `/live`, `/ready` and
+//! `/metrics` are open and carry no secret (no tenant id, no credential);
+//! everything under `/admin/` needs a bearer token. Health handlers only read
 //! published state (rule snapshot, limiter health); rule writes go to the
 //! database, never to the snapshot directly.
 
@@ -35,8 +37,10 @@ pub struct AdminState {
     pub instance_id: String,
     /// This instance's region, if any.
     pub region: Option<String>,
-    /// Bearer token for writes; `None` disables writes.
+    /// Bearer token for writes and reads; `None` disables writes.
     pub token: Option<String>,
+    /// Bearer token for reads only.
+    pub read_token: Option<String>,
     /// Region shares.
     pub shares: SharesHandle,
 }
@@ -56,17 +60,44 @@ fn authorize_write<'a, T>(
 ) -> Result<&'a T, AdminError> {
     let store = store.ok_or(missing)?;
     let token = state.token.as_deref().ok_or(AdminError::WritesDisabled)?;
-    let presented = req
-        .headers()
-        .get(AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(bearer)
-        .ok_or(AdminError::Unauthorized)?;
-    if constant_time_eq(presented.trim().as_bytes(), token.as_bytes()) {
+    if presents(req, token) {
         Ok(store)
     } else {
         Err(AdminError::Unauthorized)
     }
+}
+
+/// Admits an admin read: it needs `admin.token` or `admin.read_token`
+/// (tenant ids are API keys, so the rules are as secret as the keys).
+///
+/// # Errors
+/// [`AdminError::ReadsDisabled`] when neither token is configured,
+/// [`AdminError::Unauthorized`] when the request presents neither.
+fn authorize_read(req: &HttpRequest, state: &AdminState) -> Result<(), AdminError> {
+    let mut tokens = [state.token.as_deref(), state.read_token.as_deref()]
+        .into_iter()
+        .flatten()
+        .peekable();
+    if tokens.peek().is_none() {
+        return Err(AdminError::ReadsDisabled);
+    }
+    // Compare with every token, so the time taken does not tell which.
+    let matched = tokens.fold(false, |ok, token| presents(req, token) | ok);
+    if matched {
+        Ok(())
+    } else {
+        Err(AdminError::Unauthorized)
+    }
+}
+
+/// Whether `req` carries `Authorization: Bearer <token>` (compared in
+/// constant time).
+fn presents(req: &HttpRequest, token: &str) -> bool {
+    req.headers()
+        .get(AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(bearer)
+        .is_some_and(|presented| constant_time_eq(presented.trim().as_bytes(), token.as_bytes()))
 }
 
 /// Reads a request body of at most [`MAX_BODY_BYTES`] (the 64 KiB that

@@ -1,8 +1,8 @@
 //! `/admin/rules`: read and change per-tenant rules.
 //!
-//! Reads are open on the admin listener; writes need
-//! `Authorization: Bearer <admin.token>` (compared in constant time) and are
-//! refused when the token is empty. Writes go to PostgreSQL in one
+//! Reads need `Authorization: Bearer` with `admin.token` or
+//! `admin.read_token`; writes need `admin.token` (compared in constant
+//! time) and are refused when it is empty. Writes go to PostgreSQL in one
 //! transaction and answer with what the database now holds; the table's
 //! trigger then announces the change to every gateway. In file mode the
 //! rules can be read here, and writes answer 409.
@@ -14,7 +14,7 @@ use actix_web::{HttpRequest, HttpResponse, web};
 use serde_json::{Value, json};
 
 use super::error::AdminError;
-use super::{AdminState, authorize_write, read_body};
+use super::{AdminState, authorize_read, authorize_write, read_body};
 use crate::key::{RouteId, TenantId};
 use crate::rules::model::{MAX_SHARDS, positive_i32, shard_count};
 use crate::rules::{Limit, RuleStore, StoredRule};
@@ -35,9 +35,11 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
 /// `GET /admin/rules?tenant=&after=<tenant>/<route>&limit=`: one page of
 /// rules ordered by (tenant, route), and the cursor of the next page.
 async fn list(
+    req: HttpRequest,
     state: web::Data<AdminState>,
     query: web::Query<HashMap<String, String>>,
 ) -> Result<HttpResponse, AdminError> {
+    authorize_read(&req, &state)?;
     let mut tenant = None;
     let mut after = None;
     let mut limit = DEFAULT_PAGE;
@@ -102,9 +104,11 @@ fn page_from_snapshot(
 
 /// `GET /admin/rules/{tenant}/{route}`.
 async fn get_one(
+    req: HttpRequest,
     state: web::Data<AdminState>,
     path: web::Path<(String, String)>,
 ) -> Result<HttpResponse, AdminError> {
+    authorize_read(&req, &state)?;
     let (tenant, route) = ids(&path)?;
     let rule = match state.rules.store() {
         Some(store) => store.get(&tenant, &route).await?,

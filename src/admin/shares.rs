@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 
 use super::error::AdminError;
 use super::rules::id;
-use super::{AdminState, authorize_write, read_body};
+use super::{AdminState, authorize_read, authorize_write, read_body};
 use crate::key::{RouteId, TenantId};
 use crate::region::model::SUM_TOLERANCE;
 use crate::region::shares::{Scope, ShareStore, effective};
@@ -35,7 +35,8 @@ const DECISIONS_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(
 /// `GET /admin/shares`: every region with its default and global share,
 /// every row, and the rebalancer's latest decisions (newest first; `null`
 /// without a database or when it does not answer within 500 ms).
-async fn list(state: web::Data<AdminState>) -> HttpResponse {
+async fn list(req: HttpRequest, state: web::Data<AdminState>) -> Result<HttpResponse, AdminError> {
+    authorize_read(&req, &state)?;
     let snapshot = state.shares.snapshot();
     let regions: Vec<Value> = state
         .shares
@@ -69,12 +70,12 @@ async fn list(state: web::Data<AdminState>) -> HttpResponse {
         }
         None => None,
     };
-    HttpResponse::Ok().json(json!({
+    Ok(HttpResponse::Ok().json(json!({
         "region": state.region,
         "regions": regions,
         "rows": snapshot.rows(),
         "decisions": decisions,
-    }))
+    })))
 }
 
 /// `PUT /admin/shares` with

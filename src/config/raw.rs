@@ -140,6 +140,7 @@ impl Default for RawLimit {
 #[serde(deny_unknown_fields, default)]
 pub(crate) struct RawAdmin {
     pub(crate) token: String,
+    pub(crate) read_token: String,
 }
 
 /// `[breaker]`: when to stop calling a failing Redis.

@@ -205,8 +205,10 @@ pub struct RebalancerSettings {
 /// `[admin]`.
 #[derive(Debug, Clone)]
 pub struct AdminSettings {
-    /// Bearer token for admin writes; `None` disables writes.
+    /// Bearer token for admin writes (and reads); `None` disables writes.
     pub token: Option<String>,
+    /// Bearer token for admin reads only.
+    pub read_token: Option<String>,
 }
 
 /// `[upstream]`.
@@ -512,6 +514,7 @@ pub(crate) fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
 
     let admin = AdminSettings {
         token: Some(raw.admin.token).filter(|t| !t.is_empty()),
+        read_token: Some(raw.admin.read_token).filter(|t| !t.is_empty()),
     };
 
     let upstream = UpstreamSettings {

@@ -552,6 +552,8 @@ pub struct GatewayConfig {
     pub rules_extra: String,
     /// `admin.token`.
     pub admin_token: String,
+    /// `admin.read_token`.
+    pub admin_read_token: String,
     /// More `[upstream]` keys, one per line.
     pub upstream_extra: String,
     /// More sections (e.g. `[default_rule]`).
@@ -574,6 +576,7 @@ impl GatewayConfig {
             database_url: String::new(),
             rules_extra: String::new(),
             admin_token: String::new(),
+            admin_read_token: String::new(),
             upstream_extra: String::new(),
             extra: "[default_rule]\ncapacity = 2\nrefill_per_second = 1\n".to_owned(),
             routes: format!(
@@ -590,7 +593,7 @@ impl GatewayConfig {
              shutdown_timeout_seconds = 1\n\
              [redis]\nurl = \"{}\"\ncluster_nodes = {:?}\ntimeout_ms = {}\n\
              [rules]\nfile = \"{}\"\ndatabase_url = \"{}\"\n{}\n\
-             [admin]\ntoken = \"{}\"\n\
+             [admin]\ntoken = \"{}\"\nread_token = \"{}\"\n\
              [upstream]\nconnect_timeout_ms = 500\ntimeout_ms = {}\n{}\n\
              {}\n{}",
             self.workers,
@@ -601,6 +604,7 @@ impl GatewayConfig {
             self.database_url,
             self.rules_extra,
             self.admin_token,
+            self.admin_read_token,
             self.upstream_timeout_ms,
             self.upstream_extra,
             self.extra,
