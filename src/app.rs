@@ -97,7 +97,7 @@ pub fn check(config: &Config) -> Result<String, Vec<String>> {
     let rules = match &config.rules.source {
         RuleSource::Database(_) => "rules from PostgreSQL".to_owned(),
         RuleSource::File(path) => match rules::file::load(path) {
-            Ok(rules) => format!("{} rules in {}", rules.len(), path.display()),
+            Ok(file) => format!("{} rules in {}", file.rules.len(), path.display()),
             Err(rules::file::RuleFileError::Invalid {
                 path,
                 problems: found,
@@ -173,6 +173,7 @@ pub async fn run(
         config.default_rule.into(),
         metrics.clone(),
         requests.clone(),
+        clock.clone(),
     )
     .await?;
 

@@ -1,15 +1,16 @@
-//! A changed rules file takes effect without a restart; an invalid one is
-//! refused and the previous rules stay.
+//! A changed rules file takes effect without a restart; an invalid one, or
+//! one caught mid-rewrite, is never taken, and rewriting the rules in
+//! force does no work. Each check reads this gateway's own `/ready`.
 
 #![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
 
 mod common;
 
+use std::io::Write;
+use std::path::Path;
 use std::time::Duration;
 
-use common::{
-    Gateway, GatewayConfig, RedisServer, TempDir, Upstream, client, header, metric, ready,
-};
+use common::{Stack, eventually, limit_of, ready, wait_for_limit};
 
 fn rules(capacity: u32) -> String {
     format!(
@@ -17,51 +18,138 @@ fn rules(capacity: u32) -> String {
     )
 }
 
-async fn limit_header(gw: &Gateway) -> Option<String> {
-    let res = client()
-        .get(gw.url("/r"))
-        .insert_header(("x-api-key", "acme"))
-        .send()
-        .await
-        .unwrap();
-    header(&res, "x-ratelimit-limit")
+/// This gateway's `rules.<field>` in `/ready`.
+async fn rules_field(s: &Stack, field: &str) -> u64 {
+    ready(&s.gw).await["rules"][field].as_u64().unwrap()
+}
+
+/// A gateway that looks at its rules file every 100 ms and takes a change
+/// once it has held still for 200 ms.
+fn quick_watch(tag: &str, capacity: u32) -> Stack {
+    Stack::start(tag, &rules(capacity), |c, _| {
+        c.rules_extra = "watch_interval_ms = 100\nsettle_ms = 200".into();
+    })
+}
+
+fn rules_path(s: &Stack) -> std::path::PathBuf {
+    s.dir.0.join("rules.toml")
 }
 
 #[actix_web::test]
 async fn a_changed_rules_file_applies_within_two_seconds_and_a_broken_one_is_refused() {
-    let redis = RedisServer::start();
-    let up = Upstream::start();
-    let dir = TempDir::new("reload");
-    let path = dir.file("rules.toml", &rules(5));
-    // Default watch interval (1 s): the 2 s promise must hold with defaults.
-    let gw = Gateway::start(&GatewayConfig::new(&redis.url(), path.clone(), &up.url()));
-    assert_eq!(limit_header(&gw).await.as_deref(), Some("5"));
+    // Default watch interval and settle time: the 2 s promise holds with
+    // the defaults.
+    let s = Stack::start("reload", &rules(5), |_, _| {});
+    assert_eq!(limit_of(&s.gw, "acme").await.as_deref(), Some("5"));
 
-    std::fs::write(&path, rules(12)).unwrap();
-    let clock = tollgate::clock::SystemClock::new();
-    let started = tollgate::clock::Clock::now_ms(&clock);
-    let mut applied = false;
-    while tollgate::clock::Clock::now_ms(&clock) - started < 2_000 {
-        if limit_header(&gw).await.as_deref() == Some("12") {
-            applied = true;
-            break;
-        }
-        actix_web::rt::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(applied, "the new capacity was not in force within 2 s");
-    assert_eq!(ready(&gw).await["rules"]["count"], 1);
+    std::fs::write(rules_path(&s), rules(12)).unwrap();
+    let waited = wait_for_limit(&s.gw, "acme", "12", Duration::from_secs(2)).await;
+    assert!(
+        waited.is_some(),
+        "the new capacity was not in force within 2 s"
+    );
+    assert_eq!(ready(&s.gw).await["rules"]["count"], 1);
 
     std::fs::write(
-        &path,
+        rules_path(&s),
         "[[rule]]\ntenant = \"acme\"\nroute = \"api\"\ncapacity = -3\nrefill_per_second = 1\n",
     )
     .unwrap();
-    actix_web::rt::time::sleep(Duration::from_millis(2_500)).await;
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            rules_field(&s, "failed_reloads").await == 1
+        })
+        .await,
+        "the broken file was not looked at"
+    );
     assert_eq!(
-        limit_header(&gw).await.as_deref(),
+        limit_of(&s.gw, "acme").await.as_deref(),
         Some("12"),
         "a broken file must not apply"
     );
-    let failures = metric(&gw, "tollgate_rule_reloads_total{result=\"error\"}").await;
-    assert!(failures >= 1.0, "reload failures are counted");
+}
+
+/// Writes `contents` to `path` the way `cat new > path` does: truncate,
+/// then write in two parts with a pause (shorter than the settle time).
+fn rewrite_in_place(path: &Path, contents: &str) {
+    let mut file = std::fs::File::create(path).unwrap();
+    let (head, tail) = contents.split_at(contents.len() / 2);
+    file.write_all(head.as_bytes()).unwrap();
+    file.flush().unwrap();
+    std::thread::sleep(Duration::from_millis(60));
+    file.write_all(tail.as_bytes()).unwrap();
+}
+
+#[actix_web::test]
+async fn a_rules_file_caught_mid_rewrite_is_never_taken() {
+    let s = quick_watch("reload-midway", 5);
+    let new = format!("{}{}", rules(7), rules(7).replace("acme", "beta"));
+    rewrite_in_place(&rules_path(&s), &new);
+    assert!(
+        wait_for_limit(&s.gw, "acme", "7", Duration::from_secs(3))
+            .await
+            .is_some()
+    );
+    assert_eq!(rules_field(&s, "count").await, 2);
+    assert_eq!(
+        rules_field(&s, "reloads").await,
+        1,
+        "one reload, of the finished file"
+    );
+    assert_eq!(
+        rules_field(&s, "failed_reloads").await,
+        0,
+        "the half-written file was never read"
+    );
+
+    // Truncated and left empty (a writer that died): refused, rules stay.
+    std::fs::write(rules_path(&s), "").unwrap();
+    assert!(
+        eventually(Duration::from_secs(3), || async {
+            rules_field(&s, "failed_reloads").await == 1
+        })
+        .await,
+        "the emptied file was not looked at"
+    );
+    assert_eq!(rules_field(&s, "count").await, 2);
+    assert_eq!(limit_of(&s.gw, "acme").await.as_deref(), Some("7"));
+}
+
+#[actix_web::test]
+async fn a_file_that_says_rule_equals_empty_list_removes_every_rule() {
+    let s = quick_watch("reload-empty", 5);
+    std::fs::write(
+        rules_path(&s),
+        "# every rule removed on purpose\nrule = []\n",
+    )
+    .unwrap();
+    assert!(
+        eventually(Duration::from_secs(3), || async {
+            rules_field(&s, "count").await == 0
+        })
+        .await,
+        "rule = [] did not remove the rules"
+    );
+    assert_eq!(
+        limit_of(&s.gw, "acme").await.as_deref(),
+        Some("2"),
+        "the default rule applies"
+    );
+}
+
+#[actix_web::test]
+async fn rewriting_the_rules_in_force_does_no_work() {
+    let s = quick_watch("reload-same", 5);
+    // Same contents, new modification time: looked at, not applied.
+    std::fs::write(rules_path(&s), rules(5)).unwrap();
+    std::thread::sleep(Duration::from_millis(600));
+    // A real change afterwards is the one reload.
+    std::fs::write(rules_path(&s), rules(6)).unwrap();
+    assert!(
+        wait_for_limit(&s.gw, "acme", "6", Duration::from_secs(3))
+            .await
+            .is_some()
+    );
+    assert_eq!(rules_field(&s, "reloads").await, 1);
+    assert_eq!(rules_field(&s, "failed_reloads").await, 0);
 }

@@ -173,6 +173,7 @@ async fn ready(state: web::Data<AdminState>) -> HttpResponse {
             "source": origin.source,
             "loaded_at_unix": origin.loaded_at_unix,
             "age_seconds": unix_now_seconds().saturating_sub(origin.loaded_at_unix),
+            "reloads": state.rules.applied_reloads(),
             "failed_reloads": state.rules.failed_reloads(),
         },
     }))

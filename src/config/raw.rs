@@ -101,6 +101,7 @@ pub(crate) struct RawRules {
     pub(crate) file: String,
     pub(crate) refresh_seconds: i64,
     pub(crate) watch_interval_ms: i64,
+    pub(crate) settle_ms: i64,
     pub(crate) snapshot_file: String,
     pub(crate) migrate_on_start: bool,
 }
@@ -112,6 +113,7 @@ impl Default for RawRules {
             file: "config/rules.toml".into(),
             refresh_seconds: 30,
             watch_interval_ms: 1000,
+            settle_ms: 300,
             snapshot_file: "tollgate-rules-snapshot.json".into(),
             migrate_on_start: true,
         }

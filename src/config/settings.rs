@@ -123,6 +123,8 @@ pub struct RulesSettings {
     pub refresh: Duration,
     /// How often the rules file is checked for changes.
     pub watch_interval: Duration,
+    /// How long a changed rules file must hold still before it is read.
+    pub settle: Duration,
     /// Where the last rules loaded from the database are saved, to serve
     /// from when the database is down at start; `None` disables it.
     pub snapshot_file: Option<PathBuf>,
@@ -409,6 +411,10 @@ pub(crate) fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
             "rules.watch_interval_ms",
             raw.rules.watch_interval_ms,
             60_000,
+        ),
+        settle: Duration::from_millis(
+            c.range("rules.settle_ms", raw.rules.settle_ms, 0, 60_000)
+                .unwrap_or(0),
         ),
         snapshot_file: Some(PathBuf::from(&raw.rules.snapshot_file))
             .filter(|p| !p.as_os_str().is_empty()),

@@ -6,7 +6,10 @@
 //!
 //! Sources:
 //! - **file**: the file is checked every `rules.watch_interval_ms` and
-//!   reloaded when it changed;
+//!   read once a change has held still for `rules.settle_ms`
+//!   ([`FileWatch`]); a read whose contents equal those in force does no
+//!   further work, and a file with no rule at all never replaces rules in
+//!   force unless it says `rule = []`;
 //! - **database**: a listener task follows `NOTIFY tollgate_rules` and hands
 //!   each change to the actor, which batches changes arriving within
 //!   [`BATCH_WINDOW`] into one new snapshot. Every time the listener
@@ -33,11 +36,11 @@ use actix::{
 use arc_swap::{ArcSwap, Guard};
 
 use super::feed::{Feed, Notified, Resync};
-use super::file::{self, FileFingerprint, RuleFileError};
+use super::file::{self, FileChange, FileFingerprint, FileWatch, RuleFileError};
 use super::model::{Limit, Rule, RuleSet, SnapshotOrigin};
 use super::pg::{CHANNEL, Change, RuleStore, RuleStoreError};
 use super::snapshot;
-use crate::clock::unix_now_seconds;
+use crate::clock::{SharedClock, unix_now_seconds};
 use crate::config::{RuleSource, RulesSettings};
 use crate::telemetry::{Metrics, RequestCounters};
 
@@ -73,8 +76,8 @@ pub struct RulesHandle {
     store: Option<RuleStore>,
     /// The change feed, when rules come from a database.
     feed: Option<Feed>,
-    /// Failed reloads since start.
-    failures: Arc<AtomicU64>,
+    /// This gateway's reloads since start.
+    counts: Arc<ReloadCounts>,
 }
 
 impl RulesHandle {
@@ -85,7 +88,13 @@ impl RulesHandle {
 
     /// Reloads that failed since start (the rules in force stayed).
     pub fn failed_reloads(&self) -> u64 {
-        self.failures.load(Ordering::Relaxed)
+        self.counts.failed.load(Ordering::Relaxed)
+    }
+
+    /// Reloads that published new rules since start (the first load and
+    /// rereads that found the rules in force excluded).
+    pub fn applied_reloads(&self) -> u64 {
+        self.counts.applied.load(Ordering::Relaxed)
     }
 
     /// The database the rules come from; `None` in file mode.
@@ -133,20 +142,24 @@ pub async fn start(
     default: Limit,
     metrics: Metrics,
     labels: Arc<RequestCounters>,
+    clock: SharedClock,
 ) -> Result<RulesHandle, RulesError> {
     let reloads = Reloads {
         metrics,
-        failures: Arc::new(AtomicU64::new(0)),
+        counts: Arc::new(ReloadCounts::default()),
     };
     let (source, first, store) = match &settings.source {
         RuleSource::File(path) => {
             let fingerprint = FileFingerprint::of(path);
-            let first = read_file(path, default)?;
-            reloads.ok(first.len());
+            let contents = file::read(path)?;
+            let first = RuleSet::new(file::parse(path, &contents)?.rules, default, origin("file"));
+            reloads.first(first.len());
             tracing::info!(rules = first.len(), file = %path.display(), "Rules loaded.");
             let source = Source::File {
                 path: path.clone(),
-                fingerprint,
+                watch: FileWatch::new(fingerprint, duration_ms(settings.settle)),
+                applied: Some(digest(&contents)),
+                recheck: false,
             };
             (source, first, None)
         }
@@ -176,6 +189,7 @@ pub async fn start(
         default,
         snapshot: snapshot.clone(),
         watch_interval: settings.watch_interval,
+        clock,
         reloads: reloads.clone(),
         labels,
         pending: Vec::new(),
@@ -189,7 +203,7 @@ pub async fn start(
         cache,
         store,
         feed,
-        failures: reloads.failures,
+        counts: reloads.counts,
     })
 }
 
@@ -206,7 +220,7 @@ async fn first_database_load(
         Ok(rules) => {
             *migrate_pending = false;
             let set = RuleSet::new(rules, default, origin("database"));
-            reloads.ok(set.len());
+            reloads.first(set.len());
             tracing::info!(rules = set.len(), "Rules loaded from PostgreSQL.");
             SnapshotSaver::new(snapshot_file.map(Path::to_path_buf)).save(Arc::new(set.clone()));
             set
@@ -259,9 +273,15 @@ async fn load_database(store: &RuleStore, migrate: bool) -> Result<Vec<Rule>, Ru
         .map_err(|_| RuleStoreError::Database(sqlx::Error::PoolTimedOut))?
 }
 
-/// Reads the rules file into a snapshot.
-fn read_file(path: &Path, default: Limit) -> Result<RuleSet, RuleFileError> {
-    Ok(RuleSet::new(file::load(path)?, default, origin("file")))
+/// A digest of rules file contents, to tell a reread of the same file.
+fn digest(contents: &str) -> u64 {
+    use std::hash::{BuildHasher, BuildHasherDefault};
+    BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default().hash_one(contents)
+}
+
+/// `d` in whole milliseconds.
+fn duration_ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// Provenance stamped now.
@@ -278,8 +298,12 @@ enum Source {
     File {
         /// The file.
         path: PathBuf,
-        /// Its fingerprint at the last read attempt.
-        fingerprint: Option<FileFingerprint>,
+        /// Tells when it changed and held still.
+        watch: FileWatch,
+        /// Digest of the contents in force.
+        applied: Option<u64>,
+        /// Whether a look at a settling file is already scheduled.
+        recheck: bool,
     },
     /// The `rate_limit_rule` table.
     Database {
@@ -342,20 +366,35 @@ impl SnapshotSaver {
 struct Reloads {
     /// `tollgate_rule_reloads_total`.
     metrics: Metrics,
-    /// Failed reloads of this gateway.
-    failures: Arc<AtomicU64>,
+    /// This gateway's counts.
+    counts: Arc<ReloadCounts>,
+}
+
+/// One gateway's reloads since start.
+#[derive(Default)]
+struct ReloadCounts {
+    /// Reloads that published rules (the first load excluded).
+    applied: AtomicU64,
+    /// Reloads that failed.
+    failed: AtomicU64,
 }
 
 impl Reloads {
+    /// The first load, which published `n` rules.
+    fn first(&self, n: usize) {
+        self.metrics.rule_reload(Some(n));
+    }
+
     /// A reload that published `n` rules.
     fn ok(&self, n: usize) {
         self.metrics.rule_reload(Some(n));
+        self.counts.applied.fetch_add(1, Ordering::Relaxed);
     }
 
     /// A reload that failed; the snapshot in force stays.
     fn failed(&self) {
         self.metrics.rule_reload(None);
-        self.failures.fetch_add(1, Ordering::Relaxed);
+        self.counts.failed.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -369,6 +408,8 @@ struct RuleCache {
     snapshot: Arc<ArcSwap<RuleSet>>,
     /// How often to look at the rules file.
     watch_interval: Duration,
+    /// Times how long a changed rules file holds still.
+    clock: SharedClock,
     /// Reload counters.
     reloads: Reloads,
     /// Request counters, whose tenant labels follow the rules.
@@ -399,16 +440,10 @@ impl RuleCache {
         // a rule deleted in between.
         self.pending.clear();
         match &mut self.source {
-            Source::File { path, fingerprint } => {
-                *fingerprint = FileFingerprint::of(path);
-                let result = read_file(path, default);
-                let result = match result {
-                    Ok(set) => Ok(self.publish(set)),
-                    Err(e) => {
-                        self.reloads.failed();
-                        Err(e.into())
-                    }
-                };
+            Source::File { .. } => {
+                let result = self
+                    .reload_file()
+                    .map(|applied| applied.unwrap_or_else(|| self.snapshot.load().len()));
                 Box::pin(actix::fut::ready(result))
             }
             Source::Database {
@@ -440,19 +475,89 @@ impl RuleCache {
         }
     }
 
-    /// Reloads the file when its fingerprint changed since the last attempt.
+    /// Reads the rules file and publishes its rules; `None` when its
+    /// contents are those in force (nothing else is done then).
+    ///
+    /// # Errors
+    /// When the file is unreadable or invalid, or holds no rule without
+    /// saying so while rules are in force; the rules in force stay.
+    fn reload_file(&mut self) -> Result<Option<usize>, RulesError> {
+        let Source::File {
+            path,
+            watch,
+            applied,
+            ..
+        } = &mut self.source
+        else {
+            return Ok(None);
+        };
+        watch.was_read(FileFingerprint::of(path));
+        let read = file::read(path).and_then(|contents| {
+            let digest = digest(&contents);
+            if *applied == Some(digest) {
+                return Ok(None);
+            }
+            let parsed = file::parse(path, &contents)?;
+            if parsed.rules.is_empty() && !parsed.declares_empty && !self.snapshot.load().is_empty()
+            {
+                return Err(RuleFileError::Emptied { path: path.clone() });
+            }
+            Ok(Some((digest, parsed.rules)))
+        });
+        match read {
+            Ok(None) => Ok(None),
+            Ok(Some((digest, rules))) => {
+                *applied = Some(digest);
+                let set = RuleSet::new(rules, self.default, origin("file"));
+                Ok(Some(self.publish(set)))
+            }
+            Err(e) => {
+                self.reloads.failed();
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Reads the rules file once a change has held still for the settle
+    /// time; while it settles, looks again when that time is up.
     fn poll_file(&mut self, ctx: &mut Context<Self>) {
-        let Source::File { path, fingerprint } = &self.source else {
+        let now = self.clock.now_ms();
+        let Source::File {
+            path,
+            watch,
+            recheck,
+            ..
+        } = &mut self.source
+        else {
             return;
         };
-        if FileFingerprint::of(path) == *fingerprint {
-            return;
+        match watch.look(FileFingerprint::of(path), now) {
+            FileChange::None => {}
+            FileChange::Settling(_) if *recheck => {}
+            FileChange::Settling(wait_ms) => {
+                *recheck = true;
+                ctx.run_later(Duration::from_millis(wait_ms), |cache, ctx| {
+                    if let Source::File { recheck, .. } = &mut cache.source {
+                        *recheck = false;
+                    }
+                    cache.poll_file(ctx);
+                });
+            }
+            FileChange::Settled => {
+                let file = path.display().to_string();
+                match self.reload_file() {
+                    Ok(Some(n)) => {
+                        tracing::info!(rules = n, file, "Rules file changed; rules reloaded.")
+                    }
+                    Ok(None) => {
+                        tracing::debug!(file, "Rules file rewritten with the rules in force.")
+                    }
+                    Err(e) => {
+                        tracing::error!(error = %e, "Rules file changed but cannot be used; the previous rules stay in force.")
+                    }
+                }
+            }
         }
-        let file = path.display().to_string();
-        ctx.wait(self.full_reload().map(move |result, _, _| match result {
-            Ok(n) => tracing::info!(rules = n, file, "Rules file changed; rules reloaded."),
-            Err(e) => tracing::error!(error = %e, "Rules file changed but is invalid; the previous rules stay in force."),
-        }));
     }
 
     /// Applies every pending database change as one new snapshot.

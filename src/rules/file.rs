@@ -1,9 +1,16 @@
 //! The TOML rules file: parsing and change detection.
 //!
-//! Owns the `[[rule]]` file format (SPEC §11) and [`FileFingerprint`], which
-//! tells the cache when the file changed. Parsing reports every bad entry at
-//! once; a file with any bad entry is refused as a whole, so a typo never
-//! half-applies.
+//! Owns the `[[rule]]` file format (SPEC §11) and [`FileWatch`], which tells
+//! the cache when the file changed and has held still since. Parsing
+//! reports every bad entry at once; a file with any bad entry is refused as
+//! a whole, so a typo never half-applies.
+//!
+//! A file is often read while it is being rewritten (`cat new > rules.toml`
+//! truncates first). So a change is taken only once the file has kept the
+//! same size and modification time for `rules.settle_ms`, and a file with
+//! no `[[rule]]` at all never replaces rules in force unless it says so
+//! with `rule = []` ([`RuleFile::declares_empty`]). Writing a temporary
+//! file and renaming it over the old one is the safe way to update.
 
 use std::collections::HashSet;
 use std::num::NonZeroU32;
@@ -38,6 +45,15 @@ pub enum RuleFileError {
         /// The parser's message.
         message: String,
     },
+    /// The file holds no rule and does not say so on purpose, while rules
+    /// are in force.
+    #[error(
+        "rules file {path} holds no rule; the rules in force stay (write `rule = []` to remove every rule)"
+    )]
+    Emptied {
+        /// The file.
+        path: PathBuf,
+    },
     /// Some entries have bad values.
     #[error("rules file {path} has {} bad entr{}:\n  {}", .problems.len(), if .problems.len() == 1 { "y" } else { "ies" }, .problems.join("\n  "))]
     Invalid {
@@ -52,8 +68,18 @@ pub enum RuleFileError {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RulesFile {
-    #[serde(default)]
-    rule: Vec<RawRule>,
+    /// `None` when the file has no `rule` key at all.
+    rule: Option<Vec<RawRule>>,
+}
+
+/// A parsed rules file.
+#[derive(Debug)]
+pub struct RuleFile {
+    /// Every rule, in file order.
+    pub rules: Vec<Rule>,
+    /// Whether the file says it holds no rule on purpose (`rule = []`),
+    /// rather than holding no `rule` key at all (empty, or cut short).
+    pub declares_empty: bool,
 }
 
 /// One `[[rule]]` as written.
@@ -74,31 +100,40 @@ fn one() -> i64 {
     1
 }
 
+/// Reads the rules file at `path`, unparsed.
+///
+/// # Errors
+/// [`RuleFileError::Read`] when the file cannot be read.
+pub fn read(path: &Path) -> Result<String, RuleFileError> {
+    std::fs::read_to_string(path).map_err(|source| RuleFileError::Read {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
 /// Reads and parses the rules file at `path`.
 ///
 /// # Errors
 /// [`RuleFileError`] when the file is unreadable or any entry is bad.
-pub fn load(path: &Path) -> Result<Vec<Rule>, RuleFileError> {
-    let contents = std::fs::read_to_string(path).map_err(|source| RuleFileError::Read {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    parse(path, &contents)
+pub fn load(path: &Path) -> Result<RuleFile, RuleFileError> {
+    parse(path, &read(path)?)
 }
 
 /// Parses rules file `contents` (`path` is only used in messages).
 ///
 /// # Errors
 /// [`RuleFileError`] when the TOML is invalid or any entry is bad.
-pub fn parse(path: &Path, contents: &str) -> Result<Vec<Rule>, RuleFileError> {
+pub fn parse(path: &Path, contents: &str) -> Result<RuleFile, RuleFileError> {
     let file: RulesFile = toml::from_str(contents).map_err(|e| RuleFileError::Syntax {
         path: path.to_path_buf(),
         message: e.to_string(),
     })?;
+    let declares_empty = file.rule.as_ref().is_some_and(Vec::is_empty);
+    let raw_rules = file.rule.unwrap_or_default();
     let mut problems = Vec::new();
     let mut seen = HashSet::new();
-    let mut rules = Vec::with_capacity(file.rule.len());
-    for (i, raw) in file.rule.into_iter().enumerate() {
+    let mut rules = Vec::with_capacity(raw_rules.len());
+    for (i, raw) in raw_rules.into_iter().enumerate() {
         let before = problems.len();
         let tenant = TenantId::parse(&raw.tenant)
             .map_err(|e| problems.push(format!("rule[{i}].tenant: {:?} {e}", raw.tenant)))
@@ -157,7 +192,10 @@ pub fn parse(path: &Path, contents: &str) -> Result<Vec<Rule>, RuleFileError> {
         }
     }
     if problems.is_empty() {
-        Ok(rules)
+        Ok(RuleFile {
+            rules,
+            declares_empty,
+        })
     } else {
         Err(RuleFileError::Invalid {
             path: path.to_path_buf(),
@@ -167,7 +205,7 @@ pub fn parse(path: &Path, contents: &str) -> Result<Vec<Rule>, RuleFileError> {
 }
 
 /// What identifies one version of a file without reading it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FileFingerprint {
     /// Modification time.
     modified: Option<SystemTime>,
@@ -186,9 +224,119 @@ impl FileFingerprint {
     }
 }
 
+/// What the rules file did since the last look.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FileChange {
+    /// Nothing since the last read.
+    None,
+    /// It changed and has not held still for long enough yet; look again
+    /// after this many milliseconds.
+    Settling(u64),
+    /// It changed and has held still since: read it.
+    Settled,
+}
+
+/// Change detection for the rules file, on fingerprints seen at given
+/// times (milliseconds of the caller's clock).
+#[derive(Debug)]
+pub struct FileWatch {
+    /// How long a changed file must hold still before it is read.
+    settle_ms: u64,
+    /// The fingerprint at the last read.
+    read: Option<FileFingerprint>,
+    /// A fingerprint differing from `read`, and since when it was seen.
+    moving: Option<(Option<FileFingerprint>, u64)>,
+}
+
+impl FileWatch {
+    /// A watch whose file was last read at fingerprint `read`.
+    pub fn new(read: Option<FileFingerprint>, settle_ms: u64) -> Self {
+        Self {
+            settle_ms,
+            read,
+            moving: None,
+        }
+    }
+
+    /// Whether the file, now at fingerprint `seen`, changed and has held
+    /// still for the settle time at `now_ms`.
+    pub fn look(&mut self, seen: Option<FileFingerprint>, now_ms: u64) -> FileChange {
+        if seen == self.read {
+            self.moving = None;
+            return FileChange::None;
+        }
+        match self.moving {
+            Some((moving, since)) if moving == seen => {
+                let held = now_ms.saturating_sub(since);
+                if held >= self.settle_ms {
+                    FileChange::Settled
+                } else {
+                    FileChange::Settling(self.settle_ms - held)
+                }
+            }
+            _ => {
+                self.moving = Some((seen, now_ms));
+                FileChange::Settling(self.settle_ms.max(1))
+            }
+        }
+    }
+
+    /// Records that the file was read at fingerprint `read`.
+    pub fn was_read(&mut self, read: Option<FileFingerprint>) {
+        self.read = read;
+        self.moving = None;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn fingerprint(len: u64) -> Option<FileFingerprint> {
+        Some(FileFingerprint {
+            modified: None,
+            len,
+        })
+    }
+
+    #[test]
+    fn a_change_is_taken_only_once_the_file_has_held_still() {
+        let mut watch = FileWatch::new(fingerprint(10), 300);
+        assert_eq!(watch.look(fingerprint(10), 0), FileChange::None);
+        // Truncated, then written in steps.
+        assert_eq!(watch.look(fingerprint(0), 1_000), FileChange::Settling(300));
+        assert_eq!(watch.look(fingerprint(5), 1_200), FileChange::Settling(300));
+        assert_eq!(
+            watch.look(fingerprint(12), 1_400),
+            FileChange::Settling(300)
+        );
+        assert_eq!(
+            watch.look(fingerprint(12), 1_600),
+            FileChange::Settling(100)
+        );
+        assert_eq!(watch.look(fingerprint(12), 1_700), FileChange::Settled);
+        watch.was_read(fingerprint(12));
+        assert_eq!(watch.look(fingerprint(12), 5_000), FileChange::None);
+        // A file that disappears is a change too.
+        assert_eq!(watch.look(None, 6_000), FileChange::Settling(300));
+    }
+
+    #[test]
+    fn a_change_reverted_before_it_settles_is_no_change() {
+        let mut watch = FileWatch::new(fingerprint(10), 300);
+        assert_eq!(watch.look(fingerprint(0), 0), FileChange::Settling(300));
+        assert_eq!(watch.look(fingerprint(10), 100), FileChange::None);
+        assert_eq!(watch.look(fingerprint(10), 1_000), FileChange::None);
+    }
+
+    #[test]
+    fn only_rule_equals_empty_list_declares_an_empty_file() {
+        let p = Path::new("r.toml");
+        assert!(!parse(p, "").unwrap().declares_empty);
+        assert!(!parse(p, "# only a comment\n").unwrap().declares_empty);
+        assert!(parse(p, "rule = []\n").unwrap().declares_empty);
+        assert!(parse(p, "rule = []\n").unwrap().rules.is_empty());
+    }
 
     #[test]
     fn parses_the_documented_format() {
@@ -202,7 +350,8 @@ capacity = 200
 refill_per_second = 100
 "#,
         )
-        .unwrap();
+        .unwrap()
+        .rules;
         assert_eq!(rules.len(), 1);
         assert_eq!(rules[0].tenant.as_str(), "shop-a");
         assert_eq!(rules[0].limit.capacity.get(), 200);
@@ -210,7 +359,7 @@ refill_per_second = 100
 
     #[test]
     fn an_empty_file_holds_no_rules() {
-        assert!(parse(Path::new("r.toml"), "").unwrap().is_empty());
+        assert!(parse(Path::new("r.toml"), "").unwrap().rules.is_empty());
     }
 
     #[test]
@@ -261,6 +410,6 @@ refill_per_second = 1
     #[test]
     fn the_shipped_rules_file_is_valid() {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/rules.toml");
-        assert!(!load(&path).unwrap().is_empty());
+        assert!(!load(&path).unwrap().rules.is_empty());
     }
 }

@@ -992,6 +992,25 @@ pub async fn wait_for_limit(
     }
 }
 
+/// Polls the async `check` every 20 ms until it holds; `false` after
+/// `within`.
+pub async fn eventually<F, Fut>(within: Duration, mut check: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let clock = SystemClock::new();
+    loop {
+        if check().await {
+            return true;
+        }
+        if clock.now_ms() > within.as_millis() as u64 {
+            return false;
+        }
+        actix_web::rt::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// Sends an admin request; returns status and JSON body (`Null` when empty).
 pub async fn admin(
     gw: &Gateway,
