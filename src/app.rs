@@ -184,9 +184,13 @@ pub async fn run(
         None => config.redis.clone(),
     };
     let shares = match &region {
-        Some((this, all)) => {
-            region::shares::start(&this.id, all.clone(), rules.store(), metrics.clone())
-        }
+        Some((this, all)) => region::shares::start(
+            &this.id,
+            all.clone(),
+            rules.store(),
+            requests.clone(),
+            metrics.clone(),
+        ),
         None => SharesHandle::whole(),
     };
     let redis = RedisConnector::new(&redis_settings).context("cannot set up the Redis client")?;
@@ -251,6 +255,7 @@ pub async fn run(
                 store.clone(),
                 url.clone(),
                 config.instance.id.clone(),
+                requests.clone(),
                 metrics.clone(),
             ))
         }

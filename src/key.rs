@@ -8,6 +8,10 @@
 //! Invariants: an id is 1 to [`MAX_ID_LEN`] bytes drawn from the safe set
 //! `A-Z a-z 0-9 . _ : -`. In particular `{` and `}` never pass, so the Redis
 //! Cluster hash tag in `rl:{<tenant>}:<route>` always spans exactly the tenant.
+//!
+//! A tenant id is an API key, a secret: logs and metric labels show a
+//! tenant as [`tenant_label`], its rule's [`TenantName`] or a short
+//! [`fingerprint`] of the key, never the key itself.
 
 use std::fmt;
 use std::sync::Arc;
@@ -30,6 +34,12 @@ pub enum IdError {
     /// A route id holds `:`.
     #[error("may not contain ':' (route ids only)")]
     RouteColon,
+    /// A name holds a byte outside `A-Z a-z 0-9 . _ : -` and space.
+    #[error("may only contain letters, digits, spaces and . _ : -")]
+    NameChar,
+    /// A name starts with something other than a letter or digit.
+    #[error("must start with a letter or digit")]
+    NameStart,
 }
 
 /// Checks an id against the length limit and the safe character set.
@@ -105,6 +115,66 @@ id_type!(
     RouteId,
     validate_route_id
 );
+
+id_type!(
+    /// A tenant's display name (from its rule), shown in logs and metric
+    /// labels instead of its key.
+    TenantName,
+    validate_name
+);
+
+/// Checks a display name: 1 to [`MAX_ID_LEN`] bytes of letters, digits,
+/// spaces and `. _ : -`, starting with a letter or digit (so it never reads
+/// as a reserved label such as `_other`, nor as a [`fingerprint`]).
+///
+/// # Errors
+/// [`IdError`] when `raw` is empty, too long, or holds or starts with a
+/// byte outside those sets.
+pub fn validate_name(raw: &str) -> Result<(), IdError> {
+    if raw.is_empty() {
+        return Err(IdError::Empty);
+    }
+    if raw.len() > MAX_ID_LEN {
+        return Err(IdError::TooLong);
+    }
+    let ok = |b: u8| b.is_ascii_alphanumeric() || matches!(b, b' ' | b'.' | b'_' | b':' | b'-');
+    if !raw.bytes().all(ok) {
+        return Err(IdError::NameChar);
+    }
+    if !raw.as_bytes()[0].is_ascii_alphanumeric() {
+        return Err(IdError::NameStart);
+    }
+    Ok(())
+}
+
+/// A short, stable fingerprint of a tenant's key for logs and labels: `#`
+/// and 8 hex digits of its 64-bit FNV-1a hash. The same on every gateway
+/// and every version; it does not hide a key that can be guessed (give
+/// such tenants a name).
+pub fn fingerprint(tenant: &str) -> String {
+    format!("#{:08x}", fnv1a(tenant) >> 32)
+}
+
+/// [`fingerprint`] with all 16 hex digits, to tell apart tenants whose
+/// labels would otherwise be equal.
+pub fn full_fingerprint(tenant: &str) -> String {
+    format!("#{:016x}", fnv1a(tenant))
+}
+
+/// The 64-bit FNV-1a hash of `text` (fixed by its definition, so stable
+/// across gateways and releases).
+fn fnv1a(text: &str) -> u64 {
+    const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+    const PRIME: u64 = 0x0100_0000_01b3;
+    text.bytes()
+        .fold(OFFSET, |h, b| (h ^ u64::from(b)).wrapping_mul(PRIME))
+}
+
+/// How a tenant appears in logs and labels: its `name` when it has one,
+/// else its [`fingerprint`].
+pub fn tenant_label(tenant: &str, name: Option<&TenantName>) -> String {
+    name.map_or_else(|| fingerprint(tenant), ToString::to_string)
+}
 
 /// [`validate_id`], and no `:`.
 ///
@@ -199,6 +269,29 @@ mod tests {
         for bad in ["a{b", "a}b", "a b", "a/b", "é", "a\nb", "a*"] {
             assert_eq!(TenantId::parse(bad), Err(IdError::BadChar), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn names_are_readable_and_never_look_reserved() {
+        assert!(TenantName::parse("Acme Corp. EU-1").is_ok());
+        assert_eq!(TenantName::parse("_other"), Err(IdError::NameStart));
+        assert_eq!(TenantName::parse(" x"), Err(IdError::NameStart));
+        assert_eq!(TenantName::parse("#1234"), Err(IdError::NameChar));
+        assert_eq!(TenantName::parse("a\"b"), Err(IdError::NameChar));
+        assert_eq!(TenantName::parse(""), Err(IdError::Empty));
+    }
+
+    #[test]
+    fn labels_show_the_name_or_a_stable_fingerprint_never_the_key() {
+        let name = TenantName::parse("Acme").unwrap();
+        assert_eq!(tenant_label("sk-live-123", Some(&name)), "Acme");
+        let fp = tenant_label("sk-live-123", None);
+        assert_eq!(fp, fingerprint("sk-live-123"));
+        assert!(fp.starts_with('#') && fp.len() == 9, "{fp}");
+        assert!(!fp.contains("sk-live"));
+        assert_ne!(fp, fingerprint("sk-live-124"));
+        // Fixed by the algorithm: the same on every gateway and release.
+        assert_eq!(fingerprint(""), "#cbf29ce4");
     }
 
     #[test]

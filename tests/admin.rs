@@ -16,7 +16,8 @@ async fn live_ready_and_metrics_report_the_gateway() {
     let dir = TempDir::new("admin");
     let rules = dir.file(
         "rules.toml",
-        "[[rule]]\ntenant = \"a\"\nroute = \"api\"\ncapacity = 5\nrefill_per_second = 1\n",
+        "[[rule]]\ntenant = \"a\"\nroute = \"api\"\ncapacity = 5\nrefill_per_second = 1\nname = \"Tenant A\"\n\
+         [[rule]]\ntenant = \"sk-unnamed\"\nroute = \"api\"\ncapacity = 5\nrefill_per_second = 1\n",
     );
     let gw = Gateway::start(&GatewayConfig::new(&redis.url(), rules, &up.url()));
     let c = client();
@@ -27,12 +28,14 @@ async fn live_ready_and_metrics_report_the_gateway() {
     for _ in 0..3 {
         get(&gw.url("/m"), Some("metrics-tenant")).await;
     }
+    get(&gw.url("/m"), Some("a")).await;
+    get(&gw.url("/m"), Some("sk-unnamed")).await;
     get(&gw.url("/m"), None).await;
 
     let ready = ready(&gw).await;
     assert_eq!(ready["status"], "ready");
     assert_eq!(ready["redis"], "up");
-    assert_eq!(ready["rules"]["count"], 1);
+    assert_eq!(ready["rules"]["count"], 2);
     assert_eq!(ready["rules"]["source"], "file");
     assert_eq!(ready["live_instances"], 1);
 
@@ -43,7 +46,11 @@ async fn live_ready_and_metrics_report_the_gateway() {
         "tollgate_requests_total{route=\"api\",tenant=\"_other\",outcome=\"allowed\"}",
         "tollgate_requests_total{route=\"api\",tenant=\"_other\",outcome=\"rejected\"}",
         "tollgate_requests_total{route=\"api\",tenant=\"_other\",outcome=\"unauthorized\"}",
-        "tollgate_requests_total{route=\"api\",tenant=\"a\",outcome=\"allowed\"}",
+        "tollgate_requests_total{route=\"api\",tenant=\"Tenant A\",outcome=\"allowed\"}",
+        &format!(
+            "tollgate_requests_total{{route=\"api\",tenant=\"{}\",outcome=\"allowed\"}}",
+            tollgate::key::fingerprint("sk-unnamed")
+        ),
         "tollgate_decision_duration_seconds_bucket{source=\"redis\"",
         "tollgate_redis_call_duration_seconds_bucket",
         "tollgate_redis_errors_total{kind=\"timeout\"}",
@@ -61,6 +68,12 @@ async fn live_ready_and_metrics_report_the_gateway() {
         !text.contains("metrics-tenant"),
         "a tenant without a rule never becomes a label"
     );
+    for key in ["tenant=\"a\"", "sk-unnamed"] {
+        assert!(
+            !text.contains(key),
+            "an API key is shown in /metrics: {key}"
+        );
+    }
     promtool_accepts(&text);
 }
 

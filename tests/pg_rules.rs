@@ -8,7 +8,7 @@ mod common;
 use std::time::Duration;
 
 use common::{
-    Gateway, GatewayConfig, RedisServer, TempDir, TestDatabase, Upstream, admin, limit_of,
+    Gateway, GatewayConfig, RedisServer, TempDir, TestDatabase, Upstream, admin, limit_of, metric,
     wait_for_limit,
 };
 
@@ -145,6 +145,58 @@ async fn an_admin_put_through_one_gateway_is_enforced_by_both_within_one_second(
             .0,
         404
     );
+}
+
+#[actix_web::test]
+async fn a_rule_name_is_stored_and_labels_the_tenant_on_every_gateway() {
+    let fleet = fleet(2);
+    let (a, b) = (&fleet.gateways[0], &fleet.gateways[1]);
+    let (status, row) = admin(
+        a,
+        "PUT",
+        "/admin/rules/sk-named-key/api",
+        Some(TOKEN),
+        Some(r#"{"capacity": 30, "refill_per_second": 3, "name": "Pg Named Tenant"}"#),
+    )
+    .await;
+    assert_eq!(
+        (status, row["name"].as_str()),
+        (201, Some("Pg Named Tenant"))
+    );
+    all_reach(&fleet, "sk-named-key", "30").await;
+    // Served by gateway b only: the named series counts it only if b's own
+    // labels carry the name that travelled in the change event.
+    let series = |outcome: &str| {
+        format!(
+            "tollgate_requests_total{{route=\"api\",tenant=\"Pg Named Tenant\",outcome=\"{outcome}\"}}"
+        )
+    };
+    let before = metric(b, &series("allowed")).await + metric(b, &series("rejected")).await;
+    limit_of(b, "sk-named-key").await;
+    let after = metric(b, &series("allowed")).await + metric(b, &series("rejected")).await;
+    assert_eq!(after, before + 1.0);
+    let (_, text) = admin(b, "GET", "/metrics", None, None).await;
+    assert!(!text.as_str().unwrap().contains("sk-named-key"));
+
+    // The table refuses a name the gateway would refuse.
+    let refused = std::process::Command::new("psql")
+        .args([
+            "-X",
+            "-v",
+            "ON_ERROR_STOP=1",
+            "-d",
+            fleet.db.url().as_str(),
+            "-c",
+            "UPDATE rate_limit_rule SET name = '_other' WHERE tenant_id = 'sk-named-key'",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        !refused.status.success(),
+        "the check constraint refuses '_other'"
+    );
+    let (_, row) = admin(a, "GET", "/admin/rules/sk-named-key/api", Some(TOKEN), None).await;
+    assert_eq!(row["name"], "Pg Named Tenant");
 }
 
 #[actix_web::test]

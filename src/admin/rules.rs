@@ -8,16 +8,15 @@
 //! rules can be read here, and writes answer 409.
 
 use std::collections::HashMap;
-use std::num::NonZeroU32;
 
 use actix_web::{HttpRequest, HttpResponse, web};
 use serde_json::{Value, json};
 
 use super::error::AdminError;
 use super::{AdminState, authorize_read, authorize_write, read_body};
-use crate::key::{RouteId, TenantId};
-use crate::rules::model::{MAX_SHARDS, positive_i32, shard_count};
-use crate::rules::{Limit, RuleStore, StoredRule};
+use crate::key::{RouteId, TenantId, tenant_label};
+use crate::rules::model::{Rule, RuleSpec};
+use crate::rules::{RuleStore, StoredRule};
 
 /// Page size when `limit` is not given.
 const DEFAULT_PAGE: u32 = 100;
@@ -98,7 +97,7 @@ fn page_from_snapshot(
     rules
         .into_iter()
         .take(limit as usize)
-        .map(|r| StoredRule::in_force(&r.tenant, &r.route, r.limit))
+        .map(|r| StoredRule::in_force(&r))
         .collect()
 }
 
@@ -115,8 +114,8 @@ async fn get_one(
         None => state
             .rules
             .snapshot()
-            .rule_for(tenant.as_str(), route.as_str())
-            .map(|limit| StoredRule::in_force(&tenant, &route, limit)),
+            .find(&tenant, &route)
+            .map(|rule| StoredRule::in_force(&rule)),
     };
     rule.map(|r| HttpResponse::Ok().json(r))
         .ok_or(AdminError::NotFound)
@@ -131,10 +130,14 @@ async fn put(
     body: web::Payload,
 ) -> Result<HttpResponse, AdminError> {
     let store = writable(&req, &state)?;
-    let (tenant, route) = ids(&path)?;
-    let limit = parse_limit(&read_body(body).await?)?;
-    let (row, created) = store.put(&tenant, &route, limit).await?;
-    tracing::info!(tenant = %tenant, route = %route, created, "Rule written through the admin API.");
+    let rule = parse_rule(&path.0, &path.1, &read_body(body).await?)?;
+    let (row, created) = store.put(&rule).await?;
+    tracing::info!(
+        tenant = %tenant_label(rule.tenant.as_str(), rule.name.as_ref()),
+        route = %rule.route,
+        created,
+        "Rule written through the admin API."
+    );
     Ok(if created {
         HttpResponse::Created().json(row)
     } else {
@@ -150,8 +153,17 @@ async fn delete(
 ) -> Result<HttpResponse, AdminError> {
     let store = writable(&req, &state)?;
     let (tenant, route) = ids(&path)?;
+    let name = state
+        .rules
+        .snapshot()
+        .find(&tenant, &route)
+        .and_then(|rule| rule.name);
     if store.delete(&tenant, &route).await? {
-        tracing::info!(tenant = %tenant, route = %route, "Rule deleted through the admin API.");
+        tracing::info!(
+            tenant = %tenant_label(tenant.as_str(), name.as_ref()),
+            route = %route,
+            "Rule deleted through the admin API."
+        );
         Ok(HttpResponse::NoContent().finish())
     } else {
         Err(AdminError::NotFound)
@@ -180,49 +192,62 @@ fn ids(path: &(String, String)) -> Result<(TenantId, RouteId), AdminError> {
     ))
 }
 
-/// Parses `{"capacity":…,"refill_per_second":…}`, naming the first bad field.
-fn parse_limit(body: &[u8]) -> Result<Limit, AdminError> {
+/// The rule of `tenant` on `route` that a PUT body such as
+/// `{"capacity":…,"refill_per_second":…}` states, naming the first bad
+/// field. The body's shape (an object of known fields with whole numbers,
+/// a boolean and a string) is checked here; the values are checked by the
+/// one rule validation, [`RuleSpec::validate`].
+fn parse_rule(tenant: &str, route: &str, body: &[u8]) -> Result<Rule, AdminError> {
     let example = "expected a JSON object such as {\"capacity\": 200, \"refill_per_second\": 100} \
-                   (optional: \"shards\": 1..64, \"exact\": true|false)";
+                   (optional: \"shards\": 1..64, \"exact\": true|false, \"name\": \"Acme\")";
     let value: Value = serde_json::from_slice(body)
         .map_err(|e| AdminError::invalid("body", format!("not valid JSON ({e}); {example}")))?;
     let object = value
         .as_object()
         .ok_or_else(|| AdminError::invalid("body", example))?;
-    if let Some(unknown) = object
-        .keys()
-        .find(|k| !["capacity", "refill_per_second", "shards", "exact"].contains(&k.as_str()))
-    {
+    if let Some(unknown) = object.keys().find(|k| {
+        !["capacity", "refill_per_second", "shards", "exact", "name"].contains(&k.as_str())
+    }) {
         return Err(AdminError::invalid(unknown.as_str(), "unknown field"));
     }
-    let number = |field: &'static str,
-                  default: Option<i64>,
-                  valid: fn(i64) -> Option<NonZeroU32>,
-                  max: u32| {
-        let Some(value) = object.get(field) else {
-            return default
-                .and_then(valid)
-                .ok_or_else(|| AdminError::invalid(field, "is required"));
-        };
-        value.as_i64().and_then(valid).ok_or_else(|| {
-            AdminError::invalid(
-                field,
-                format!("must be a whole number from 1 to {max}, found {value}"),
-            )
-        })
+    let number = |field: &'static str, default: Option<i64>| match object.get(field) {
+        None => default.ok_or_else(|| AdminError::invalid(field, "is required")),
+        Some(value) => value.as_i64().ok_or_else(|| {
+            AdminError::invalid(field, format!("must be a whole number, found {value}"))
+        }),
     };
-    let i32_max = i32::MAX.unsigned_abs();
     let exact = match object.get("exact") {
         None => false,
         Some(v) => v.as_bool().ok_or_else(|| {
             AdminError::invalid("exact", format!("must be true or false, found {v}"))
         })?,
     };
-    Ok(Limit {
-        capacity: number("capacity", None, positive_i32, i32_max)?,
-        refill_per_second: number("refill_per_second", None, positive_i32, i32_max)?,
-        shards: number("shards", Some(1), shard_count, MAX_SHARDS)?,
+    let name = match object.get("name") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(name)) => Some(name.clone()),
+        Some(other) => {
+            return Err(AdminError::invalid(
+                "name",
+                format!("must be a string or null, found {other}"),
+            ));
+        }
+    };
+    RuleSpec {
+        tenant: tenant.to_owned(),
+        route: route.to_owned(),
+        capacity: number("capacity", None)?,
+        refill_per_second: number("refill_per_second", None)?,
+        shards: number("shards", Some(1))?,
         exact,
+        name,
+    }
+    .validate()
+    .map_err(|problems| {
+        // validate() reports at least one problem whenever it fails.
+        problems.into_iter().next().map_or_else(
+            || AdminError::invalid("body", "invalid rule"),
+            |p| AdminError::invalid(p.field, p.message),
+        )
     })
 }
 
@@ -231,7 +256,7 @@ mod tests {
     use super::*;
 
     fn field_of(body: &str) -> String {
-        match parse_limit(body.as_bytes()) {
+        match parse_rule("t", "r", body.as_bytes()) {
             Err(AdminError::Invalid { field, .. }) => field,
             other => panic!("{body}: {other:?}"),
         }
@@ -239,11 +264,20 @@ mod tests {
 
     #[test]
     fn a_valid_body_parses() {
-        let limit = parse_limit(br#"{"capacity": 200, "refill_per_second": 100}"#).unwrap();
+        let rule = parse_rule(
+            "acme",
+            "api",
+            br#"{"capacity": 200, "refill_per_second": 100, "name": "Acme"}"#,
+        )
+        .unwrap();
         assert_eq!(
-            (limit.capacity.get(), limit.refill_per_second.get()),
+            (
+                rule.limit.capacity.get(),
+                rule.limit.refill_per_second.get()
+            ),
             (200, 100)
         );
+        assert_eq!(rule.name.unwrap().as_str(), "Acme");
     }
 
     #[test]
@@ -275,5 +309,17 @@ mod tests {
             field_of(r#"{"capacity": 5, "refill_per_second": 1, "burst": 3}"#),
             "burst"
         );
+        assert_eq!(
+            field_of(r#"{"capacity": 5, "refill_per_second": 1, "name": "_x"}"#),
+            "name"
+        );
+        assert_eq!(
+            field_of(r#"{"capacity": 5, "refill_per_second": 1, "name": 7}"#),
+            "name"
+        );
+        assert!(matches!(
+            parse_rule("{x}", "r", br#"{"capacity": 5, "refill_per_second": 1}"#),
+            Err(AdminError::Invalid { field, .. }) if field == "tenant"
+        ));
     }
 }

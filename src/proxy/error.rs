@@ -117,7 +117,10 @@ impl ProxyError {
             Self::MissingKey => "The X-Api-Key header is required.",
             Self::BadKey(IdError::Empty) => "The X-Api-Key header is empty.",
             Self::BadKey(IdError::TooLong) => "The X-Api-Key header is longer than 64 bytes.",
-            Self::BadKey(IdError::BadChar | IdError::RouteColon) | Self::BadKeyEncoding => {
+            Self::BadKey(
+                IdError::BadChar | IdError::RouteColon | IdError::NameChar | IdError::NameStart,
+            )
+            | Self::BadKeyEncoding => {
                 "The X-Api-Key header may only contain letters, digits and . _ : -"
             }
             Self::SeveralKeys => "Send exactly one X-Api-Key header holding one key.",

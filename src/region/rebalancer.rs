@@ -29,8 +29,8 @@ use super::prom::{Demand, Prometheus};
 use super::shares::{Decision, Scope, ScopeKey, ShareRow, ShareStore, effective};
 use super::split::{SplitParams, rebalance};
 use crate::config::RebalancerSettings;
-use crate::key::{RouteId, TenantId};
-use crate::telemetry::{Metrics, OTHER_TENANTS};
+use crate::key::{RouteId, TenantId, fingerprint};
+use crate::telemetry::{Metrics, OTHER_TENANTS, RequestCounters};
 
 /// The advisory lock that makes one instance the leader ("tollgate").
 const LEADER_LOCK: i64 = 0x746F_6C6C_6761_7465;
@@ -169,6 +169,7 @@ pub fn start(
     store: ShareStore,
     database_url: String,
     instance_id: String,
+    labels: Arc<RequestCounters>,
     metrics: Metrics,
 ) -> Addr<Rebalancer> {
     Rebalancer {
@@ -177,6 +178,7 @@ pub fn start(
         store,
         database_url,
         instance_id,
+        labels,
         lock: None,
         running: false,
         prometheus: None,
@@ -197,6 +199,8 @@ pub struct Rebalancer {
     database_url: String,
     /// This instance, named in the decisions it records.
     instance_id: String,
+    /// Maps the tenant labels Prometheus reports back to tenant ids.
+    labels: Arc<RequestCounters>,
     /// The session holding the leader lock, while this instance leads.
     lock: Option<PgConnection>,
     /// Whether a round is under way.
@@ -232,11 +236,12 @@ impl Handler<Round> for Rebalancer {
         }
         self.running = true;
         let lock = self.lock.take();
-        let (url, store, regions, instance) = (
+        let (url, store, regions, instance, labels) = (
             self.database_url.clone(),
             self.store.clone(),
             self.regions.clone(),
             self.instance_id.clone(),
+            self.labels.clone(),
         );
         let settings = self.settings.clone();
         let round = async move {
@@ -248,6 +253,7 @@ impl Handler<Round> for Rebalancer {
                 let leader = Leader {
                     session,
                     instance: &instance,
+                    labels: &labels,
                 };
                 let result = run(&prometheus, &store, &regions, &settings, leader).await;
                 (lock, result)
@@ -305,6 +311,27 @@ struct Leader<'a> {
     session: &'a mut PgConnection,
     /// This instance's id, recorded with each decision.
     instance: &'a str,
+    /// Tenant labels, to map demand back to tenants and to name them in
+    /// logs.
+    labels: &'a RequestCounters,
+}
+
+/// `demand` by tenant id instead of tenant label; series of labels this
+/// gateway does not know (a tenant whose rule just went away) are left out.
+fn by_tenant_id(demand: Vec<Demand>, labels: &RequestCounters) -> Vec<Demand> {
+    demand
+        .into_iter()
+        .filter_map(|d| {
+            if d.tenant == OTHER_TENANTS {
+                return Some(d);
+            }
+            let tenant = labels.tenant_of(&d.tenant)?;
+            Some(Demand {
+                tenant: tenant.to_string(),
+                ..d
+            })
+        })
+        .collect()
 }
 
 /// One round as leader.
@@ -316,7 +343,7 @@ async fn run(
     leader: Leader<'_>,
 ) -> RoundResult {
     let demand = match prometheus.demand(settings.window).await {
-        Ok(d) if d.iter().any(|d| d.rate > 0.0) => d,
+        Ok(d) if d.iter().any(|d| d.rate > 0.0) => by_tenant_id(d, leader.labels),
         Ok(_) => {
             tracing::warn!("Prometheus has no request rates yet; region shares stay as they are.");
             return RoundResult::NoData;
@@ -378,8 +405,14 @@ async fn run(
     match ShareStore::replace_on(leader.session, &changes, Some(&decision)).await {
         Ok(()) => {
             for (scope, shares) in &changes {
+                let tenant = scope.tenant.as_ref().map(|t| {
+                    leader
+                        .labels
+                        .label_of(t.as_str())
+                        .map_or_else(|| fingerprint(t.as_str()), |l| l.to_string())
+                });
                 tracing::info!(
-                    tenant = scope.tenant.as_ref().map_or("*", TenantId::as_str),
+                    tenant = tenant.as_deref().unwrap_or("*"),
                     route = scope.route.as_ref().map_or("*", RouteId::as_str),
                     shares = ?shares,
                     "Region shares rebalanced."
@@ -432,6 +465,25 @@ mod tests {
         assert_eq!(unseen_regions(&r, &[demand("eu", "_other", 70.0)]), ["us"]);
         let both = [demand("eu", "_other", 70.0), demand("us", "_other", 0.0)];
         assert!(unseen_regions(&r, &both).is_empty(), "idle is not unseen");
+    }
+
+    #[test]
+    fn demand_is_mapped_from_labels_back_to_tenants() {
+        crate::telemetry::install();
+        let labels = RequestCounters::new(["api"], 10);
+        let name = crate::key::TenantName::parse("Acme").unwrap();
+        labels.label_tenants([("sk-acme", Some(&name)), ("sk-beta", None)]);
+        let demand = vec![
+            demand("eu", "Acme", 5.0),
+            demand("eu", &fingerprint("sk-beta"), 3.0),
+            demand("eu", OTHER_TENANTS, 2.0),
+            demand("eu", "Unknown", 1.0),
+        ];
+        let tenants: Vec<_> = by_tenant_id(demand, &labels)
+            .into_iter()
+            .map(|d| d.tenant)
+            .collect();
+        assert_eq!(tenants, ["sk-acme", "sk-beta", OTHER_TENANTS]);
     }
 
     #[test]

@@ -23,10 +23,10 @@ use sqlx::Connection as _;
 use sqlx::postgres::{PgConnection, PgPool};
 
 use super::model::Regions;
-use crate::key::{PAIR_KEY_BUF, RouteId, TenantId, pair_key};
+use crate::key::{PAIR_KEY_BUF, RouteId, TenantId, fingerprint, pair_key};
 use crate::rules::RuleStore;
 use crate::rules::feed::{Feed, Notified, Resync};
-use crate::telemetry::Metrics;
+use crate::telemetry::{Metrics, RequestCounters};
 
 /// The `NOTIFY` channel of share changes.
 pub const CHANNEL: &str = "tollgate_shares";
@@ -340,12 +340,13 @@ pub fn start(
     region: &str,
     regions: Arc<Regions>,
     rules: Option<&RuleStore>,
+    labels: Arc<RequestCounters>,
     metrics: Metrics,
 ) -> SharesHandle {
     let default = regions.get(region).map_or(1.0, |r| r.default_share);
     let first = ShareSet::new(region, default, Vec::new());
     let mut exported = BTreeSet::new();
-    export(&regions, &first, &mut exported, &metrics);
+    export(&regions, &first, &mut exported, &labels, &metrics);
     let snapshot = Arc::new(ArcSwap::from_pointee(first));
     let Some(rules) = rules else {
         return SharesHandle {
@@ -364,6 +365,7 @@ pub fn start(
         store: store.clone(),
         snapshot: snapshot.clone(),
         metrics,
+        labels,
         exported,
         reload_scheduled: false,
     }
@@ -410,7 +412,15 @@ pub type ScopeKey = (Option<String>, Option<String>);
 /// remembers them, as many as the series already published): a deleted
 /// row's gauge shows the share in force for its scope, not the row's last
 /// value.
-fn export(regions: &Regions, set: &ShareSet, exported: &mut BTreeSet<ScopeKey>, metrics: &Metrics) {
+/// Tenants show as their labels ([`RequestCounters::label_of`], else a
+/// fingerprint), never as their keys.
+fn export(
+    regions: &Regions,
+    set: &ShareSet,
+    exported: &mut BTreeSet<ScopeKey>,
+    labels: &RequestCounters,
+    metrics: &Metrics,
+) {
     for region in &regions.all {
         let global = effective(&set.rows, &region.id, region.default_share, None, None);
         metrics.region_share(&region.id, None, None, global);
@@ -425,9 +435,14 @@ fn export(regions: &Regions, set: &ShareSet, exported: &mut BTreeSet<ScopeKey>, 
     // deleted scope's gauge keeps following the share in force for it.
     for (tenant, route) in exported.iter() {
         let (tenant, route) = (tenant.as_deref(), route.as_deref());
+        let label = tenant.map(|t| {
+            labels
+                .label_of(t)
+                .map_or_else(|| fingerprint(t), |l| l.to_string())
+        });
         for region in &regions.all {
             let share = effective(&set.rows, &region.id, region.default_share, tenant, route);
-            metrics.region_share(&region.id, tenant, route, share);
+            metrics.region_share(&region.id, label.as_deref(), route, share);
         }
     }
 }
@@ -446,6 +461,8 @@ pub struct Splitter {
     snapshot: Arc<ArcSwap<ShareSet>>,
     /// The share gauge.
     metrics: Metrics,
+    /// Tenant labels for the gauge.
+    labels: Arc<RequestCounters>,
     /// Scopes that ever had a row (each already has a published series).
     exported: BTreeSet<ScopeKey>,
     /// Whether a reload is already queued.
@@ -460,7 +477,7 @@ impl Splitter {
             match result {
                 Ok(rows) => {
                     let set = ShareSet::new(&s.region, s.default, rows);
-                    export(&s.regions, &set, &mut s.exported, &s.metrics);
+                    export(&s.regions, &set, &mut s.exported, &s.labels, &s.metrics);
                     s.snapshot.store(Arc::new(set));
                 }
                 Err(e) => tracing::warn!(error = %e, "Cannot load region shares; the previous ones stay."),
@@ -522,7 +539,7 @@ mod tests {
         };
         let gauge = |region: &str| {
             let line = format!(
-                "tollgate_region_share{{region=\"{region}\",tenant=\"gauge-t\",route=\"api\"}} "
+                "tollgate_region_share{{region=\"{region}\",tenant=\"Gauge T\",route=\"api\"}} "
             );
             let text = handle.render();
             text.lines()
@@ -530,6 +547,9 @@ mod tests {
                 .unwrap_or_else(|| panic!("no {line} in\n{text}"))
         };
         let (metrics, mut exported) = (Metrics::new(), BTreeSet::new());
+        let labels = RequestCounters::new(["api"], 10);
+        let name = crate::key::TenantName::parse("Gauge T").unwrap();
+        labels.label_tenants([("gauge-t", Some(&name))]);
         // Exports `eu`/`us` shares of `scope` and reads the scoped gauges.
         let mut step = |scope: Option<(&str, &str)>, eu: f64, us: f64| {
             let (tenant, route) = (scope.map(|s| s.0), scope.map(|s| s.1));
@@ -538,7 +558,7 @@ mod tests {
                 row("gauge-us", tenant, route, us),
             ];
             let set = ShareSet::new("gauge-eu", 0.5, rows);
-            export(&regions, &set, &mut exported, &metrics);
+            export(&regions, &set, &mut exported, &labels, &metrics);
             (gauge("gauge-eu"), gauge("gauge-us"))
         };
         let scoped = Some(("gauge-t", "api"));

@@ -13,17 +13,12 @@
 //! file and renaming it over the old one is the safe way to update.
 
 use std::collections::HashSet;
-use std::num::NonZeroU32;
 use std::path::{Path, PathBuf};
 use std::time::SystemTime;
 
 use serde::Deserialize;
 
-use super::model::{Limit, MAX_SHARDS, Rule, positive_i32, shard_count};
-use crate::key::{RouteId, TenantId};
-
-/// Largest capacity or refill, as shown in messages.
-const I32_MAX: u32 = i32::MAX.unsigned_abs();
+use super::model::{Rule, RuleSpec};
 
 /// Why the rules file could not be used.
 #[derive(Debug, thiserror::Error)]
@@ -94,6 +89,8 @@ struct RawRule {
     shards: i64,
     #[serde(default)]
     exact: bool,
+    #[serde(default)]
+    name: Option<String>,
 }
 
 fn one() -> i64 {
@@ -134,61 +131,24 @@ pub fn parse(path: &Path, contents: &str) -> Result<RuleFile, RuleFileError> {
     let mut seen = HashSet::new();
     let mut rules = Vec::with_capacity(raw_rules.len());
     for (i, raw) in raw_rules.into_iter().enumerate() {
-        let before = problems.len();
-        let tenant = TenantId::parse(&raw.tenant)
-            .map_err(|e| problems.push(format!("rule[{i}].tenant: {:?} {e}", raw.tenant)))
-            .ok();
-        let route = RouteId::parse(&raw.route)
-            .map_err(|e| problems.push(format!("rule[{i}].route: {:?} {e}", raw.route)))
-            .ok();
-        let mut check = |key: &str, value: i64, valid: fn(i64) -> Option<NonZeroU32>, max: u32| {
-            let ok = valid(value);
-            if ok.is_none() {
-                problems.push(format!(
-                    "rule[{i}].{key}: must be between 1 and {max}, found {value}"
-                ));
-            }
-            ok
-        };
-        let capacity = check("capacity", raw.capacity, positive_i32, I32_MAX);
-        let refill = check(
-            "refill_per_second",
-            raw.refill_per_second,
-            positive_i32,
-            I32_MAX,
-        );
-        let shards = check("shards", raw.shards, shard_count, MAX_SHARDS);
         if !seen.insert((raw.tenant.clone(), raw.route.clone())) {
             problems.push(format!(
                 "rule[{i}]: a second rule for tenant {:?} on route {:?}",
                 raw.tenant, raw.route
             ));
         }
-        if let (
-            true,
-            Some(tenant),
-            Some(route),
-            Some(capacity),
-            Some(refill_per_second),
-            Some(shards),
-        ) = (
-            problems.len() == before,
-            tenant,
-            route,
-            capacity,
-            refill,
-            shards,
-        ) {
-            rules.push(Rule {
-                tenant,
-                route,
-                limit: Limit {
-                    capacity,
-                    refill_per_second,
-                    shards,
-                    exact: raw.exact,
-                },
-            });
+        let spec = RuleSpec {
+            tenant: raw.tenant,
+            route: raw.route,
+            capacity: raw.capacity,
+            refill_per_second: raw.refill_per_second,
+            shards: raw.shards,
+            exact: raw.exact,
+            name: raw.name,
+        };
+        match spec.validate() {
+            Ok(rule) => rules.push(rule),
+            Err(found) => problems.extend(found.iter().map(|p| format!("rule[{i}].{p}"))),
         }
     }
     if problems.is_empty() {

@@ -1,9 +1,11 @@
 //! Rules and the immutable snapshot the request path reads.
 //!
-//! Owns [`Limit`], [`Rule`] and [`RuleSet`]. A `RuleSet` is built per load
-//! and never changed once published; the cache swaps whole snapshots, so a
-//! lookup is one hash probe with no lock and no allocation (the composite
-//! key is assembled in a stack buffer).
+//! Owns [`Limit`], [`Rule`], [`RuleSet`] and [`RuleSpec`], the one
+//! validation of a rule, whatever it came from: the rules file, a database
+//! row or change event, the saved snapshot or an admin request. A `RuleSet`
+//! is built per load and never changed once published; the cache swaps
+//! whole snapshots, so a lookup is one hash probe with no lock and no
+//! allocation (the composite key is assembled in a stack buffer).
 //!
 //! Memory: one map entry per rule, keyed `tenant/route` (`/` never occurs in
 //! an id), so 100,000 rules stay in the low tens of MB.
@@ -13,7 +15,7 @@ use std::num::NonZeroU32;
 use std::sync::Arc;
 
 use crate::config::LimitSettings;
-use crate::key::{PAIR_KEY_BUF, PAIR_SEP, RouteId, TenantId, pair_key};
+use crate::key::{PAIR_KEY_BUF, PAIR_SEP, RouteId, TenantId, TenantName, pair_key};
 
 /// Most sub-buckets one rule may be split into.
 pub const MAX_SHARDS: u32 = 64;
@@ -76,6 +78,133 @@ pub struct Rule {
     pub route: RouteId,
     /// Its limit.
     pub limit: Limit,
+    /// The tenant's display name in logs and metric labels.
+    pub name: Option<TenantName>,
+}
+
+/// A rule as a source states it, not yet checked: every source (file,
+/// database row, change event, snapshot, admin request) fills one in and
+/// calls [`RuleSpec::validate`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RuleSpec {
+    /// Tenant id as written.
+    pub tenant: String,
+    /// Route id as written.
+    pub route: String,
+    /// Burst size as written.
+    pub capacity: i64,
+    /// Tokens per second as written.
+    pub refill_per_second: i64,
+    /// Sub-buckets as written (1 when the source does not say).
+    pub shards: i64,
+    /// Exact mode.
+    pub exact: bool,
+    /// Display name as written, if any.
+    pub name: Option<String>,
+}
+
+/// One field of a [`RuleSpec`] that is not valid.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FieldProblem {
+    /// The field, named as in the rules file and the admin API.
+    pub field: &'static str,
+    /// What is wrong, with the value found.
+    pub message: String,
+}
+
+impl std::fmt::Display for FieldProblem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.field, self.message)
+    }
+}
+
+/// Largest capacity or refill, as shown in messages.
+const I32_MAX: u32 = i32::MAX.unsigned_abs();
+
+impl RuleSpec {
+    /// A spec with one bucket, no exact mode and no name.
+    pub fn new(tenant: &str, route: &str, capacity: i64, refill_per_second: i64) -> Self {
+        Self {
+            tenant: tenant.to_owned(),
+            route: route.to_owned(),
+            capacity,
+            refill_per_second,
+            shards: 1,
+            exact: false,
+            name: None,
+        }
+    }
+
+    /// Checks every field.
+    ///
+    /// # Errors
+    /// Every invalid field, in the order tenant, route, capacity,
+    /// refill_per_second, shards, name.
+    pub fn validate(self) -> Result<Rule, Vec<FieldProblem>> {
+        let mut problems = Vec::new();
+        let mut bad = |field, message: String| problems.push(FieldProblem { field, message });
+        let tenant = TenantId::parse(&self.tenant)
+            .map_err(|e| bad("tenant", format!("{:?} {e}", self.tenant)))
+            .ok();
+        let route = RouteId::parse(&self.route)
+            .map_err(|e| bad("route", format!("{:?} {e}", self.route)))
+            .ok();
+        let mut number = |field, value: i64, valid: fn(i64) -> Option<NonZeroU32>, max: u32| {
+            let checked = valid(value);
+            if checked.is_none() {
+                bad(field, format!("must be between 1 and {max}, found {value}"));
+            }
+            checked
+        };
+        let capacity = number("capacity", self.capacity, positive_i32, I32_MAX);
+        let refill = number(
+            "refill_per_second",
+            self.refill_per_second,
+            positive_i32,
+            I32_MAX,
+        );
+        let shards = number("shards", self.shards, shard_count, MAX_SHARDS);
+        let name = match self.name.as_deref().map(TenantName::parse) {
+            None => None,
+            Some(Ok(name)) => Some(name),
+            Some(Err(e)) => {
+                bad("name", format!("{:?} {e}", self.name.unwrap_or_default()));
+                None
+            }
+        };
+        match (tenant, route, capacity, refill, shards) {
+            (Some(tenant), Some(route), Some(capacity), Some(refill_per_second), Some(shards))
+                if problems.is_empty() =>
+            {
+                Ok(Rule {
+                    tenant,
+                    route,
+                    limit: Limit {
+                        capacity,
+                        refill_per_second,
+                        shards,
+                        exact: self.exact,
+                    },
+                    name,
+                })
+            }
+            _ => Err(problems),
+        }
+    }
+}
+
+impl From<&Rule> for RuleSpec {
+    fn from(rule: &Rule) -> Self {
+        Self {
+            tenant: rule.tenant.to_string(),
+            route: rule.route.to_string(),
+            capacity: i64::from(rule.limit.capacity.get()),
+            refill_per_second: i64::from(rule.limit.refill_per_second.get()),
+            shards: i64::from(rule.limit.shards.get()),
+            exact: rule.limit.exact,
+            name: rule.name.as_ref().map(ToString::to_string),
+        }
+    }
 }
 
 /// Where a snapshot came from, for `/ready`.
@@ -88,11 +217,20 @@ pub struct SnapshotOrigin {
     pub loaded_at_unix: u64,
 }
 
+/// What a snapshot keeps per rule.
+#[derive(Debug, Clone)]
+struct Entry {
+    /// The limit.
+    limit: Limit,
+    /// The tenant's display name, if the rule gives one.
+    name: Option<TenantName>,
+}
+
 /// All rules in force, plus the default for pairs without one.
 #[derive(Debug, Clone)]
 pub struct RuleSet {
-    /// `tenant/route` → limit.
-    rules: HashMap<Arc<str>, Limit>,
+    /// `tenant/route` → limit and name.
+    rules: HashMap<Arc<str>, Entry>,
     /// Limit for pairs without a rule.
     default: Limit,
     /// Provenance.
@@ -125,7 +263,13 @@ impl RuleSet {
             rule.tenant.as_str(),
             rule.route.as_str(),
         ) {
-            self.rules.insert(Arc::from(key), rule.limit);
+            self.rules.insert(
+                Arc::from(key),
+                Entry {
+                    limit: rule.limit,
+                    name: rule.name.clone(),
+                },
+            );
         }
     }
 
@@ -150,27 +294,41 @@ impl RuleSet {
     pub fn rule_for(&self, tenant: &str, route: &str) -> Option<Limit> {
         let mut buf = [0; PAIR_KEY_BUF];
         let key = pair_key(&mut buf, tenant, route)?;
-        self.rules.get(key).copied()
+        self.rules.get(key).map(|entry| entry.limit)
+    }
+
+    /// The rule of `tenant` on `route`, if there is one.
+    pub fn find(&self, tenant: &TenantId, route: &RouteId) -> Option<Rule> {
+        let mut buf = [0; PAIR_KEY_BUF];
+        let key = pair_key(&mut buf, tenant.as_str(), route.as_str())?;
+        self.rules.get(key).map(|entry| Rule {
+            tenant: tenant.clone(),
+            route: route.clone(),
+            limit: entry.limit,
+            name: entry.name.clone(),
+        })
     }
 
     /// Every rule, in no particular order.
     pub fn rules(&self) -> impl Iterator<Item = Rule> + '_ {
-        self.rules.iter().filter_map(|(key, limit)| {
+        self.rules.iter().filter_map(|(key, entry)| {
             let (tenant, route) = key.split_once(PAIR_SEP)?;
             Some(Rule {
                 tenant: TenantId::parse(tenant).ok()?,
                 route: RouteId::parse(route).ok()?,
-                limit: *limit,
+                limit: entry.limit,
+                name: entry.name.clone(),
             })
         })
     }
 
-    /// The tenant of every rule (a tenant with several rules appears once
-    /// per rule).
-    pub fn tenants(&self) -> impl Iterator<Item = &str> + '_ {
-        self.rules
-            .keys()
-            .filter_map(|key| key.split_once(PAIR_SEP).map(|(t, _)| t))
+    /// The tenant of every rule with the name that rule gives (a tenant
+    /// with several rules appears once per rule).
+    pub fn tenants(&self) -> impl Iterator<Item = (&str, Option<&TenantName>)> + '_ {
+        self.rules.iter().filter_map(|(key, entry)| {
+            key.split_once(PAIR_SEP)
+                .map(|(tenant, _)| (tenant, entry.name.as_ref()))
+        })
     }
 
     /// Number of explicit rules.
@@ -207,7 +365,48 @@ mod tests {
             tenant: TenantId::parse(t).unwrap(),
             route: RouteId::parse(r).unwrap(),
             limit: l,
+            name: None,
         }
+    }
+
+    #[test]
+    fn a_spec_reports_every_bad_field_at_once() {
+        let spec = RuleSpec {
+            shards: 65,
+            name: Some("_x".into()),
+            ..RuleSpec::new("{x}", "a:b", 0, 3_000_000_000)
+        };
+        let fields: Vec<_> = spec
+            .validate()
+            .unwrap_err()
+            .iter()
+            .map(|p| p.field)
+            .collect();
+        assert_eq!(
+            fields,
+            [
+                "tenant",
+                "route",
+                "capacity",
+                "refill_per_second",
+                "shards",
+                "name"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_valid_spec_becomes_a_rule_and_back() {
+        let spec = RuleSpec {
+            shards: 4,
+            exact: true,
+            name: Some("Acme EU".into()),
+            ..RuleSpec::new("acme", "search", 20, 10)
+        };
+        let rule = spec.clone().validate().unwrap();
+        assert_eq!(rule.limit.shards.get(), 4);
+        assert_eq!(rule.name.as_ref().unwrap().as_str(), "Acme EU");
+        assert_eq!(RuleSpec::from(&rule), spec);
     }
 
     const ORIGIN: SnapshotOrigin = SnapshotOrigin {

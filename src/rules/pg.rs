@@ -14,7 +14,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 
-use super::model::{Limit, Rule, positive_i32, shard_count};
+use super::model::{Rule, RuleSpec};
 use crate::key::{RouteId, TenantId};
 
 /// The `NOTIFY` channel the triggers write to.
@@ -52,27 +52,30 @@ pub struct StoredRule {
     pub shards: i32,
     /// Exact mode (no leases).
     pub exact: bool,
+    /// The tenant's display name, if the rule gives one.
+    pub name: Option<String>,
     /// Last change, RFC 3339 in UTC.
     pub updated_at: Option<String>,
 }
 
 impl StoredRule {
     /// A rule in force, shown like a row (without `updated_at`).
-    pub fn in_force(tenant: &TenantId, route: &RouteId, limit: Limit) -> Self {
+    pub fn in_force(rule: &Rule) -> Self {
         Self {
-            tenant: tenant.to_string(),
-            route: route.to_string(),
-            capacity: to_i32(limit.capacity),
-            refill_per_second: to_i32(limit.refill_per_second),
-            shards: to_i32(limit.shards),
-            exact: limit.exact,
+            tenant: rule.tenant.to_string(),
+            route: rule.route.to_string(),
+            capacity: to_i32(rule.limit.capacity),
+            refill_per_second: to_i32(rule.limit.refill_per_second),
+            shards: to_i32(rule.limit.shards),
+            exact: rule.limit.exact,
+            name: rule.name.as_ref().map(ToString::to_string),
             updated_at: None,
         }
     }
 }
 
 /// Columns of [`StoredRule`], in order.
-const COLUMNS: &str = "tenant_id AS tenant, route_id AS route, capacity, refill_per_second, shards, exact, \
+const COLUMNS: &str = "tenant_id AS tenant, route_id AS route, capacity, refill_per_second, shards, exact, name, \
      to_char(updated_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') AS updated_at";
 
 /// Access to the rules table.
@@ -125,25 +128,29 @@ impl RuleStore {
     }
 
     /// Every rule. Rows that fail validation are skipped with a warning
-    /// (the table's checks make that impossible short of manual DDL).
+    /// naming the row id (the table's checks make that impossible short of
+    /// manual DDL).
     ///
     /// # Errors
     /// When the database is unreachable or the query fails.
     pub async fn load_all(&self) -> Result<Vec<Rule>, RuleStoreError> {
-        let rows: Vec<(String, String, i32, i32, i32, bool)> = sqlx::query_as(
-            "SELECT tenant_id, route_id, capacity, refill_per_second, shards, exact FROM rate_limit_rule",
+        let rows: Vec<RuleRow> = sqlx::query_as(
+            "SELECT id, tenant_id, route_id, capacity, refill_per_second, shards, exact, name \
+             FROM rate_limit_rule",
         )
         .fetch_all(&self.pool)
         .await?;
         Ok(rows
             .into_iter()
-            .filter_map(|(tenant, route, capacity, refill, shards, exact)| {
-                let limit = [capacity, refill, shards].map(i64::from);
-                let rule = to_rule(&tenant, &route, limit, exact);
-                if rule.is_none() {
-                    tracing::warn!(tenant, route, "Skipping an invalid rule row.");
-                }
-                rule
+            .filter_map(|row| {
+                let id = row.id;
+                RuleSpec::from(row)
+                    .validate()
+                    .map_err(|problems| {
+                        let problems: Vec<_> = problems.iter().map(|p| p.field).collect();
+                        tracing::warn!(row = id, ?problems, "Skipping an invalid rule row.");
+                    })
+                    .ok()
             })
             .collect())
     }
@@ -198,28 +205,26 @@ impl RuleStore {
     ///
     /// # Errors
     /// When the database is unreachable or the statement fails.
-    pub async fn put(
-        &self,
-        tenant: &TenantId,
-        route: &RouteId,
-        limit: Limit,
-    ) -> Result<(StoredRule, bool), RuleStoreError> {
+    pub async fn put(&self, rule: &Rule) -> Result<(StoredRule, bool), RuleStoreError> {
         let sql = sqlx::AssertSqlSafe(format!(
-            "INSERT INTO rate_limit_rule (tenant_id, route_id, capacity, refill_per_second, shards, exact) \
-             VALUES ($1, $2, $3, $4, $5, $6) \
+            "INSERT INTO rate_limit_rule \
+               (tenant_id, route_id, capacity, refill_per_second, shards, exact, name) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7) \
              ON CONFLICT (tenant_id, route_id) DO UPDATE \
                SET capacity = EXCLUDED.capacity, refill_per_second = EXCLUDED.refill_per_second, \
-                   shards = EXCLUDED.shards, exact = EXCLUDED.exact \
+                   shards = EXCLUDED.shards, exact = EXCLUDED.exact, name = EXCLUDED.name \
              RETURNING {COLUMNS}, (xmax = 0) AS created"
         ));
+        let limit = rule.limit;
         let mut tx = self.pool.begin().await?;
         let (row, created): (StoredRule, bool) = sqlx::query_as::<_, StoredRuleCreated>(sql)
-            .bind(tenant.as_str())
-            .bind(route.as_str())
+            .bind(rule.tenant.as_str())
+            .bind(rule.route.as_str())
             .bind(to_i32(limit.capacity))
             .bind(to_i32(limit.refill_per_second))
             .bind(to_i32(limit.shards))
             .bind(limit.exact)
+            .bind(rule.name.as_ref().map(|n| n.as_str()))
             .fetch_one(&mut *tx)
             .await
             .map(StoredRuleCreated::split)?;
@@ -264,24 +269,31 @@ fn to_i32(v: NonZeroU32) -> i32 {
     i32::try_from(v.get()).unwrap_or(i32::MAX)
 }
 
-/// Builds a rule from raw values (`[capacity, refill, shards]`); `None`
-/// when any is out of range.
-fn to_rule(
-    tenant: &str,
-    route: &str,
-    [capacity, refill, shards]: [i64; 3],
+/// One row of `rate_limit_rule` as loaded for the cache.
+#[derive(sqlx::FromRow)]
+struct RuleRow {
+    id: i64,
+    tenant_id: String,
+    route_id: String,
+    capacity: i32,
+    refill_per_second: i32,
+    shards: i32,
     exact: bool,
-) -> Option<Rule> {
-    Some(Rule {
-        tenant: TenantId::parse(tenant).ok()?,
-        route: RouteId::parse(route).ok()?,
-        limit: Limit {
-            capacity: positive_i32(capacity)?,
-            refill_per_second: positive_i32(refill)?,
-            shards: shard_count(shards)?,
-            exact,
-        },
-    })
+    name: Option<String>,
+}
+
+impl From<RuleRow> for RuleSpec {
+    fn from(row: RuleRow) -> Self {
+        Self {
+            tenant: row.tenant_id,
+            route: row.route_id,
+            capacity: row.capacity.into(),
+            refill_per_second: row.refill_per_second.into(),
+            shards: row.shards.into(),
+            exact: row.exact,
+            name: row.name,
+        }
+    }
 }
 
 /// The default of a payload's `shards` (events written before migration 2).
@@ -313,6 +325,8 @@ enum Payload {
         shards: i64,
         #[serde(default)]
         exact: bool,
+        #[serde(default)]
+        name: Option<String>,
     },
     Delete {
         tenant: String,
@@ -332,12 +346,18 @@ impl Change {
                 refill_per_second,
                 shards,
                 exact,
-            } => to_rule(
-                &tenant,
-                &route,
-                [capacity, refill_per_second, shards],
+                name,
+            } => RuleSpec {
+                tenant,
+                route,
+                capacity,
+                refill_per_second,
+                shards,
                 exact,
-            )
+                name,
+            }
+            .validate()
+            .ok()
             .map(Change::Upsert),
             Payload::Delete { tenant, route } => Some(Change::Delete(
                 TenantId::parse(&tenant).ok()?,

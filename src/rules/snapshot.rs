@@ -11,8 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::{Deserialize, Serialize};
 
-use super::model::{Limit, Rule, RuleSet, positive_i32, shard_count};
-use crate::key::{RouteId, TenantId};
+use super::model::{Rule, RuleSet, RuleSpec};
 
 /// Why a snapshot could not be read.
 #[derive(Debug, thiserror::Error)]
@@ -50,17 +49,47 @@ struct SnapshotFile {
 struct SnapshotRule {
     tenant: String,
     route: String,
-    capacity: u32,
-    refill_per_second: u32,
+    capacity: i64,
+    refill_per_second: i64,
     #[serde(default = "one")]
-    shards: u32,
+    shards: i64,
     #[serde(default)]
     exact: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    name: Option<String>,
 }
 
 /// The default of `shards` in snapshots written before it existed.
-fn one() -> u32 {
+fn one() -> i64 {
     1
+}
+
+impl From<RuleSpec> for SnapshotRule {
+    fn from(spec: RuleSpec) -> Self {
+        Self {
+            tenant: spec.tenant,
+            route: spec.route,
+            capacity: spec.capacity,
+            refill_per_second: spec.refill_per_second,
+            shards: spec.shards,
+            exact: spec.exact,
+            name: spec.name,
+        }
+    }
+}
+
+impl From<SnapshotRule> for RuleSpec {
+    fn from(saved: SnapshotRule) -> Self {
+        Self {
+            tenant: saved.tenant,
+            route: saved.route,
+            capacity: saved.capacity,
+            refill_per_second: saved.refill_per_second,
+            shards: saved.shards,
+            exact: saved.exact,
+            name: saved.name,
+        }
+    }
 }
 
 /// Writes `set` to `path` atomically, creating parent directories.
@@ -72,14 +101,7 @@ pub fn save(path: &Path, set: &RuleSet) -> io::Result<()> {
         loaded_at_unix: set.origin().loaded_at_unix,
         rules: set
             .rules()
-            .map(|r| SnapshotRule {
-                tenant: r.tenant.to_string(),
-                route: r.route.to_string(),
-                capacity: r.limit.capacity.get(),
-                refill_per_second: r.limit.refill_per_second.get(),
-                shards: r.limit.shards.get(),
-                exact: r.limit.exact,
-            })
+            .map(|r| SnapshotRule::from(RuleSpec::from(&r)))
             .collect(),
     };
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
@@ -116,20 +138,11 @@ pub fn load(path: &Path) -> Result<(Vec<Rule>, u64), SnapshotError> {
     let rules = file
         .rules
         .into_iter()
-        .map(|r| {
-            let limit = Limit {
-                capacity: positive_i32(r.capacity.into())
-                    .ok_or_else(|| corrupt(format!("capacity {}", r.capacity)))?,
-                refill_per_second: positive_i32(r.refill_per_second.into())
-                    .ok_or_else(|| corrupt(format!("refill {}", r.refill_per_second)))?,
-                shards: shard_count(r.shards.into())
-                    .ok_or_else(|| corrupt(format!("shards {}", r.shards)))?,
-                exact: r.exact,
-            };
-            Ok(Rule {
-                tenant: TenantId::parse(&r.tenant).map_err(|e| corrupt(format!("tenant {e}")))?,
-                route: RouteId::parse(&r.route).map_err(|e| corrupt(format!("route {e}")))?,
-                limit,
+        .enumerate()
+        .map(|(i, saved)| {
+            RuleSpec::from(saved).validate().map_err(|problems| {
+                let problems: Vec<_> = problems.iter().map(ToString::to_string).collect();
+                corrupt(format!("rule {i}: {}", problems.join("; ")))
             })
         })
         .collect::<Result<_, SnapshotError>>()?;
@@ -139,7 +152,8 @@ pub fn load(path: &Path) -> Result<(Vec<Rule>, u64), SnapshotError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rules::model::SnapshotOrigin;
+    use crate::key::{RouteId, TenantId};
+    use crate::rules::model::{Limit, SnapshotOrigin};
 
     #[test]
     fn a_saved_snapshot_loads_back() {
@@ -157,6 +171,7 @@ mod tests {
             tenant: TenantId::parse("t").unwrap(),
             route: RouteId::parse("r").unwrap(),
             limit,
+            name: Some(crate::key::TenantName::parse("Tee").unwrap()),
         };
         let origin = SnapshotOrigin {
             source: "database",

@@ -4,13 +4,14 @@
 //! label: only tenants with an explicit rule get one, up to
 //! `metrics.max_tenant_labels`; everyone else counts as `_other`.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 use metrics::{Counter, Histogram};
 
 use super::{REQUESTS_TOTAL, UPSTREAM_SECONDS};
+use crate::key::{TenantName, full_fingerprint, tenant_label};
 
 /// Number of [`Outcome`]s.
 const OUTCOMES: usize = 9;
@@ -93,17 +94,33 @@ impl RouteMetrics {
 /// `tollgate_requests_total{route, tenant, outcome}` with a bounded tenant
 /// label: tenants that have an explicit rule get their own label, up to
 /// `metrics.max_tenant_labels`; every other request counts under
-/// `tenant="_other"`. The rebalancer reads per-tenant demand from these.
+/// `tenant="_other"`. The label is never the key: it is the tenant's name
+/// when its rule gives one, else a fingerprint of the key
+/// ([`tenant_label`]); a name two labelled tenants share gets each one's
+/// full fingerprint appended. The rebalancer reads per-tenant demand from
+/// these and maps labels back with [`RequestCounters::tenant_of`].
 pub struct RequestCounters {
     /// Route ids, by route index.
     routes: Vec<String>,
     /// `tenant="_other"` counters, by route index then outcome.
     other: Vec<[Counter; OUTCOMES]>,
-    /// Labelled tenants' counters, by route index then outcome.
-    labeled: ArcSwap<HashMap<Arc<str>, Vec<[Counter; OUTCOMES]>>>,
+    /// The labelled tenants.
+    labelled: ArcSwap<Labelled>,
     /// Most tenants with their own label.
     max_tenants: usize,
 }
+
+/// The tenants with a label of their own.
+#[derive(Default)]
+struct Labelled {
+    /// Tenant id → its label and its counters.
+    by_tenant: HashMap<Arc<str>, (Arc<str>, RouteCounters)>,
+    /// Label → tenant id.
+    by_label: HashMap<Arc<str>, Arc<str>>,
+}
+
+/// One label's outcome counters, by route index then outcome.
+type RouteCounters = Vec<[Counter; OUTCOMES]>;
 
 /// Label value for tenants without a label of their own.
 pub const OTHER_TENANTS: &str = "_other";
@@ -116,45 +133,94 @@ impl RequestCounters {
         Self {
             routes,
             other,
-            labeled: ArcSwap::from_pointee(HashMap::new()),
+            labelled: ArcSwap::from_pointee(Labelled::default()),
             max_tenants,
         }
     }
 
     /// Counts one request of `tenant` (when known) on route `route`.
     pub fn count(&self, tenant: Option<&str>, route: usize, outcome: Outcome) {
-        let labeled = self.labeled.load();
+        let labelled = self.labelled.load();
         let counters = tenant
-            .and_then(|t| labeled.get(t))
-            .and_then(|per_route| per_route.get(route))
+            .and_then(|t| labelled.by_tenant.get(t))
+            .and_then(|(_, per_route)| per_route.get(route))
             .or_else(|| self.other.get(route));
         if let Some(c) = counters {
             c[outcome as usize].increment(1);
         }
     }
 
+    /// The label of `tenant`, when it has one of its own.
+    pub fn label_of(&self, tenant: &str) -> Option<Arc<str>> {
+        let labelled = self.labelled.load();
+        labelled
+            .by_tenant
+            .get(tenant)
+            .map(|(label, _)| label.clone())
+    }
+
+    /// The tenant whose label is `label`, if any.
+    pub fn tenant_of(&self, label: &str) -> Option<Arc<str>> {
+        self.labelled.load().by_label.get(label).cloned()
+    }
+
     /// Gives the first `metrics.max_tenant_labels` of `tenants` (in sorted
-    /// order) a label of their own; the rest count as `_other`.
-    /// Tenants already labelled keep their counters, so a rule change
-    /// that leaves the labelled set alone registers nothing.
-    pub fn label_tenants<'a>(&self, tenants: impl IntoIterator<Item = &'a str>) {
-        let chosen: std::collections::BTreeSet<&str> = tenants.into_iter().collect();
-        let current = self.labeled.load();
-        let chosen: Vec<&str> = chosen.into_iter().take(self.max_tenants).collect();
-        if chosen.len() == current.len() && chosen.iter().all(|t| current.contains_key(*t)) {
-            return;
+    /// order; each with the name one of its rules gives, the smallest when
+    /// they differ) a label of their own; the rest count as `_other`.
+    /// Tenants whose label stays keep their counters, so a rule change
+    /// that leaves the labels alone registers nothing.
+    pub fn label_tenants<'a>(
+        &self,
+        tenants: impl IntoIterator<Item = (&'a str, Option<&'a TenantName>)>,
+    ) {
+        let mut named: BTreeMap<&str, Option<&TenantName>> = BTreeMap::new();
+        for (tenant, name) in tenants {
+            let entry = named.entry(tenant).or_insert(name);
+            if let Some(name) = name
+                && entry.is_none_or(|current| name < current)
+            {
+                *entry = Some(name);
+            }
         }
-        let map = chosen
+        let chosen: Vec<(&str, String)> = named
             .into_iter()
-            .map(|t| match current.get_key_value(t) {
-                Some((name, per_route)) => (name.clone(), per_route.clone()),
-                None => {
-                    let per_route = self.routes.iter().map(|r| register(r, t)).collect();
-                    (Arc::from(t), per_route)
-                }
+            .take(self.max_tenants)
+            .map(|(tenant, name)| (tenant, tenant_label(tenant, name)))
+            .collect();
+        let mut uses: HashMap<&str, usize> = HashMap::new();
+        for (_, label) in &chosen {
+            *uses.entry(label.as_str()).or_default() += 1;
+        }
+        let chosen: Vec<(&str, String)> = chosen
+            .iter()
+            .map(|(tenant, label)| match uses[label.as_str()] {
+                1 => (*tenant, label.clone()),
+                _ => (*tenant, format!("{label}{}", full_fingerprint(tenant))),
             })
             .collect();
-        self.labeled.store(Arc::new(map));
+
+        let current = self.labelled.load();
+        let unchanged = chosen.len() == current.by_tenant.len()
+            && chosen.iter().all(|(tenant, label)| {
+                current
+                    .by_tenant
+                    .get(*tenant)
+                    .is_some_and(|(now, _)| **now == **label)
+            });
+        if unchanged {
+            return;
+        }
+        let mut next = Labelled::default();
+        for (tenant, label) in chosen {
+            let (tenant, label): (Arc<str>, Arc<str>) = (Arc::from(tenant), Arc::from(label));
+            let counters = match current.by_tenant.get(&tenant) {
+                Some((now, counters)) if *now == label => counters.clone(),
+                _ => self.routes.iter().map(|r| register(r, &label)).collect(),
+            };
+            next.by_label.insert(label.clone(), tenant.clone());
+            next.by_tenant.insert(tenant, (label, counters));
+        }
+        self.labelled.store(Arc::new(next));
     }
 }
 
@@ -179,8 +245,15 @@ mod tests {
     fn only_capped_rule_tenants_get_their_own_label() {
         let handle = install();
         let counters = RequestCounters::new(["cap-route"], 2);
-        counters.label_tenants(["zeta", "alpha", "beta", "alpha"]);
+        let alpha = TenantName::parse("Alpha Inc").unwrap();
+        counters.label_tenants([
+            ("zeta", None),
+            ("alpha", Some(&alpha)),
+            ("beta", None),
+            ("alpha", None),
+        ]);
         counters.count(Some("alpha"), 0, Outcome::Allowed);
+        counters.count(Some("beta"), 0, Outcome::Allowed);
         counters.count(Some("zeta"), 0, Outcome::Allowed);
         counters.count(None, 0, Outcome::Unauthorized);
         let text = handle.render();
@@ -189,12 +262,36 @@ mod tests {
                 "tollgate_requests_total{{route=\"cap-route\",tenant=\"{tenant}\",outcome=\"{outcome}\"}} 1"
             )
         };
-        assert!(text.contains(&series("alpha", "allowed")), "{text}");
+        assert!(text.contains(&series("Alpha Inc", "allowed")), "{text}");
+        let beta = crate::key::fingerprint("beta");
+        assert!(text.contains(&series(&beta, "allowed")), "{text}");
         assert!(
             text.contains(&series("_other", "allowed")),
             "zeta is past the cap:\n{text}"
         );
         assert!(text.contains(&series("_other", "unauthorized")));
-        assert!(!text.contains("tenant=\"zeta\""));
+        for key in ["alpha", "beta", "zeta"] {
+            assert!(!text.contains(&format!("tenant=\"{key}\"")), "{key} shown");
+        }
+        assert_eq!(counters.tenant_of("Alpha Inc").as_deref(), Some("alpha"));
+        assert_eq!(counters.tenant_of(&beta).as_deref(), Some("beta"));
+        assert_eq!(counters.label_of("beta").as_deref(), Some(beta.as_str()));
+    }
+
+    #[test]
+    fn a_name_two_tenants_share_is_told_apart() {
+        let counters = RequestCounters::new(["dup-route"], 10);
+        let shared = TenantName::parse("Shared").unwrap();
+        counters.label_tenants([("one", Some(&shared)), ("two", Some(&shared))]);
+        let (a, b) = (
+            counters.label_of("one").unwrap(),
+            counters.label_of("two").unwrap(),
+        );
+        assert_ne!(a, b);
+        assert!(
+            a.starts_with("Shared#") && b.starts_with("Shared#"),
+            "{a} {b}"
+        );
+        assert_eq!(counters.tenant_of(&a).as_deref(), Some("one"));
     }
 }
