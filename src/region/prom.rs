@@ -33,11 +33,17 @@ pub enum PromError {
     Answer(String),
 }
 
-/// The PromQL of the demand query over `window`.
+/// The PromQL of the demand query over `window`. Only series that already
+/// existed a whole window ago count (`and … offset`): the rate of a younger
+/// series (a gateway or a labelled tenant that just appeared) would be
+/// judged on part of the window and underestimated; its region then shows
+/// as unseen and the round holds the shares still.
 pub fn demand_query(window: Duration) -> String {
+    let seconds = window.as_secs().max(1);
     format!(
-        "sum by (region, tenant, route) (rate(tollgate_requests_total{{outcome=~\"allowed|rejected\"}}[{}s]))",
-        window.as_secs().max(1)
+        "sum by (region, tenant, route) (\
+         rate(tollgate_requests_total{{outcome=~\"allowed|rejected\"}}[{seconds}s]) \
+         and tollgate_requests_total{{outcome=~\"allowed|rejected\"}} offset {seconds}s)"
     )
 }
 
@@ -161,10 +167,12 @@ mod tests {
     }
 
     #[test]
-    fn the_query_counts_what_reached_the_limiter() {
+    fn the_query_counts_what_reached_the_limiter_over_whole_windows_only() {
         assert_eq!(
             demand_query(Duration::from_secs(300)),
-            "sum by (region, tenant, route) (rate(tollgate_requests_total{outcome=~\"allowed|rejected\"}[300s]))"
+            "sum by (region, tenant, route) (\
+             rate(tollgate_requests_total{outcome=~\"allowed|rejected\"}[300s]) \
+             and tollgate_requests_total{outcome=~\"allowed|rejected\"} offset 300s)"
         );
     }
 }
