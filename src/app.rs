@@ -19,7 +19,7 @@ use tokio_cron_scheduler::{Job, JobScheduler};
 
 use crate::admin::{self, AdminState};
 use crate::breaker::{self, BreakerGate};
-use crate::bucket::{HotKeys, Limiter, LimiterCore, LocalBuckets, RedisBucket};
+use crate::bucket::{HotKeys, Limiter, LimiterCore, LocalBuckets, RedisBucket, WarmWorkers};
 use crate::clock::{SharedClock, SystemClock};
 use crate::cluster::{LiveInstances, Membership};
 use crate::config::{self, Config, RedisTarget, RuleSource, ServerSettings};
@@ -286,12 +286,21 @@ pub async fn run(
     let client = config.client;
     let routes = config.routes.clone();
     let request_timeout = redis_settings.timeout;
+    let warm = redis
+        .as_ref()
+        .map(|_| Arc::new(WarmWorkers::new(config.server.workers)));
+    let warm_workers = warm.clone();
     let core = limiter.clone();
     let proxy = HttpServer::new(move || {
-        // Per worker: its own upstream pool and Redis connection.
+        // Per worker: its own upstream pool and Redis connection, warmed
+        // (connected, script loaded) before the gateway says it is ready.
         let redis = redis.as_ref().map(|r| {
             RedisBucket::new(r.connect(), request_timeout, metrics.clone(), clock.clone())
         });
+        if let (Some(bucket), Some(warm)) = (&redis, &warm_workers) {
+            let (bucket, warm) = (bucket.clone(), warm.clone());
+            actix_web::rt::spawn(async move { bucket.warm_up(control_timeout, &warm).await });
+        }
         App::new()
             .app_data(proxy_state.clone())
             .app_data(web::Data::new(Limiter::new(redis, core.clone())))
@@ -321,6 +330,7 @@ pub async fn run(
         shares: shares.clone(),
         token: config.admin.token.clone(),
         read_token: config.admin.read_token.clone(),
+        warm,
     });
     let admin = HttpServer::new(move || {
         App::new()

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use common::{
     Gateway, GatewayConfig, RedisCluster, RedisServer, TempDir, Upstream, client, get, limit_of,
-    metric, ready, wait_for_limit,
+    ready, wait_for_limit,
 };
 
 /// Limit of every tenant: 20 tokens, refilled slowly so counts are exact.
@@ -126,8 +126,6 @@ async fn degraded(setup: &Setup, tenant: &str) {
         failures,
         "no request calls Redis while the breaker is open"
     );
-    assert!(metric(gw, "tollgate_fallback_decisions_total{outcome=\"allowed\"}").await >= 9.0);
-    assert!(metric(gw, "tollgate_breaker_transitions_total{to=\"open\"}").await >= 1.0);
 }
 
 /// After recovery: the breaker closes and limits are shared again.

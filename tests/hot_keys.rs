@@ -119,8 +119,6 @@ async fn leases_cut_redis_calls_and_keep_the_limit() {
         "{calls} Redis calls for {} requests ({per_request:.3} per request)",
         load.sent
     );
-    let leases = common::metric(&fleet.gateways[0], "tollgate_leases_total").await;
-    assert!(leases >= 1.0, "leases were taken");
 }
 
 /// A tenant at many times its limit (5 burst, 1/s: too slow a refill to

@@ -19,7 +19,7 @@ use actix_web::{HttpRequest, HttpResponse, web};
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde_json::json;
 
-use crate::bucket::LimiterCore;
+use crate::bucket::{LimiterCore, RedisState, WarmWorkers};
 use crate::clock::unix_now_seconds;
 use crate::region::shares::SharesHandle;
 use crate::rules::RulesHandle;
@@ -43,6 +43,8 @@ pub struct AdminState {
     pub read_token: Option<String>,
     /// Region shares.
     pub shares: SharesHandle,
+    /// Proxy workers whose Redis connection is warm; `None` without Redis.
+    pub warm: Option<Arc<WarmWorkers>>,
 }
 
 /// Admits an admin write to `store`: without one, `missing` (a 409 saying
@@ -155,15 +157,27 @@ async fn live() -> HttpResponse {
         .body("ok\n")
 }
 
-/// Readiness and the state an operator needs at a glance.
+/// Readiness and the state an operator needs at a glance: 200 once every
+/// proxy worker's Redis connection is open with the script loaded (or
+/// Redis is known to be down, and requests are decided locally), 503
+/// `starting` before.
 async fn ready(state: web::Data<AdminState>) -> HttpResponse {
     let rules = state.rules.snapshot();
     let origin = rules.origin();
-    HttpResponse::Ok().json(json!({
-        "status": "ready",
+    let redis = state.limiter.redis_state();
+    let warm = state.warm.as_deref();
+    let ready = is_ready(redis, warm);
+    let mut answer = if ready {
+        HttpResponse::Ok()
+    } else {
+        HttpResponse::ServiceUnavailable()
+    };
+    answer.json(json!({
+        "status": if ready { "ready" } else { "starting" },
+        "redis_workers_warm": warm.map(WarmWorkers::warm),
         "instance": state.instance_id,
         "region": state.region,
-        "redis": state.limiter.redis_state().as_str(),
+        "redis": redis.as_str(),
         "breaker": state.limiter.breaker_state().map(|b| b.as_str()),
         "redis_failures": state.limiter.redis_failures(),
         "live_instances": state.limiter.instances().get(),
@@ -179,6 +193,13 @@ async fn ready(state: web::Data<AdminState>) -> HttpResponse {
     }))
 }
 
+/// Whether the gateway is ready: without Redis at once; with Redis once
+/// every worker's connection is warm, or once Redis is known to be down
+/// (requests are then decided locally, which is the best it can do).
+fn is_ready(redis: RedisState, warm: Option<&WarmWorkers>) -> bool {
+    redis == RedisState::Down || warm.is_none_or(WarmWorkers::all_warm)
+}
+
 /// Prometheus text exposition.
 async fn metrics(state: web::Data<AdminState>) -> HttpResponse {
     HttpResponse::Ok()
@@ -189,6 +210,15 @@ async fn metrics(state: web::Data<AdminState>) -> HttpResponse {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ready_means_warm_workers_or_a_redis_known_down() {
+        let cold = WarmWorkers::new(2);
+        assert!(!is_ready(RedisState::Up, Some(&cold)), "starting");
+        assert!(is_ready(RedisState::Down, Some(&cold)), "serving locally");
+        assert!(is_ready(RedisState::Disabled, None));
+        assert!(is_ready(RedisState::Up, Some(&WarmWorkers::new(0))));
+    }
 
     #[test]
     fn tokens_compare_equal_only_when_identical() {

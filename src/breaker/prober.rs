@@ -1,11 +1,15 @@
 //! The actor that drives the breaker off the request path.
 //!
 //! Every [`TICK`] it drains the gate's counters into the state machine and
-//! publishes the result. While half-open it sends one probe at a time: a
-//! bounded `SET` of a short-lived key on its own connection (a keyed write,
-//! so a cluster that refuses keys or a server that refuses writes does not
-//! pass). A successful probe closes the breaker; a failed one re-opens it
-//! for another cool-down.
+//! publishes the result. Probes are a bounded `SET` of a short-lived key on
+//! the actor's own connection (a keyed write, so a cluster that refuses
+//! keys or a server that refuses writes does not pass), one at a time:
+//! - while closed, a health probe every [`HEALTH_PERIOD`], traffic or not,
+//!   from the moment the gateway starts: an unreachable Redis opens the
+//!   breaker within about a second, so `/ready` tells the truth without
+//!   traffic;
+//! - while half-open, one probe: success closes the breaker, failure
+//!   re-opens it for another cool-down.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,6 +26,9 @@ use crate::telemetry::Metrics;
 
 /// How often the state machine is advanced.
 pub const TICK: Duration = Duration::from_millis(50);
+
+/// How often a closed breaker probes Redis in the background.
+pub const HEALTH_PERIOD: Duration = Duration::from_millis(500);
 
 /// Starts the breaker actor on the current arbiter.
 ///
@@ -45,6 +52,7 @@ pub fn start(
         probe_key,
         probe_timeout,
         probing: false,
+        last_health_ms: None,
         clock,
         metrics,
     }
@@ -65,6 +73,8 @@ struct BreakerActor {
     probe_timeout: Duration,
     /// Whether a probe is in flight.
     probing: bool,
+    /// When the last health probe was sent.
+    last_health_ms: Option<u64>,
     /// Time.
     clock: SharedClock,
     /// State gauge and transition counter.
@@ -74,29 +84,50 @@ struct BreakerActor {
 impl BreakerActor {
     fn tick(&mut self, ctx: &mut Context<Self>) {
         let seen = self.gate.drain();
-        if let Some(t) = self.machine.observe(seen, self.clock.now_ms()) {
+        let now = self.clock.now_ms();
+        if let Some(t) = self.machine.observe(seen, now) {
             self.apply(t);
         }
-        if self.machine.state() == State::HalfOpen && !self.probing {
-            self.probing = true;
-            let (conn, timeout) = (self.probe.clone(), self.probe_timeout);
-            let mut cmd = redis::cmd("SET");
-            cmd.arg(&self.probe_key).arg(1).arg("PX").arg(10_000);
-            ctx.spawn(
-                async move { conn.query::<()>(&cmd, timeout).await }
-                    .into_actor(self)
-                    .map(|result, actor, _| {
-                        actor.probing = false;
-                        if let Err(e) = &result {
-                            tracing::debug!(error = %e, "Redis probe failed.");
-                        }
-                        let now = actor.clock.now_ms();
-                        if let Some(t) = actor.machine.probe_result(result.is_ok(), now) {
-                            actor.apply(t);
-                        }
-                    }),
-            );
+        if self.probing {
+            return;
         }
+        let health_due = self
+            .last_health_ms
+            .is_none_or(|last| now.saturating_sub(last) >= duration_ms(HEALTH_PERIOD));
+        match self.machine.state() {
+            State::HalfOpen => self.probe(ctx, Machine::probe_result),
+            State::Closed if health_due => {
+                self.last_health_ms = Some(now);
+                self.probe(ctx, Machine::health_result);
+            }
+            _ => {}
+        }
+    }
+
+    /// Sends one probe and hands its result to `judge`.
+    fn probe(
+        &mut self,
+        ctx: &mut Context<Self>,
+        judge: fn(&mut Machine, bool, u64) -> Option<Transition>,
+    ) {
+        self.probing = true;
+        let (conn, timeout) = (self.probe.clone(), self.probe_timeout);
+        let mut cmd = redis::cmd("SET");
+        cmd.arg(&self.probe_key).arg(1).arg("PX").arg(10_000);
+        ctx.spawn(
+            async move { conn.query::<()>(&cmd, timeout).await }
+                .into_actor(self)
+                .map(move |result, actor, _| {
+                    actor.probing = false;
+                    if let Err(e) = &result {
+                        tracing::debug!(error = %e, "Redis probe failed.");
+                    }
+                    let now = actor.clock.now_ms();
+                    if let Some(t) = judge(&mut actor.machine, result.is_ok(), now) {
+                        actor.apply(t);
+                    }
+                }),
+        );
     }
 
     /// Publishes a transition, counts and logs it.
@@ -115,6 +146,11 @@ impl BreakerActor {
             ),
         }
     }
+}
+
+/// `d` in whole milliseconds.
+fn duration_ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 impl Actor for BreakerActor {

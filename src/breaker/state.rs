@@ -4,9 +4,15 @@
 //! or when the failure ratio over the current window reaches its limit with
 //! enough calls in it. Open → HalfOpen once the cool-down has passed.
 //! HalfOpen → Closed when a probe succeeds, → Open (a new cool-down) when it
-//! fails. Nothing here reads a clock or touches Redis.
+//! fails. While closed, background health probes (sent whether or not
+//! traffic flows) open it after [`HEALTH_FAILURES_TO_OPEN`] failures in a
+//! row, so an unreachable Redis is noticed without traffic too. Nothing
+//! here reads a clock or touches Redis.
 
 use crate::config::BreakerSettings;
+
+/// Failed health probes in a row that open a closed breaker.
+pub const HEALTH_FAILURES_TO_OPEN: u32 = 2;
 
 /// Where the breaker stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,6 +74,8 @@ pub struct Machine {
     window_calls: u64,
     /// Failed calls in the current window.
     window_failures: u64,
+    /// Health probes failed in a row while closed.
+    health_failures: u32,
 }
 
 impl Machine {
@@ -80,6 +88,7 @@ impl Machine {
             window_start_ms: now_ms,
             window_calls: 0,
             window_failures: 0,
+            health_failures: 0,
         }
     }
 
@@ -128,8 +137,23 @@ impl Machine {
         }
     }
 
+    /// Applies a background health probe's result; only counts while
+    /// closed.
+    pub fn health_result(&mut self, ok: bool, now_ms: u64) -> Option<Transition> {
+        if self.state != State::Closed {
+            return None;
+        }
+        if ok {
+            self.health_failures = 0;
+            return None;
+        }
+        self.health_failures += 1;
+        (self.health_failures >= HEALTH_FAILURES_TO_OPEN).then(|| self.open(now_ms))
+    }
+
     fn open(&mut self, now_ms: u64) -> Transition {
         self.opened_at_ms = now_ms;
+        self.health_failures = 0;
         self.move_to(State::Open)
     }
 
@@ -229,6 +253,32 @@ mod tests {
         );
         // A fresh window after closing: earlier failures do not count.
         assert_eq!(m.observe(seen(10, 9, 1), clock.now_ms()), None);
+    }
+
+    #[test]
+    fn failed_health_probes_in_a_row_open_a_closed_breaker() {
+        let mut m = Machine::new(settings(), 0);
+        assert_eq!(m.health_result(false, 0), None);
+        assert_eq!(m.health_result(true, 500), None, "a success resets the run");
+        assert_eq!(m.health_result(false, 1_000), None);
+        assert_eq!(
+            m.health_result(false, 1_500),
+            Some((State::Closed, State::Open))
+        );
+        assert_eq!(
+            m.health_result(false, 1_600),
+            None,
+            "only counts while closed"
+        );
+        assert_eq!(
+            m.observe(Outcomes::default(), 2_500),
+            Some((State::Open, State::HalfOpen))
+        );
+        assert_eq!(
+            m.probe_result(true, 2_600),
+            Some((State::HalfOpen, State::Closed))
+        );
+        assert_eq!(m.health_result(false, 3_000), None, "the run starts afresh");
     }
 
     #[test]

@@ -14,4 +14,4 @@ pub use decision::{BucketSpec, Decision};
 pub use lease::HotKeys;
 pub use limiter::{Limiter, LimiterCore, RedisState, Verdict};
 pub use local::LocalBuckets;
-pub use redis::{Ask, Grant, RedisBucket};
+pub use redis::{Ask, Grant, RedisBucket, WarmWorkers};

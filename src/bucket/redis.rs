@@ -1,11 +1,16 @@
 //! The shared bucket in Redis: one atomic script call per decision.
 //!
-//! Owns the call of `lua/token_bucket.lua` and its reply. Connections,
+//! Owns the call of `lua/token_bucket.lua` and its reply, and each
+//! worker's warm-up: before the gateway says it is ready, every proxy
+//! worker's connection is open (to every primary of a Cluster) and the
+//! script is loaded there ([`RedisBucket::warm_up`], [`WarmWorkers`]), so
+//! the first decisions after a start are shared ones. Connections,
 //! timeouts and `NOSCRIPT` handling live in [`crate::redis_client`].
 //!
 //! Invariant: every call is bounded by `redis.timeout_ms`.
 
 use std::sync::LazyLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use redis::Script;
@@ -15,9 +20,43 @@ use crate::clock::SharedClock;
 use crate::redis_client::{RedisCallError, RedisConn};
 use crate::telemetry::Metrics;
 
-/// The token bucket script, compiled into the binary.
-static TOKEN_BUCKET: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../../lua/token_bucket.lua")));
+/// The token bucket script's source, compiled into the binary.
+const TOKEN_BUCKET_SOURCE: &str = include_str!("../../lua/token_bucket.lua");
+
+/// The token bucket script, called by SHA.
+static TOKEN_BUCKET: LazyLock<Script> = LazyLock::new(|| Script::new(TOKEN_BUCKET_SOURCE));
+
+/// Longest pause between warm-up attempts.
+const MAX_WARM_UP_BACKOFF: Duration = Duration::from_secs(2);
+
+/// The proxy workers whose Redis connection is up with the script loaded.
+#[derive(Debug)]
+pub struct WarmWorkers {
+    /// Workers the gateway runs.
+    expected: usize,
+    /// Workers that finished [`RedisBucket::warm_up`].
+    warm: AtomicUsize,
+}
+
+impl WarmWorkers {
+    /// None of `expected` workers warm yet.
+    pub fn new(expected: usize) -> Self {
+        Self {
+            expected,
+            warm: AtomicUsize::new(0),
+        }
+    }
+
+    /// Workers warm so far.
+    pub fn warm(&self) -> usize {
+        self.warm.load(Ordering::Relaxed)
+    }
+
+    /// Whether every worker is warm.
+    pub fn all_warm(&self) -> bool {
+        self.warm() >= self.expected
+    }
+}
 
 /// Client for token buckets held in Redis.
 #[derive(Clone)]
@@ -46,6 +85,26 @@ impl RedisBucket {
     /// The bound on one call.
     pub fn timeout(&self) -> Duration {
         self.timeout
+    }
+
+    /// Connects this worker's connection and loads the script through it
+    /// (`SCRIPT LOAD` reaches every node of a Cluster), each attempt
+    /// bounded by `attempt_timeout`, retrying with backoff until Redis
+    /// answers; then counts this worker in `workers`.
+    pub async fn warm_up(&self, attempt_timeout: Duration, workers: &WarmWorkers) {
+        let mut load = redis::cmd("SCRIPT");
+        load.arg("LOAD").arg(TOKEN_BUCKET_SOURCE);
+        let mut backoff = Duration::from_millis(50);
+        while let Err(e) = self
+            .conn
+            .query::<redis::Value>(&load, attempt_timeout)
+            .await
+        {
+            tracing::debug!(error = %e, "Redis not ready for this worker yet; retrying.");
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(MAX_WARM_UP_BACKOFF);
+        }
+        workers.warm.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Refills `key`'s bucket and takes tokens atomically, as `ask` says.

@@ -246,6 +246,14 @@ impl RedisCluster {
             .collect()
     }
 
+    /// Whether `key` exists on the node that owns it (the others answer
+    /// MOVED).
+    pub fn exists(&self, key: &str) -> bool {
+        self.nodes
+            .iter()
+            .any(|n| redis_cli(n.port, &["EXISTS", key]).is_some_and(|r| r.trim() == ":1"))
+    }
+
     /// Waits until every running node reports `cluster_state:ok`.
     pub fn wait_healthy(&self) {
         assert!(
@@ -658,12 +666,13 @@ impl Gateway {
             stop: Some(stop),
             thread: Some(thread),
         };
-        // The sockets accept at once; /live answers only once startup
-        // (migrations, first rule load) is done and the servers run.
+        // The sockets accept at once; /ready answers 200 only once startup
+        // (migrations, first rule load) is done, the servers run and every
+        // worker's Redis connection is warm (or Redis is known down).
         assert!(
-            wait_until(Duration::from_secs(15), || http_status(admin, "/live")
+            wait_until(Duration::from_secs(15), || http_status(admin, "/ready")
                 == Some(200)),
-            "the gateway did not start serving within 15 s"
+            "the gateway was not ready within 15 s"
         );
         gateway
     }
@@ -1095,9 +1104,10 @@ impl GatewayProcess {
         };
         let admin_addr: SocketAddr = ([127, 0, 0, 1], admin).into();
         assert!(
-            wait_until(Duration::from_secs(20), || http_status(admin_addr, "/live")
-                == Some(200)),
-            "gateway {name} did not start; see {}",
+            wait_until(Duration::from_secs(20), || http_status(
+                admin_addr, "/ready"
+            ) == Some(200)),
+            "gateway {name} was not ready; see {}",
             dir.0.join(format!("{name}.log")).display()
         );
         gateway
