@@ -7,19 +7,17 @@ mod common;
 use std::io::Write;
 use std::process::{Command, Stdio};
 
-use common::{Gateway, GatewayConfig, RedisServer, TempDir, Upstream, admin, client, get, ready};
+use common::{Gateway, Stack, admin, client, get, ready};
 
 #[actix_web::test]
 async fn live_ready_and_metrics_report_the_gateway() {
-    let redis = RedisServer::start();
-    let up = Upstream::start();
-    let dir = TempDir::new("admin");
-    let rules = dir.file(
-        "rules.toml",
+    let s = Stack::start(
+        "admin",
         "[[rule]]\ntenant = \"a\"\nroute = \"api\"\ncapacity = 5\nrefill_per_second = 1\nname = \"Tenant A\"\n\
          [[rule]]\ntenant = \"sk-unnamed\"\nroute = \"api\"\ncapacity = 5\nrefill_per_second = 1\n",
+        |_, _| {},
     );
-    let gw = Gateway::start(&GatewayConfig::new(&redis.url(), rules, &up.url()));
+    let gw = &s.gw;
     let c = client();
 
     let live = c.get(gw.admin_url("/live")).send().await.unwrap();
@@ -32,7 +30,7 @@ async fn live_ready_and_metrics_report_the_gateway() {
     get(&gw.url("/m"), Some("sk-unnamed")).await;
     get(&gw.url("/m"), None).await;
 
-    let ready = ready(&gw).await;
+    let ready = ready(gw).await;
     assert_eq!(ready["status"], "ready");
     assert_eq!(ready["redis"], "up");
     assert_eq!(ready["rules"]["count"], 2);
@@ -79,21 +77,19 @@ async fn live_ready_and_metrics_report_the_gateway() {
 
 #[actix_web::test]
 async fn admin_reads_need_a_token_and_no_surface_shows_one() {
-    let redis = RedisServer::start();
-    let up = Upstream::start();
-    let dir = TempDir::new("admin-auth");
-    let rules = dir.file(
-        "rules.toml",
+    let s = Stack::start(
+        "admin-auth",
         "[[rule]]\ntenant = \"secret-key\"\nroute = \"api\"\ncapacity = 5\nrefill_per_second = 1\n",
+        |_, _| {},
     );
-    let mut config = GatewayConfig::new(&redis.url(), rules.clone(), &up.url());
-    let open = Gateway::start(&config);
+    let open = &s.gw;
+    let mut config = s.config.clone();
     for path in [
         "/admin/rules",
         "/admin/rules/secret-key/api",
         "/admin/shares",
     ] {
-        let (status, body) = admin(&open, "GET", path, None, None).await;
+        let (status, body) = admin(open, "GET", path, None, None).await;
         assert_eq!(
             (status, body["error"].as_str()),
             (403, Some("reads_disabled")),

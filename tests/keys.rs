@@ -6,18 +6,12 @@
 mod common;
 
 use actix_web::http::header::HeaderValue;
-use common::{Gateway, GatewayConfig, RedisServer, TempDir, Upstream, client};
+use common::{Stack, client};
 
 #[actix_web::test]
 async fn bad_keys_are_rejected_before_redis() {
-    let redis = RedisServer::start();
-    let up = Upstream::start();
-    let dir = TempDir::new("keys");
-    let gw = Gateway::start(&GatewayConfig::new(
-        &redis.url(),
-        dir.file("rules.toml", ""),
-        &up.url(),
-    ));
+    let s = Stack::start("keys", "", |_, _| {});
+    let (gw, redis) = (&s.gw, &s.redis);
     let c = client();
 
     let missing = c.get(gw.url("/x")).send().await.unwrap();

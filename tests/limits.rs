@@ -4,22 +4,12 @@
 
 mod common;
 
-use common::{Gateway, GatewayConfig, RedisServer, TempDir, Upstream, client, get, header, ready};
-
-fn setup(tag: &str) -> (RedisServer, Upstream, TempDir) {
-    let dir = TempDir::new(tag);
-    dir.file("rules.toml", "");
-    (RedisServer::start(), Upstream::start(), dir)
-}
+use common::{Gateway, GatewayConfig, Stack, TempDir, Upstream, client, get, header, ready};
 
 #[actix_web::test]
 async fn capacity_two_admits_two_then_rejects_with_remaining_1_0_0() {
-    let (redis, up, dir) = setup("cap2");
-    let gw = Gateway::start(&GatewayConfig::new(
-        &redis.url(),
-        dir.0.join("rules.toml"),
-        &up.url(),
-    ));
+    let s = Stack::start("cap2", "", |_, _| {});
+    let gw = &s.gw;
     let mut seen = Vec::new();
     for _ in 0..3 {
         seen.push(get(&gw.url("/orders"), Some("shop-a")).await);
@@ -34,12 +24,8 @@ async fn capacity_two_admits_two_then_rejects_with_remaining_1_0_0() {
 
 #[actix_web::test]
 async fn rejection_carries_retry_after_and_ietf_headers() {
-    let (redis, up, dir) = setup("headers");
-    let gw = Gateway::start(&GatewayConfig::new(
-        &redis.url(),
-        dir.0.join("rules.toml"),
-        &up.url(),
-    ));
+    let s = Stack::start("headers", "", |_, _| {});
+    let gw = &s.gw;
     let c = client();
     let ok = c
         .get(gw.url("/x"))
@@ -86,12 +72,12 @@ async fn rejection_carries_retry_after_and_ietf_headers() {
 
 #[actix_web::test]
 async fn rules_override_the_default_and_bucket_keys_expire() {
-    let (redis, up, dir) = setup("ttl");
-    let rules = dir.file(
-        "rules.toml",
+    let s = Stack::start(
+        "ttl",
         "[[rule]]\ntenant = \"big\"\nroute = \"api\"\ncapacity = 30\nrefill_per_second = 3\n",
+        |_, _| {},
     );
-    let gw = Gateway::start(&GatewayConfig::new(&redis.url(), rules, &up.url()));
+    let (gw, redis) = (&s.gw, &s.redis);
     assert_eq!(
         get(&gw.url("/a"), Some("big")).await,
         (200, Some("29".into()))
@@ -120,9 +106,8 @@ async fn rules_override_the_default_and_bucket_keys_expire() {
 
 #[actix_web::test]
 async fn two_gateways_share_one_bucket() {
-    let (redis, up, dir) = setup("shared");
-    let config = GatewayConfig::new(&redis.url(), dir.0.join("rules.toml"), &up.url());
-    let (a, b) = (Gateway::start(&config), Gateway::start(&config));
+    let s = Stack::start("shared", "", |_, _| {});
+    let (a, b) = (&s.gw, Gateway::start(&s.config));
     assert_eq!(get(&a.url("/o"), Some("shop")).await.0, 200);
     assert_eq!(get(&b.url("/o"), Some("shop")).await.0, 200);
     assert_eq!(get(&a.url("/o"), Some("shop")).await.0, 429);
@@ -131,14 +116,13 @@ async fn two_gateways_share_one_bucket() {
 
 #[actix_web::test]
 async fn route_cost_takes_several_tokens() {
-    let (redis, up, dir) = setup("cost");
-    let mut config = GatewayConfig::new(&redis.url(), dir.0.join("rules.toml"), &up.url());
-    config.extra = "[default_rule]\ncapacity = 10\nrefill_per_second = 1\n".into();
-    config.routes = format!(
-        "[[routes]]\nid = \"search\"\npath_prefix = \"/search\"\nupstream = \"{}\"\ncost = 4\n",
-        up.url()
-    );
-    let gw = Gateway::start(&config);
+    let s = Stack::start("cost", "", |c, up| {
+        c.extra = "[default_rule]\ncapacity = 10\nrefill_per_second = 1\n".into();
+        c.routes = format!(
+            "[[routes]]\nid = \"search\"\npath_prefix = \"/search\"\nupstream = \"{up}\"\ncost = 4\n"
+        );
+    });
+    let gw = &s.gw;
     assert_eq!(
         get(&gw.url("/search"), Some("t")).await,
         (200, Some("6".into()))

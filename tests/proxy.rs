@@ -8,37 +8,22 @@ mod common;
 use std::io::{Read, Write};
 
 use actix_web::web::Bytes;
-use common::{Gateway, GatewayConfig, RedisServer, TempDir, Upstream, client, free_port, header};
+use common::{Gateway, GatewayConfig, RedisServer, Stack, TempDir, client, free_port, header};
 use futures_util::StreamExt;
 
-struct Setup {
-    _redis: RedisServer,
-    _dir: TempDir,
-    up: Upstream,
-    gw: Gateway,
-}
-
-fn setup(tag: &str, capacity: u32) -> Setup {
-    let redis = RedisServer::start();
-    let up = Upstream::start();
-    let dir = TempDir::new(tag);
-    let mut config = GatewayConfig::new(&redis.url(), dir.file("rules.toml", ""), &up.url());
-    config.extra = format!("[default_rule]\ncapacity = {capacity}\nrefill_per_second = 100\n");
-    config.routes = format!(
-        "[[routes]]\nid = \"orders\"\npath_prefix = \"/orders\"\nupstream = \"{up}\"\n\
-         [[routes]]\nid = \"slow\"\npath_prefix = \"/slow\"\nupstream = \"{up}\"\n\
-         [[routes]]\nid = \"files\"\npath_prefix = \"/download\"\nupstream = \"{up}\"\n\
-         [[routes]]\nid = \"down\"\npath_prefix = \"/down\"\nupstream = \"http://127.0.0.1:{}\"\n",
-        free_port(),
-        up = up.url()
-    );
-    let gw = Gateway::start(&config);
-    Setup {
-        _redis: redis,
-        _dir: dir,
-        up,
-        gw,
-    }
+/// A gateway with routes to the mock upstream (`orders`, `slow`, `files`)
+/// and one to a port where nothing listens (`down`).
+fn setup(tag: &str, capacity: u32) -> Stack {
+    Stack::start(tag, "", |c, up| {
+        c.extra = format!("[default_rule]\ncapacity = {capacity}\nrefill_per_second = 100\n");
+        c.routes = format!(
+            "[[routes]]\nid = \"orders\"\npath_prefix = \"/orders\"\nupstream = \"{up}\"\n\
+             [[routes]]\nid = \"slow\"\npath_prefix = \"/slow\"\nupstream = \"{up}\"\n\
+             [[routes]]\nid = \"files\"\npath_prefix = \"/download\"\nupstream = \"{up}\"\n\
+             [[routes]]\nid = \"down\"\npath_prefix = \"/down\"\nupstream = \"http://127.0.0.1:{}\"\n",
+            free_port()
+        );
+    })
 }
 
 #[actix_web::test]
@@ -145,7 +130,7 @@ async fn no_route_is_404_and_costs_no_tokens() {
     assert_eq!(res.status(), 404);
     let body: serde_json::Value = res.json().await.unwrap();
     assert_eq!(body["error"], "no_route");
-    assert_eq!(s._redis.cmd(&["KEYS", "rl:*"]).trim(), "*0");
+    assert_eq!(s.redis.cmd(&["KEYS", "rl:*"]).trim(), "*0");
 }
 
 #[actix_web::test]

@@ -7,7 +7,7 @@ mod common;
 
 use std::num::NonZeroU32;
 
-use common::{Gateway, GatewayConfig, RedisServer, TempDir, Upstream, client};
+use common::{Gateway, RedisServer, Stack, client};
 use futures_util::future::join_all;
 use tollgate::bucket::{Ask, BucketSpec, RedisBucket};
 use tollgate::clock::{Clock, SharedClock, SystemClock};
@@ -67,12 +67,10 @@ async fn parallel_script_calls_from_separate_connections_never_overspend() {
 
 #[actix_web::test]
 async fn parallel_requests_through_two_gateways_stay_within_the_limit() {
-    let redis = RedisServer::start();
-    let up = Upstream::start();
-    let dir = TempDir::new("races");
-    let mut config = GatewayConfig::new(&redis.url(), dir.file("rules.toml", ""), &up.url());
-    config.extra = "[default_rule]\ncapacity = 50\nrefill_per_second = 10\n".into();
-    let gateways = [Gateway::start(&config), Gateway::start(&config)];
+    let s = Stack::start("races", "", |c, _| {
+        c.extra = "[default_rule]\ncapacity = 50\nrefill_per_second = 10\n".into();
+    });
+    let gateways = [&s.gw, &Gateway::start(&s.config)];
     let clock = SystemClock::new();
     let c = client();
 

@@ -6,7 +6,8 @@
 //! output one by one: they are counted, exported as
 //! `tollgate_malformed_requests_total`, and summarised in at most one
 //! warning per [`NOISE_REPORT_PERIOD_MS`] ([`ClientNoise::report`]).
-//! Colour codes are written only to a terminal.
+//! Logs go to stderr (stdout is left to command output such as the demo's
+//! banner); colour codes are written only to a terminal.
 
 use std::io::IsTerminal as _;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -70,8 +71,9 @@ pub fn init_tracing(level: &str) -> anyhow::Result<()> {
         _ => tracing_subscriber::EnvFilter::try_new(log_filter(level))?,
     };
     let output = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
         .with_target(false)
-        .with_ansi(std::io::stdout().is_terminal())
+        .with_ansi(std::io::stderr().is_terminal())
         .with_filter(filter_fn(|meta| !is_client_noise(meta)));
     tracing_subscriber::registry()
         .with(filter)

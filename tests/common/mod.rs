@@ -391,6 +391,8 @@ pub struct Stack {
     pub redis: RedisServer,
     pub up: Upstream,
     pub dir: TempDir,
+    /// The gateway's config, to start more gateways like it.
+    pub config: GatewayConfig,
     pub gw: Gateway,
 }
 
@@ -405,7 +407,13 @@ impl Stack {
         let mut config = GatewayConfig::new(&redis.url(), dir.file("rules.toml", rules), &up.url());
         configure(&mut config, &up.url());
         let gw = Gateway::start(&config);
-        Self { redis, up, dir, gw }
+        Self {
+            redis,
+            up,
+            dir,
+            config,
+            gw,
+        }
     }
 }
 
@@ -547,6 +555,7 @@ impl EndlessUpstream {
 }
 
 /// Builds gateway configs for tests; both listeners bind port 0.
+#[derive(Clone)]
 pub struct GatewayConfig {
     pub redis_url: String,
     /// `redis.cluster_nodes`; non-empty switches to Redis Cluster.
@@ -1079,16 +1088,16 @@ pub struct GatewayProcess {
 }
 
 impl GatewayProcess {
-    /// Writes `toml` (with `{proxy}` and `{admin}` filled in) and starts
-    /// `tollgate serve` on it; waits until `/live` answers.
+    /// Writes `toml` (with `{proxy}` and `{admin}` set to port 0, so the
+    /// gateway binds free ports itself, with no race) and starts
+    /// `tollgate serve` on it; reads the bound ports from its log and waits
+    /// until `/ready` answers 200.
     pub fn start(name: &str, dir: &TempDir, toml: &str) -> Self {
-        let (proxy, admin) = (free_port(), free_port());
-        let toml = toml
-            .replace("{proxy}", &proxy.to_string())
-            .replace("{admin}", &admin.to_string());
+        let toml = toml.replace("{proxy}", "0").replace("{admin}", "0");
         let path = dir.file(&format!("{name}.toml"), &toml);
-        let log = std::fs::File::create(dir.0.join(format!("{name}.log"))).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        let log_path = dir.0.join(format!("{name}.log"));
+        let log = std::fs::File::create(&log_path).unwrap();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_tollgate"))
             .args(["serve", "--config"])
             .arg(&path)
             .env_remove("RUST_LOG")
@@ -1096,6 +1105,15 @@ impl GatewayProcess {
             .stderr(log)
             .spawn()
             .expect("the tollgate binary runs");
+        let mut ports = None;
+        let found = wait_until(Duration::from_secs(20), || {
+            ports = serving_ports(&std::fs::read_to_string(&log_path).unwrap_or_default());
+            ports.is_some()
+        });
+        let Some((proxy, admin)) = ports.filter(|_| found) else {
+            let _ = child.kill();
+            panic!("gateway {name} did not start; see {}", log_path.display());
+        };
         let gateway = Self {
             name: name.to_owned(),
             proxy,
@@ -1108,7 +1126,7 @@ impl GatewayProcess {
                 admin_addr, "/ready"
             ) == Some(200)),
             "gateway {name} was not ready; see {}",
-            dir.0.join(format!("{name}.log")).display()
+            log_path.display()
         );
         gateway
     }
@@ -1120,6 +1138,20 @@ impl GatewayProcess {
     pub fn admin_url(&self, path: &str) -> String {
         format!("http://127.0.0.1:{}{path}", self.admin)
     }
+}
+
+/// The proxy and admin ports of the `tollgate is serving.` log line.
+fn serving_ports(log: &str) -> Option<(u16, u16)> {
+    let line = log.lines().find(|l| l.contains("tollgate is serving."))?;
+    let port = |field: &str| -> Option<u16> {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(field))?
+            .rsplit(':')
+            .next()?
+            .parse()
+            .ok()
+    };
+    Some((port("proxy=")?, port("admin=")?))
 }
 
 impl Drop for GatewayProcess {
