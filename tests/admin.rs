@@ -7,7 +7,7 @@ mod common;
 use std::io::Write;
 use std::process::{Command, Stdio};
 
-use common::{Gateway, Stack, admin, client, get, ready};
+use common::{Gateway, Stack, admin, client, get, ready, text};
 
 #[actix_web::test]
 async fn live_ready_and_metrics_report_the_gateway() {
@@ -115,15 +115,7 @@ async fn admin_reads_need_a_token_and_no_surface_shows_one() {
         assert_eq!(page["rules"][0]["tenant"], "secret-key");
     }
     for surface in ["/ready", "/metrics"] {
-        let text = client()
-            .get(gw.admin_url(surface))
-            .send()
-            .await
-            .unwrap()
-            .body()
-            .await
-            .unwrap();
-        let text = String::from_utf8_lossy(&text);
+        let text = text(&gw.admin_url(surface)).await;
         for secret in ["write-token", "read-token"] {
             assert!(!text.contains(secret), "{surface} shows {secret}");
         }

@@ -121,15 +121,7 @@ async fn share_rows(gw: &GatewayProcess) -> serde_json::Value {
 }
 
 async fn metrics_text(gw: &GatewayProcess) -> String {
-    let body = client()
-        .get(gw.admin_url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .body()
-        .await
-        .unwrap();
-    String::from_utf8(body.to_vec()).unwrap()
+    common::text(&gw.admin_url("/metrics")).await
 }
 
 /// Sum of one series over the gateways.

@@ -65,13 +65,24 @@ fn a_client_that_stops_reading_loses_its_upstream_connection() {
     drop(stalled);
 }
 
+/// A gateway with `upstream.timeout_ms = upstream_timeout_ms` and the
+/// `[client]` keys `client`, generous limits.
+fn uploads_at(tag: &str, upstream_timeout_ms: u64, client: &str) -> Stack {
+    Stack::start(tag, "", |c, _| {
+        c.upstream_timeout_ms = upstream_timeout_ms;
+        c.extra = format!(
+            "[default_rule]\ncapacity = 100\nrefill_per_second = 100\n[client]\n{client}\n"
+        );
+    })
+}
+
 #[test]
 fn a_slow_uploader_gets_408_and_is_not_blamed_on_the_upstream() {
-    let s = Stack::start("slow-uploader", "", |c, _| {
-        c.extra = "[default_rule]\ncapacity = 100\nrefill_per_second = 100\n\
-                   [client]\nread_timeout_ms = 500\nmin_bytes_per_second = 1024\n"
-            .into();
-    });
+    let s = uploads_at(
+        "slow-uploader",
+        1000,
+        "read_timeout_ms = 500\nmin_bytes_per_second = 1024",
+    );
     let mut stream = open_request(
         s.gw.addr,
         "POST /upload HTTP/1.1\r\nHost: gw\r\nX-Api-Key: trickle\r\nContent-Length: 1000\r\n\r\n",
@@ -96,12 +107,11 @@ fn a_slow_uploader_gets_408_and_is_not_blamed_on_the_upstream() {
 
 #[test]
 fn an_upload_longer_than_the_upstream_timeout_but_within_pace_is_served() {
-    let s = Stack::start("steady-uploader", "", |c, _| {
-        c.upstream_timeout_ms = 300;
-        c.extra = "[default_rule]\ncapacity = 100\nrefill_per_second = 100\n\
-                   [client]\nread_timeout_ms = 1000\nmin_bytes_per_second = 0\n"
-            .into();
-    });
+    let s = uploads_at(
+        "steady-uploader",
+        300,
+        "read_timeout_ms = 1000\nmin_bytes_per_second = 0",
+    );
     let mut stream = open_request(
         s.gw.addr,
         "POST /upload HTTP/1.1\r\nHost: gw\r\nX-Api-Key: steady\r\nContent-Length: 600\r\n\r\n",

@@ -731,6 +731,20 @@ pub fn client() -> awc::Client {
         .finish()
 }
 
+/// The body of `GET url`, as text.
+pub async fn text(url: &str) -> String {
+    let body = client()
+        .get(url)
+        .send()
+        .await
+        .expect("the server answers")
+        .body()
+        .limit(16 * 1024 * 1024)
+        .await
+        .expect("the body arrives");
+    String::from_utf8_lossy(&body).into_owned()
+}
+
 /// A header's value as text, if present.
 pub fn header<B>(res: &awc::ClientResponse<B>, name: &str) -> Option<String> {
     res.headers()

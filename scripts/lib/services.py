@@ -1,0 +1,259 @@
+"""Throwaway services for the Python scripts (scripts/soak,
+scripts/slow-clients): redis-server, a PostgreSQL cluster, an HTTP
+upstream and `tollgate serve` processes, each on free ports, with helpers
+to wait for them. Imported, not run."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+def log(message):
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def fail(message):
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(check, seconds, what):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    fail(f"{what} did not happen within {seconds} s")
+
+
+def port_open(port):
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+# ---------------------------------------------------------------- services
+
+
+class Redis:
+    def __init__(self, work):
+        if not shutil.which("redis-server"):
+            fail("redis-server not found; install it with: apt-get install -y redis-server")
+        self.port = free_port()
+        self.log = open(os.path.join(work, "redis.log"), "ab")
+        self.proc = None
+        self.start()
+
+    def start(self):
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+             "--save", "", "--appendonly", "no"],
+            stdout=self.log, stderr=self.log)
+        wait_for(lambda: port_open(self.port), 10, "redis-server start")
+
+    def kill(self):
+        self.proc.kill()
+        self.proc.wait()
+
+    def pause(self):
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self):
+        self.proc.send_signal(signal.SIGCONT)
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait()
+
+
+class Postgres:
+    def __init__(self, work):
+        versions = sorted(
+            (d for d in os.listdir("/usr/lib/postgresql") if os.path.exists(
+                f"/usr/lib/postgresql/{d}/bin/initdb")),
+            key=lambda v: [int(x) for x in v.split(".") if x.isdigit()],
+        ) if os.path.isdir("/usr/lib/postgresql") else []
+        if not versions:
+            fail("no PostgreSQL server binaries; install them with: apt-get install -y postgresql")
+        self.bin = f"/usr/lib/postgresql/{versions[-1]}/bin"
+        self.dir = os.path.join(work, "pg")
+        os.makedirs(self.dir)
+        self.as_pg = []
+        if os.geteuid() == 0:
+            shutil.chown(work, "postgres")
+            os.chmod(work, 0o755)
+            shutil.chown(self.dir, "postgres", "postgres")
+            self.as_pg = ["runuser", "-u", "postgres", "--"]
+        self.port = free_port()
+        self.run("initdb", "-D", self.data(), "-U", "postgres", "-A", "trust", "--no-sync")
+        self.start()
+        self.url = f"postgres://postgres@127.0.0.1:{self.port}/postgres"
+
+    def data(self):
+        return os.path.join(self.dir, "data")
+
+    def run(self, tool, *args):
+        out = subprocess.run(self.as_pg + [os.path.join(self.bin, tool), *args],
+                             capture_output=True, text=True)
+        if out.returncode != 0:
+            fail(f"{tool} failed: {out.stdout}{out.stderr}")
+
+    def start(self):
+        self.run("pg_ctl", "-D", self.data(), "-l", os.path.join(self.dir, "server.log"), "-w",
+                 "-o", f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 -c fsync=off",
+                 "start")
+
+    def stop(self):
+        self.run("pg_ctl", "-D", self.data(), "-m", "fast", "-w", "stop")
+
+
+class Upstream:
+    """An HTTP/1.1 upstream: /download?bytes=N streams N bytes, POST reads
+    the body, anything else answers a small JSON document."""
+
+    def __init__(self):
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                if self.path.startswith("/download"):
+                    total = int(self.path.split("bytes=")[1])
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(total))
+                    self.end_headers()
+                    chunk = b"x" * 65536
+                    try:
+                        sent = 0
+                        while sent < total:
+                            n = min(len(chunk), total - sent)
+                            self.wfile.write(chunk[:n])
+                            sent += n
+                    except OSError:
+                        self.close_connection = True
+                    return
+                body = b'{"ok":true}'
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_POST(self):
+                length = int(self.headers.get("Content-Length", "0"))
+                try:
+                    self.rfile.read(length)
+                except OSError:
+                    self.close_connection = True
+                    return
+                self.do_GET()
+
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+            request_queue_size = 512
+
+            def handle_error(self, request, client_address):
+                pass  # A gateway dropping a connection is part of the soak.
+
+        self.server = Server(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self):
+        self.server.shutdown()
+
+
+class Gateway:
+    def __init__(self, name, work, binary, config):
+        self.name, self.work, self.binary = name, work, binary
+        self.config_text = config
+        self.log_path = os.path.join(work, f"gateway-{name}.log")
+        self.proxy = self.admin = 0
+        self.proc = None
+        self.start()
+
+    def start(self):
+        config = self.config_text.replace("{proxy}", str(self.proxy)).replace(
+            "{admin}", str(self.admin))
+        path = os.path.join(self.work, f"gateway-{self.name}.toml")
+        with open(path, "w") as f:
+            f.write(config)
+        log = open(self.log_path, "ab")
+        offset = log.tell()
+        env = {k: v for k, v in os.environ.items() if k != "RUST_LOG"}
+        self.proc = subprocess.Popen([self.binary, "serve", "--config", path],
+                                     stdout=log, stderr=log, env=env)
+
+        def serving():
+            with open(self.log_path) as f:
+                f.seek(offset)
+                for line in f:
+                    if "tollgate is serving." in line:
+                        fields = dict(w.split("=", 1) for w in line.split() if "=" in w)
+                        self.proxy = int(fields["proxy"].rsplit(":", 1)[1])
+                        self.admin = int(fields["admin"].rsplit(":", 1)[1])
+                        return True
+            if self.proc.poll() is not None:
+                fail(f"gateway {self.name} exited; see {self.log_path}")
+            return False
+
+        wait_for(serving, 60, f"gateway {self.name} start")
+        wait_for(lambda: self.ready_status() == 200, 30, f"gateway {self.name} ready")
+
+    def ready_status(self):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.admin}/ready", timeout=2) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    def ready(self):
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.admin}/ready", timeout=5) as r:
+            return json.load(r)
+
+    def metric(self, series):
+        """One series of this gateway's own /metrics (its own process), or 0."""
+        url = f"http://127.0.0.1:{self.admin}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith(series + " "):
+                    return float(line.split()[-1])
+        return 0.0
+
+    def terminate(self):
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout=30)
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def rss_kib(self):
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+        return 0
