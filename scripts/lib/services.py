@@ -5,6 +5,7 @@ to wait for them. Imported, not run."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -210,7 +211,10 @@ class Gateway:
             with open(self.log_path) as f:
                 f.seek(offset)
                 for line in f:
-                    if "tollgate is serving." in line:
+                    # A line still being written has no newline yet.
+                    if "tollgate is serving." in line and line.endswith("\n"):
+                        # Older builds colour their logs even in files.
+                        line = re.sub(r"\x1b\[[0-9;]*m", "", line)
                         fields = dict(w.split("=", 1) for w in line.split() if "=" in w)
                         self.proxy = int(fields["proxy"].rsplit(":", 1)[1])
                         self.admin = int(fields["admin"].rsplit(":", 1)[1])
