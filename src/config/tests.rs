@@ -294,3 +294,49 @@ fn passwords_in_urls_are_redacted() {
     assert_eq!(redact_url("http://h/a@b"), "http://h/a@b");
     assert_eq!(redact_url("not a url"), "not a url");
 }
+
+#[test]
+fn the_readme_and_the_reference_file_document_every_key() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let reference = std::fs::read_to_string(root.join("config/tollgate.toml")).unwrap();
+    // The keys of `[section]` in the reference file, up to the next header.
+    let keys_in = |section: &str| -> Vec<String> {
+        let header = format!("[{section}]");
+        reference
+            .lines()
+            .skip_while(|l| !l.trim_start().starts_with(&header))
+            .skip(1)
+            .take_while(|l| !l.trim_start().starts_with('['))
+            .filter_map(|l| l.split_once('=').map(|(k, _)| k.trim().to_owned()))
+            .filter(|k| !k.starts_with('#'))
+            .collect()
+    };
+    let schema = Schema::new();
+    let mut missing = Vec::new();
+    for (section, keys) in &schema.root {
+        let Some(keys) = keys.as_table() else {
+            continue;
+        };
+        let documented = keys_in(section);
+        for key in keys.keys() {
+            let name = format!("{section}.{key}");
+            if !readme.contains(&format!("`{name}`")) {
+                missing.push(format!("README: {name}"));
+            }
+            if !documented.contains(key) {
+                missing.push(format!("config/tollgate.toml: {name}"));
+            }
+        }
+    }
+    let route_keys = keys_in("[routes]");
+    for key in schema.route.keys() {
+        if !readme.contains(&format!("`routes[].{key}`")) {
+            missing.push(format!("README: routes[].{key}"));
+        }
+        if !route_keys.contains(key) {
+            missing.push(format!("config/tollgate.toml: routes[].{key}"));
+        }
+    }
+    assert!(missing.is_empty(), "undocumented keys: {missing:#?}");
+}

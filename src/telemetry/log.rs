@@ -110,7 +110,7 @@ impl ClientNoise {
     }
 
     /// Exports the events counted since the last call and, at most once
-    /// per [`NOISE_REPORT_PERIOD_MS`], logs how many there were.
+    /// a minute, logs how many there were.
     pub fn report(&mut self, now_ms: u64) {
         let seen = NOISE.load(Ordering::Relaxed);
         let new = seen.saturating_sub(self.exported);
