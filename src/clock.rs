@@ -88,6 +88,33 @@ impl Clock for ManualClock {
     }
 }
 
+/// tokio's clock, which stands still under `tokio::time::pause` and moves
+/// with `tokio::time::advance` and auto-advance: logic on it and the timers
+/// it awaits move together in paused-time tests.
+#[cfg(test)]
+#[derive(Debug)]
+pub struct TokioClock {
+    /// Origin of the count.
+    origin: tokio::time::Instant,
+}
+
+#[cfg(test)]
+impl TokioClock {
+    /// A clock whose origin is tokio's now (call inside a runtime).
+    pub fn shared() -> SharedClock {
+        Arc::new(Self {
+            origin: tokio::time::Instant::now(),
+        })
+    }
+}
+
+#[cfg(test)]
+impl Clock for TokioClock {
+    fn now_micros(&self) -> u64 {
+        u64::try_from(self.origin.elapsed().as_micros()).unwrap_or(u64::MAX)
+    }
+}
+
 /// Wall-clock seconds since the Unix epoch, for timestamps shown to operators
 /// (never used in limiter arithmetic).
 #[allow(clippy::disallowed_methods)] // The one place that reads the wall clock.

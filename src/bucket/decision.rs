@@ -1,5 +1,10 @@
 //! The outcome of asking a bucket for tokens.
 //!
+//! Owns what a bucket is asked ([`Ask`]: one request's cost, or a lease
+//! batch) and what it answers ([`Grant`], carrying the request's
+//! [`Decision`]), whatever holds the bucket: Redis, the in-process fallback
+//! or a test's fake store.
+//!
 //! A rejection is a [`Decision`] with `allowed == false`, never an error.
 //! An error from Redis means "could not decide": the caller falls back to
 //! the local limiter instead of failing the request.
@@ -68,6 +73,40 @@ pub struct Decision {
     /// for a rejection, until it could pass (≥ 1); for an admission, until
     /// the next one could (0 while tokens remain).
     pub retry_after_ms: u64,
+}
+
+/// What one script call asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ask {
+    /// Most tokens to take (a request's cost, or a lease batch).
+    pub want: u32,
+    /// Fewest tokens worth a lease.
+    pub min: u32,
+    /// The request's own cost: taken alone when fewer than `min` exist.
+    pub need: u32,
+}
+
+impl Ask {
+    /// One request's `cost`, no lease.
+    pub fn single(cost: u32) -> Self {
+        Self {
+            want: cost,
+            min: cost,
+            need: cost,
+        }
+    }
+}
+
+/// What one script call got.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Grant {
+    /// Tokens taken (0 when the request was rejected).
+    pub granted: u32,
+    /// The request's decision; `retry_after_ms` is about its own cost.
+    pub decision: Decision,
+    /// Milliseconds until another call like this one could be granted
+    /// its minimum (the over-limit cache blocks the key that long).
+    pub block_ms: u64,
 }
 
 #[cfg(test)]

@@ -34,9 +34,8 @@ use std::sync::Arc;
 use tokio::sync::Notify;
 use tokio::sync::futures::OwnedNotified;
 
-use super::decision::{BucketSpec, Decision};
+use super::decision::{Ask, BucketSpec, Decision, Grant};
 use super::keymap::{Idle, KeyMap};
-use super::redis::{Ask, Grant};
 use crate::clock::SharedClock;
 use crate::config::LeaseSettings;
 use crate::telemetry::{DecisionSource, Metrics};

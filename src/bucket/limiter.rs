@@ -19,11 +19,13 @@ use std::borrow::Borrow;
 use std::num::NonZeroU32;
 use std::sync::Arc;
 
+use super::decision::Ask;
 use super::decision::{BucketSpec, Decision};
 use super::lease::{HotKeys, Plan};
 use super::local::LocalBuckets;
-use super::redis::{Ask, RedisBucket};
+use super::redis::RedisBucket;
 use super::shard;
+use super::store::SharedStore;
 use crate::breaker::{BreakerGate, State};
 use crate::clock::SharedClock;
 use crate::cluster::LiveInstances;
@@ -161,18 +163,19 @@ impl LimiterCore {
     }
 }
 
-/// One proxy worker's limiter: its own Redis connection (so Redis replies
-/// wake the worker that asked, not another thread) over the shared core.
-pub struct Limiter {
-    /// This worker's Redis client; `None` in local-only mode.
-    redis: Option<RedisBucket>,
+/// One proxy worker's limiter: its own connection to the shared store (so
+/// Redis replies wake the worker that asked, not another thread) over the
+/// shared core.
+pub struct Limiter<S: SharedStore = RedisBucket> {
+    /// This worker's client of the shared store; `None` in local-only mode.
+    redis: Option<S>,
     /// State shared with the other workers.
     core: Arc<LimiterCore>,
 }
 
-impl Limiter {
+impl<S: SharedStore> Limiter<S> {
     /// A worker limiter over `redis` (or local-only when `None`).
-    pub fn new(redis: Option<RedisBucket>, core: Arc<LimiterCore>) -> Self {
+    pub fn new(redis: Option<S>, core: Arc<LimiterCore>) -> Self {
         Self { redis, core }
     }
 
@@ -207,7 +210,7 @@ impl Limiter {
     #[allow(clippy::too_many_arguments)] // One request's facts, each needed.
     async fn shared(
         &self,
-        redis: &RedisBucket,
+        redis: &S,
         gate: &BreakerGate,
         tenant: &TenantId,
         route: &RouteId,
@@ -295,7 +298,7 @@ impl Limiter {
     /// Fetches `key`'s next lease in the background; the request that
     /// planned it holds the key's slot, released when the answer (or the
     /// failure) is recorded.
-    fn refresh(&self, redis: &RedisBucket, key: &str, spec: BucketSpec, ask: Ask) {
+    fn refresh(&self, redis: &S, key: &str, spec: BucketSpec, ask: Ask) {
         let redis = redis.clone();
         // Released however the task ends, even dropped unfinished.
         let mut slot = SlotGuard::new(self.core.clone(), key.to_owned());
@@ -352,3 +355,6 @@ impl<C: Borrow<LimiterCore>, K: Borrow<str>> Drop for SlotGuard<C, K> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,5 +1,6 @@
-//! Token buckets: the arithmetic, the Redis script client, the local
-//! limiter, and the hot-path [`Limiter`] that combines them.
+//! Token buckets: the arithmetic, the shared store behind its seam
+//! ([`SharedStore`], Redis in production), the local limiter, and the
+//! hot-path [`Limiter`] that combines them.
 
 pub mod decision;
 pub mod keymap;
@@ -8,10 +9,12 @@ pub mod limiter;
 pub mod local;
 pub mod redis;
 pub mod shard;
+pub mod store;
 pub mod tokens;
 
-pub use decision::{BucketSpec, Decision};
+pub use decision::{Ask, BucketSpec, Decision, Grant};
 pub use lease::HotKeys;
 pub use limiter::{Limiter, LimiterCore, RedisState, Verdict};
 pub use local::LocalBuckets;
-pub use redis::{Ask, Grant, RedisBucket, WarmWorkers};
+pub use redis::{RedisBucket, WarmWorkers};
+pub use store::SharedStore;

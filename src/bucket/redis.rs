@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use redis::Script;
 
-use super::decision::{BucketSpec, Decision};
+use super::decision::{Ask, BucketSpec, Decision, Grant};
 use crate::clock::SharedClock;
 use crate::redis_client::{RedisCallError, RedisConn};
 use crate::telemetry::Metrics;
@@ -139,38 +139,4 @@ impl RedisBucket {
             block_ms: u64::try_from(block_ms).unwrap_or(0),
         })
     }
-}
-
-/// What one script call asks for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Ask {
-    /// Most tokens to take (a request's cost, or a lease batch).
-    pub want: u32,
-    /// Fewest tokens worth a lease.
-    pub min: u32,
-    /// The request's own cost: taken alone when fewer than `min` exist.
-    pub need: u32,
-}
-
-impl Ask {
-    /// One request's `cost`, no lease.
-    pub fn single(cost: u32) -> Self {
-        Self {
-            want: cost,
-            min: cost,
-            need: cost,
-        }
-    }
-}
-
-/// What one script call got.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Grant {
-    /// Tokens taken (0 when the request was rejected).
-    pub granted: u32,
-    /// The request's decision; `retry_after_ms` is about its own cost.
-    pub decision: Decision,
-    /// Milliseconds until another call like this one could be granted
-    /// its minimum (the over-limit cache blocks the key that long).
-    pub block_ms: u64,
 }

@@ -1,4 +1,5 @@
-//! Token-bucket arithmetic, the in-process twin of `lua/token_bucket.lua`.
+//! Token-bucket arithmetic, the in-process twin of `lua/token_bucket.lua`
+//! (the local fallback and the tests' fake store both use it).
 //!
 //! Pure functions over a [`TokenState`] and an explicit `now`, so the math is
 //! tested with a hand-advanced clock. The rules match the script exactly:
@@ -8,7 +9,7 @@
 //! admission that leaves less than one more request's tokens reports when
 //! the next could pass.
 
-use super::decision::{BucketSpec, Decision};
+use super::decision::{Ask, BucketSpec, Decision, Grant};
 
 /// The two numbers a bucket keeps.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -37,27 +38,55 @@ impl TokenState {
 
     /// Refills to `now_ms` and tries to take `cost` tokens.
     pub fn take(&mut self, spec: &BucketSpec, cost: u32, now_ms: u64) -> Decision {
-        let cost = f64::from(cost.min(spec.capacity.get()));
+        self.grant(spec, Ask::single(cost), now_ms).decision
+    }
+
+    /// Refills to `now_ms` and takes tokens as `ask` says, exactly as
+    /// `lua/token_bucket.lua` does: `want` (clamped to the capacity) when
+    /// at least `min` exist (all whole tokens up to `want`), else `need`
+    /// alone when that many exist, else nothing. A rejection changes
+    /// nothing.
+    pub fn grant(&mut self, spec: &BucketSpec, ask: Ask, now_ms: u64) -> Grant {
+        let rate = spec.refill_per_second;
+        let want = f64::from(ask.want).min(f64::from(spec.capacity.get()));
+        let min = f64::from(ask.min).min(want);
+        let need = f64::from(ask.need).min(min);
         let tokens = self.available(spec, now_ms);
-        if tokens < cost {
-            let retry = ((cost - tokens) * 1000.0 / spec.refill_per_second).ceil();
-            return Decision {
-                allowed: false,
-                remaining: tokens.floor() as u64,
-                retry_after_ms: (retry as u64).max(1),
+        // Milliseconds until `n` tokens exist when `tokens` do, rounded up.
+        let wait = |n: f64, tokens: f64| {
+            if tokens >= n {
+                0
+            } else {
+                // Saturating float-to-int cast of a finite, positive value.
+                ((n - tokens) * 1000.0 / rate).ceil() as u64
+            }
+        };
+        if tokens < need {
+            return Grant {
+                granted: 0,
+                decision: Decision {
+                    allowed: false,
+                    remaining: tokens.floor() as u64,
+                    retry_after_ms: wait(need, tokens).max(1),
+                },
+                block_ms: wait(min, tokens).max(1),
             };
         }
-        self.tokens = tokens - cost;
-        self.updated_ms = now_ms;
-        let next = if self.tokens < cost {
-            ((cost - self.tokens) * 1000.0 / spec.refill_per_second).ceil() as u64
+        let granted = if tokens >= min {
+            want.min(tokens.floor())
         } else {
-            0
+            need
         };
-        Decision {
-            allowed: true,
-            remaining: self.tokens.floor() as u64,
-            retry_after_ms: next,
+        self.tokens = tokens - granted;
+        self.updated_ms = now_ms;
+        Grant {
+            granted: granted as u32,
+            decision: Decision {
+                allowed: true,
+                remaining: self.tokens.floor() as u64,
+                retry_after_ms: wait(need, self.tokens),
+            },
+            block_ms: wait(min, self.tokens),
         }
     }
 
@@ -103,6 +132,31 @@ mod tests {
         let d = state.take(&s, 1, clock.now_ms());
         assert!(d.allowed);
         assert_eq!(d.remaining, 0);
+    }
+
+    #[test]
+    fn a_lease_takes_up_to_want_at_least_min_or_just_the_request() {
+        let s = spec(10, 10.0);
+        let ask = Ask {
+            want: 8,
+            min: 4,
+            need: 1,
+        };
+        let mut state = TokenState::full(&s, 0);
+        let g = state.grant(&s, ask, 0);
+        assert_eq!((g.granted, g.decision.remaining, g.block_ms), (8, 2, 200));
+        // 2 left: fewer than min, at least need: just the request's token.
+        let g = state.grant(&s, ask, 0);
+        assert_eq!(
+            (g.granted, g.decision.allowed, g.decision.remaining),
+            (1, true, 1)
+        );
+        assert_eq!(g.block_ms, 300);
+        let g = state.grant(&s, ask, 0);
+        assert_eq!((g.granted, g.decision.remaining), (1, 0));
+        let g = state.grant(&s, ask, 0);
+        assert_eq!((g.granted, g.decision.allowed), (0, false));
+        assert_eq!((g.decision.retry_after_ms, g.block_ms), (100, 400));
     }
 
     #[test]

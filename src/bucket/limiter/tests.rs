@@ -1,0 +1,254 @@
+//! The limiter's order, on a fake store and tokio's paused time: breaker,
+//! over-limit cache, leases (single-flight fetch, background top-up),
+//! store, fallback; and sub-buckets.
+
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::future::join_all;
+
+use super::{Limiter, LimiterCore, Verdict};
+use crate::breaker::{BreakerGate, State};
+use crate::bucket::store::fake::{FakeStore, Fault};
+use crate::bucket::{HotKeys, LocalBuckets};
+use crate::clock::{SharedClock, TokioClock};
+use crate::cluster::LiveInstances;
+use crate::config::LeaseSettings;
+use crate::key::{RouteId, TenantId};
+use crate::rules::Limit;
+use crate::telemetry::{DecisionSource, Metrics};
+
+/// Bound on one store call.
+const TIMEOUT: Duration = Duration::from_millis(50);
+
+/// A limiter on a fake store, two live instances, leases as configured by
+/// default; its clock is tokio's (paused by the caller).
+struct Setup {
+    limiter: Limiter<FakeStore>,
+    store: FakeStore,
+    gate: Arc<BreakerGate>,
+}
+
+fn setup() -> Setup {
+    let clock: SharedClock = TokioClock::shared();
+    let lease = LeaseSettings {
+        enabled: true,
+        window: Duration::from_millis(100),
+        max_batch: 50,
+        min_rate_per_second: 100.0,
+    };
+    let metrics = Metrics::new();
+    let gate = Arc::new(BreakerGate::new());
+    let core = Arc::new(LimiterCore::new(
+        LocalBuckets::new(1000, clock.clone()),
+        HotKeys::new(lease, 1000, clock.clone(), metrics.clone()),
+        Arc::new(LiveInstances::new(NonZeroU32::new(2).unwrap())),
+        Some(gate.clone()),
+        clock.clone(),
+        metrics,
+    ));
+    let store = FakeStore::new(clock, TIMEOUT);
+    Setup {
+        limiter: Limiter::new(Some(store.clone()), core),
+        store,
+        gate,
+    }
+}
+
+fn limit(capacity: u32, refill: u32) -> Limit {
+    Limit::new(
+        NonZeroU32::new(capacity).unwrap(),
+        NonZeroU32::new(refill).unwrap(),
+    )
+}
+
+async fn check(s: &Setup, limit: Limit) -> Verdict {
+    s.limiter
+        .check(
+            &TenantId::parse("t").unwrap(),
+            &RouteId::parse("r").unwrap(),
+            limit,
+            1.0,
+            NonZeroU32::MIN,
+        )
+        .await
+}
+
+const KEY: &str = "rl:{t}:r";
+
+#[actix_web::test]
+async fn with_the_breaker_open_the_local_share_decides_without_the_store() {
+    tokio::time::pause();
+    let s = setup();
+    s.gate.publish(State::Open);
+    let v = check(&s, limit(10, 1)).await;
+    assert_eq!(v.source, DecisionSource::Local);
+    assert_eq!(v.spec.capacity.get(), 5, "1/N of 10 with N = 2");
+    assert!(s.store.calls().is_empty());
+}
+
+#[actix_web::test]
+async fn a_store_that_fails_sends_the_decision_to_the_local_share_and_tells_the_breaker() {
+    tokio::time::pause();
+    let s = setup();
+    for fault in [Fault::Dropped, Fault::NoScript, Fault::Slow(TIMEOUT)] {
+        s.store.fail_next(fault);
+        let started = tokio::time::Instant::now();
+        let v = check(&s, limit(10, 1)).await;
+        assert_eq!(v.source, DecisionSource::Local, "{fault:?}");
+        assert_eq!(v.spec.capacity.get(), 5, "{fault:?}");
+        // The timer wheel rounds up to the next millisecond.
+        assert!(
+            started.elapsed() <= TIMEOUT + Duration::from_millis(1),
+            "{fault:?} waited {:?}",
+            started.elapsed()
+        );
+        assert_eq!(s.gate.drain().failures, 1, "{fault:?}");
+    }
+}
+
+#[actix_web::test]
+async fn a_slow_store_within_its_timeout_still_decides() {
+    tokio::time::pause();
+    let s = setup();
+    s.store.fail_next(Fault::Slow(TIMEOUT / 2));
+    let v = check(&s, limit(10, 1)).await;
+    assert_eq!(v.source, DecisionSource::Redis);
+    assert_eq!(v.decision.remaining, 9);
+    assert_eq!(s.gate.drain().successes, 1);
+}
+
+#[actix_web::test]
+async fn a_connection_dropped_after_the_script_ran_falls_back_but_the_tokens_are_gone() {
+    tokio::time::pause();
+    let s = setup();
+    s.store.fail_next(Fault::DroppedAfter);
+    let l = limit(10, 1);
+    assert_eq!(check(&s, l).await.source, DecisionSource::Local);
+    let spec = crate::bucket::BucketSpec::of(l.capacity, l.refill_per_second);
+    assert_eq!(s.store.tokens(KEY, &spec), Some(9.0));
+}
+
+#[actix_web::test]
+async fn the_over_limit_cache_answers_without_the_store_until_the_retry_time() {
+    tokio::time::pause();
+    let s = setup();
+    let l = limit(2, 1);
+    assert!(check(&s, l).await.decision.allowed);
+    let last = check(&s, l).await;
+    assert_eq!(
+        (last.decision.allowed, last.source),
+        (true, DecisionSource::Redis)
+    );
+    // The last token went: no request can pass for 1 s.
+    let cached = check(&s, l).await;
+    assert_eq!(cached.source, DecisionSource::Cache);
+    assert!(!cached.decision.allowed);
+    assert_eq!(cached.decision.retry_after_ms, 1000);
+    assert_eq!(s.store.calls().len(), 2);
+    tokio::time::advance(Duration::from_millis(999)).await;
+    assert_eq!(check(&s, l).await.source, DecisionSource::Cache);
+    tokio::time::advance(Duration::from_millis(1)).await;
+    let after = check(&s, l).await;
+    assert_eq!(
+        (after.decision.allowed, after.source),
+        (true, DecisionSource::Redis)
+    );
+    assert_eq!(s.store.calls().len(), 3);
+}
+
+/// Sends requests 1 ms apart (1,000/s) until one is served from a lease;
+/// returns how many were sent.
+async fn until_leasing(s: &Setup, l: Limit) -> usize {
+    for sent in 1..=500 {
+        let v = check(s, l).await;
+        assert!(v.decision.allowed);
+        if v.source == DecisionSource::Lease {
+            return sent;
+        }
+        tokio::time::advance(Duration::from_millis(1)).await;
+    }
+    panic!("the key never leased");
+}
+
+#[actix_web::test]
+async fn a_hot_key_leases_batches_and_spends_them_without_the_store() {
+    tokio::time::pause();
+    let s = setup();
+    let l = limit(1000, 1000);
+    let warm_up = until_leasing(&s, l).await;
+    assert!(warm_up <= 60, "took {warm_up} requests to lease");
+    let calls_before = s.store.calls().len();
+    let mut leased = 0;
+    for _ in 0..200 {
+        let v = check(&s, l).await;
+        assert!(v.decision.allowed);
+        leased += usize::from(v.source == DecisionSource::Lease);
+        tokio::time::advance(Duration::from_millis(1)).await;
+    }
+    let calls = s.store.calls().len() - calls_before;
+    assert!(leased >= 190, "{leased} of 200 from leases");
+    assert!(calls <= 10, "{calls} store calls for 200 requests");
+    assert!(
+        s.store.calls()[calls_before..]
+            .iter()
+            .all(|(_, ask)| ask.want > 1),
+        "every call is a lease"
+    );
+}
+
+#[actix_web::test]
+async fn a_low_lease_is_topped_up_in_the_background_and_waiters_share_one_fetch() {
+    tokio::time::pause();
+    let s = setup();
+    let l = limit(1000, 1000);
+    until_leasing(&s, l).await;
+    // From now on the store is slow: a fetch takes 10 ms.
+    for _ in 0..20 {
+        s.store.fail_next(Fault::Slow(Duration::from_millis(10)));
+    }
+    let calls_before = s.store.calls().len();
+    // Spend the lease at one instant: one request starts a top-up in the
+    // background and goes on at once.
+    let mut spent = 0;
+    loop {
+        let v = check(&s, l).await;
+        if s.store.calls().len() > calls_before {
+            break;
+        }
+        assert_eq!(v.source, DecisionSource::Lease);
+        spent += 1;
+        assert!(spent < 100, "no top-up was started");
+    }
+    assert_eq!(s.store.calls().len(), calls_before + 1, "one top-up");
+    // Thirty more requests at the same instant: what is left of the lease
+    // serves some, the rest wait for that one fetch instead of calling.
+    let verdicts = join_all((0..30).map(|_| check(&s, l))).await;
+    assert!(verdicts.iter().all(|v| v.decision.allowed));
+    assert!(verdicts.iter().all(|v| v.source == DecisionSource::Lease));
+    assert_eq!(
+        s.store.calls().len(),
+        calls_before + 1,
+        "the waiters shared the one fetch"
+    );
+}
+
+#[actix_web::test]
+async fn a_sharded_rule_asks_one_sub_bucket_with_its_share() {
+    tokio::time::pause();
+    let s = setup();
+    let mut l = limit(40, 4);
+    l.shards = NonZeroU32::new(4).unwrap();
+    for _ in 0..8 {
+        let v = check(&s, l).await;
+        assert_eq!(v.spec.capacity.get(), 40, "headers show the whole limit");
+    }
+    for (key, _) in s.store.calls() {
+        let index: u32 = key
+            .strip_prefix("rl:t:r:")
+            .and_then(|i| i.parse().ok())
+            .unwrap_or_else(|| panic!("not a sub-bucket key: {key}"));
+        assert!(index < 4);
+    }
+}
