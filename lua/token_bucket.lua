@@ -1,22 +1,26 @@
--- tollgate token bucket: refill, take and persist one bucket atomically.
+-- tollgate token bucket, state format 2: refill, take and persist one or
+-- more buckets atomically, with one reading of Redis's clock.
 --
--- KEYS[1]  bucket hash, e.g. rl:{tenant}:route, fields:
---            tokens  fractional token count (string)
---            ts      time of the last update, ms since the Unix epoch by
---                    Redis's clock, with microsecond fraction (string)
--- ARGV[1]  capacity: bucket size in tokens (number >= 1)
--- ARGV[2]  refill rate in tokens per second (number > 0)
--- ARGV[3]  want (optional, default 1): tokens to take (integer >= 1): one
---          request's cost, or a lease batch; clamped to the capacity, so a
---          request costing more than the bucket holds passes only when the
---          bucket is full
--- ARGV[4]  min (optional, default want): the fewest tokens worth a lease
--- ARGV[5]  need (optional, default min): the request's own cost; when
---          fewer than min but at least need tokens exist, exactly need are
---          taken, so a lease call never turns away a request that could pass
+-- KEYS[i]        bucket i, e.g. rl2:{tenant}:route: a string holding one
+--                number, the bucket's theoretical arrival time (TAT): the
+--                time at which it is full again, in microseconds since the
+--                Unix epoch by Redis's clock (possibly fractional). A
+--                bucket holds capacity - (TAT - now) × rate tokens; a
+--                missing key is a full bucket.
+-- ARGV[5i-4]     capacity of bucket i: size in tokens (number >= 1)
+-- ARGV[5i-3]     refill rate of bucket i in tokens per second (number > 0)
+-- ARGV[5i-2]     want (optional, default 1): tokens to take (integer >= 1):
+--                one request's cost, or a lease batch; clamped to the
+--                capacity, so a request costing more than the bucket holds
+--                passes only when the bucket is full
+-- ARGV[5i-1]     min (optional, default want): the fewest tokens worth a
+--                lease
+-- ARGV[5i]       need (optional, default min): the request's own cost; when
+--                fewer than min but at least need tokens exist, exactly
+--                need are taken, so a lease call never turns away a request
+--                that could pass
 --
--- Returns {allowed, remaining, retry_after_ms, granted, block_ms}, all
--- integers:
+-- Returns five integers per key, in key order:
 --   allowed         1 when the request's tokens were taken, else 0
 --   remaining       tokens left after this call, floored
 --   retry_after_ms  ms until need tokens exist, rounded up: for a rejection
@@ -25,50 +29,63 @@
 --   block_ms        the same as retry_after_ms for min: when another lease
 --                   could be granted
 --
--- Now always comes from redis.call('TIME'), never from the gateway: gateway
--- clocks drift. Redis 7 replicates scripts by their effects, so reading TIME
--- before a write is safe. The key expires after twice the time to refill an
--- empty bucket; an idle bucket therefore vanishes and comes back full.
-
-local capacity = tonumber(ARGV[1])
-local rate = tonumber(ARGV[2])
-local want = math.min(tonumber(ARGV[3] or 1), capacity)
-local min = math.min(tonumber(ARGV[4] or want), want)
-local need = math.min(tonumber(ARGV[5] or min), min)
+-- Per key: one GET, and one SET ... PX when tokens are taken (a rejection
+-- writes nothing). Now always comes
+-- from redis.call('TIME'), never from the gateway: gateway clocks drift.
+-- Redis 7 replicates scripts by their effects, so reading TIME before a
+-- write is safe. A written key expires after twice the time to refill an
+-- empty bucket; an idle bucket therefore vanishes and comes back full. A
+-- changed rule keeps a bucket's debt (time until full), not its count.
 
 local time = redis.call('TIME')
-local now = tonumber(time[1]) * 1000 + tonumber(time[2]) / 1000
+local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
+local reply = {}
 
-local state = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
-local tokens = tonumber(state[1])
-local ts = tonumber(state[2])
-if tokens == nil or ts == nil then
-  tokens = capacity
-  ts = now
-end
+for i = 1, #KEYS do
+  local at = (i - 1) * 5
+  local capacity = tonumber(ARGV[at + 1])
+  local rate = tonumber(ARGV[at + 2])
+  local want = math.min(tonumber(ARGV[at + 3] or 1), capacity)
+  local min = math.min(tonumber(ARGV[at + 4] or want), want)
+  local need = math.min(tonumber(ARGV[at + 5] or min), min)
 
-local elapsed = math.max(0, now - ts)
-tokens = math.min(capacity, tokens + elapsed * rate / 1000)
-
--- Milliseconds until n tokens exist, rounded up; 0 when they do.
-local function wait(n)
-  if tokens >= n then
-    return 0
+  local tat = tonumber(redis.call('GET', KEYS[i])) or now
+  local tokens = math.max(0, capacity - math.max(0, tat - now) * rate / 1000000)
+  -- Whole token counts survive the trip through the TAT despite rounding.
+  local whole = math.floor(tokens + 0.5)
+  if math.abs(tokens - whole) < 1e-9 then
+    tokens = whole
   end
-  return math.ceil((n - tokens) * 1000 / rate)
+
+  -- Milliseconds until n tokens exist, rounded up; 0 when they do.
+  local function wait(n)
+    if tokens >= n then
+      return 0
+    end
+    return math.ceil((n - tokens) * 1000 / rate)
+  end
+
+  local base = #reply
+  if tokens < need then
+    reply[base + 1] = 0
+    reply[base + 2] = math.floor(tokens)
+    reply[base + 3] = math.max(1, wait(need))
+    reply[base + 4] = 0
+    reply[base + 5] = math.max(1, wait(min))
+  else
+    local granted = need
+    if tokens >= min then
+      granted = math.min(want, math.floor(tokens))
+    end
+    tokens = tokens - granted
+    redis.call('SET', KEYS[i], now + (capacity - tokens) * 1000000 / rate,
+      'PX', math.max(1, math.ceil(2 * capacity * 1000 / rate)))
+    reply[base + 1] = 1
+    reply[base + 2] = math.floor(tokens)
+    reply[base + 3] = wait(need)
+    reply[base + 4] = granted
+    reply[base + 5] = wait(min)
+  end
 end
 
-if tokens < need then
-  -- Nothing changes on a rejection: the refilled value follows from the
-  -- stored pair, so the bucket is not written.
-  return {0, math.floor(tokens), math.max(1, wait(need)), 0, math.max(1, wait(min))}
-end
-
-local granted = need
-if tokens >= min then
-  granted = math.min(want, math.floor(tokens))
-end
-tokens = tokens - granted
-redis.call('HSET', KEYS[1], 'tokens', string.format('%.6f', tokens), 'ts', string.format('%.3f', now))
-redis.call('PEXPIRE', KEYS[1], math.max(1, math.ceil(2 * capacity * 1000 / rate)))
-return {1, math.floor(tokens), wait(need), granted, wait(min)}
+return reply

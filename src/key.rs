@@ -2,12 +2,15 @@
 //!
 //! Owns [`TenantId`] and [`RouteId`], the only way a client-supplied or
 //! configured identifier becomes part of a Redis key, and [`BucketKey`]
-//! (`rl:{<tenant>}:<route>`, or `rl:<tenant>:<route>:<i>` for sub-bucket i of
-//! a sharded rule).
+//! (`rl2:{<tenant>}:<route>`, or `rl2:<tenant>:<route>:<i>` for sub-bucket
+//! i of a sharded rule). The prefix names the bucket state format
+//! ([`BUCKET_PREFIX`]): a gateway of another format uses other keys, so two
+//! formats never meet on one key.
 //!
 //! Invariants: an id is 1 to [`MAX_ID_LEN`] bytes drawn from the safe set
 //! `A-Z a-z 0-9 . _ : -`. In particular `{` and `}` never pass, so the Redis
-//! Cluster hash tag in `rl:{<tenant>}:<route>` always spans exactly the tenant.
+//! Cluster hash tag in `rl2:{<tenant>}:<route>` always spans exactly the
+//! tenant.
 //!
 //! A tenant id is an API key, a secret: logs and metric labels show a
 //! tenant as [`tenant_label`], its rule's [`TenantName`] or a short
@@ -110,7 +113,7 @@ id_type!(
 );
 id_type!(
     /// A gateway route id from the route table. Unlike a tenant it may not
-    /// contain `:`, so a sub-bucket key `rl:<tenant>:<route>:<i>` always
+    /// contain `:`, so a sub-bucket key `rl2:<tenant>:<route>:<i>` always
     /// reads back as one (tenant, route) pair.
     RouteId,
     validate_route_id
@@ -209,7 +212,12 @@ pub fn pair_key<'a>(buf: &'a mut [u8; PAIR_KEY_BUF], tenant: &str, route: &str) 
     std::str::from_utf8(&buf[..t.len() + 1 + r.len()]).ok()
 }
 
-/// The Redis key of one (tenant, route) bucket: `rl:{<tenant>}:<route>`.
+/// Prefix of every bucket key, naming the state format of
+/// `lua/token_bucket.lua`: `rl2:` holds one number (the theoretical arrival
+/// time); the hashes of format 1 lived under `rl:`.
+pub const BUCKET_PREFIX: &str = "rl2:";
+
+/// The Redis key of one (tenant, route) bucket: `rl2:{<tenant>}:<route>`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct BucketKey(String);
 
@@ -217,8 +225,9 @@ impl BucketKey {
     /// The key of the bucket for `tenant` on `route`.
     pub fn new(tenant: &TenantId, route: &RouteId) -> Self {
         let (t, r) = (tenant.as_str(), route.as_str());
-        let mut key = String::with_capacity(6 + t.len() + r.len());
-        key.push_str("rl:{");
+        let mut key = String::with_capacity(BUCKET_PREFIX.len() + 3 + t.len() + r.len());
+        key.push_str(BUCKET_PREFIX);
+        key.push('{');
         key.push_str(t);
         key.push_str("}:");
         key.push_str(r);
@@ -226,14 +235,14 @@ impl BucketKey {
     }
 
     /// The key of sub-bucket `index` of a sharded bucket:
-    /// `rl:<tenant>:<route>:<index>`, without a hash tag so that the
+    /// `rl2:<tenant>:<route>:<index>`, without a hash tag so that the
     /// sub-buckets spread over Redis Cluster nodes.
     pub fn shard(tenant: &TenantId, route: &RouteId, index: u32) -> Self {
         let (t, r) = (tenant.as_str(), route.as_str());
         let mut digits = itoa::Buffer::new();
         let i = digits.format(index);
-        let mut key = String::with_capacity(5 + t.len() + r.len() + i.len());
-        key.push_str("rl:");
+        let mut key = String::with_capacity(BUCKET_PREFIX.len() + 2 + t.len() + r.len() + i.len());
+        key.push_str(BUCKET_PREFIX);
         key.push_str(t);
         key.push(':');
         key.push_str(r);
@@ -300,7 +309,7 @@ mod tests {
             &TenantId::parse("shop-a").unwrap(),
             &RouteId::parse("create-order").unwrap(),
         );
-        assert_eq!(key.as_str(), "rl:{shop-a}:create-order");
+        assert_eq!(key.as_str(), "rl2:{shop-a}:create-order");
     }
 
     #[test]
@@ -316,7 +325,7 @@ mod tests {
             &RouteId::parse("search").unwrap(),
             3,
         );
-        assert_eq!(key.as_str(), "rl:big:search:3");
+        assert_eq!(key.as_str(), "rl2:big:search:3");
     }
 
     proptest! {

@@ -218,7 +218,7 @@ async fn a_cluster_losing_a_master_falls_back_and_recovers() {
     let owner = cluster
         .nodes
         .iter()
-        .filter(|n| n.cmd(&["EXISTS", "rl:{tagged}:api"]).trim() == ":1")
+        .filter(|n| n.cmd(&["EXISTS", "rl2:{tagged}:api"]).trim() == ":1")
         .count();
     assert_eq!(
         owner, 1,

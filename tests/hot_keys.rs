@@ -190,13 +190,13 @@ async fn sharded_rules_spread_over_untagged_sub_buckets() {
         assert_eq!(
             fleet
                 .redis
-                .cmd(&["EXISTS", &format!("rl:wide:api:{i}")])
+                .cmd(&["EXISTS", &format!("rl2:wide:api:{i}")])
                 .trim(),
             ":1",
             "sub-bucket {i} was used"
         );
     }
-    assert_eq!(fleet.redis.cmd(&["EXISTS", "rl:{wide}:api"]).trim(), ":0");
+    assert_eq!(fleet.redis.cmd(&["EXISTS", "rl2:{wide}:api"]).trim(), ":0");
     let res = client()
         .get(fleet.gateways[0].url("/hot"))
         .insert_header(("x-api-key", "wide"))

@@ -42,7 +42,7 @@ async fn bad_keys_are_rejected_before_redis() {
 
     // No bucket was touched (a first call always writes its bucket). The
     // membership heartbeat is the only other script caller.
-    assert_eq!(redis.cmd(&["KEYS", "rl:*"]).trim(), "*0");
+    assert_eq!(redis.cmd(&["KEYS", "rl2:*"]).trim(), "*0");
     let calls = redis.command_calls("evalsha");
 
     // The longest valid key passes and is counted: the checks above can fail.
@@ -54,5 +54,5 @@ async fn bad_keys_are_rejected_before_redis() {
         .unwrap();
     assert_eq!(ok.status(), 200);
     assert!(redis.command_calls("evalsha") > calls);
-    assert!(redis.cmd(&["KEYS", "rl:*"]).starts_with("*1\r\n"));
+    assert!(redis.cmd(&["KEYS", "rl2:*"]).starts_with("*1\r\n"));
 }

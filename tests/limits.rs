@@ -89,13 +89,13 @@ async fn rules_override_the_default_and_bucket_keys_expire() {
 
     // TTL = 2 × time to refill from empty: 2 × 30/3 s = 20 s; 2 × 2/1 s = 4 s.
     let big: i64 = redis
-        .cmd(&["PTTL", "rl:{big}:api"])
+        .cmd(&["PTTL", "rl2:{big}:api"])
         .trim_start_matches(':')
         .trim()
         .parse()
         .unwrap();
     let small: i64 = redis
-        .cmd(&["PTTL", "rl:{small}:api"])
+        .cmd(&["PTTL", "rl2:{small}:api"])
         .trim_start_matches(':')
         .trim()
         .parse()

@@ -121,7 +121,7 @@ async fn an_admin_put_through_one_gateway_is_enforced_by_both_within_one_second(
         (201, Some(4), Some(true))
     );
     all_reach(&fleet, "wide", "40").await;
-    let sub_buckets = fleet.redis.cmd(&["KEYS", "rl:wide:api:*"]);
+    let sub_buckets = fleet.redis.cmd(&["KEYS", "rl2:wide:api:*"]);
     assert!(
         !sub_buckets.starts_with("*0"),
         "sub-bucket keys exist: {sub_buckets}"

@@ -130,7 +130,7 @@ async fn no_route_is_404_and_costs_no_tokens() {
     assert_eq!(res.status(), 404);
     let body: serde_json::Value = res.json().await.unwrap();
     assert_eq!(body["error"], "no_route");
-    assert_eq!(s.redis.cmd(&["KEYS", "rl:*"]).trim(), "*0");
+    assert_eq!(s.redis.cmd(&["KEYS", "rl2:*"]).trim(), "*0");
 }
 
 #[actix_web::test]

@@ -86,7 +86,7 @@ async fn after_ready_the_first_decisions_on_one_server_are_shared() {
     config.extra = "[default_rule]\ncapacity = 10\nrefill_per_second = 1\n".into();
     let gw = Gateway::start(&config);
     first_decisions_are_shared(&gw, || {
-        redis.cmd(&["EXISTS", "rl:{first-tenant}:api"]).trim() == ":1"
+        redis.cmd(&["EXISTS", "rl2:{first-tenant}:api"]).trim() == ":1"
     })
     .await;
 }
@@ -101,5 +101,5 @@ async fn after_ready_the_first_decisions_on_a_fresh_cluster_are_shared() {
     config.redis_timeout_ms = 5;
     config.extra = "[default_rule]\ncapacity = 10\nrefill_per_second = 1\n".into();
     let gw = Gateway::start(&config);
-    first_decisions_are_shared(&gw, || cluster.exists("rl:{first-tenant}:api")).await;
+    first_decisions_are_shared(&gw, || cluster.exists("rl2:{first-tenant}:api")).await;
 }

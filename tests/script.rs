@@ -1,4 +1,5 @@
-//! `lua/token_bucket.lua` against a real Redis: refill, expiry, NOSCRIPT
+//! `lua/token_bucket.lua` against a real Redis: one value per bucket, refill,
+//! expiry, several keys in one call, the same answers as format 1, NOSCRIPT
 //! reload, and no replay after a timeout.
 
 #![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
@@ -11,7 +12,7 @@ use std::time::Duration;
 use common::{RedisServer, wait_until};
 use redis::AsyncCommands;
 use tollgate::bucket::{Ask, BucketSpec, RedisBucket};
-use tollgate::clock::SystemClock;
+use tollgate::clock::{Clock, SystemClock};
 use tollgate::config::{RedisSettings, RedisTarget};
 use tollgate::redis_client::{RedisCallError, RedisConnector};
 use tollgate::telemetry::{self, Metrics};
@@ -34,12 +35,18 @@ fn spec(capacity: u32, refill: u32) -> BucketSpec {
     )
 }
 
+/// Redis's clock in microseconds since the Unix epoch.
+async fn redis_now_us(conn: &mut redis::aio::MultiplexedConnection) -> f64 {
+    let (s, us): (u64, u64) = redis::cmd("TIME").query_async(conn).await.unwrap();
+    (s * 1_000_000 + us) as f64
+}
+
 #[actix_web::test]
-async fn first_call_fills_then_takes_and_stores_two_fields_with_a_ttl() {
+async fn first_call_fills_then_takes_and_stores_one_value_with_a_ttl() {
     let redis = RedisServer::start();
     let b = bucket(&redis, Duration::from_secs(2));
     let d = b
-        .take("rl:{t}:r", &spec(10, 2), Ask::single(1))
+        .take("rl2:{t}:r", &spec(10, 2), Ask::single(1))
         .await
         .unwrap()
         .decision;
@@ -47,10 +54,25 @@ async fn first_call_fills_then_takes_and_stores_two_fields_with_a_ttl() {
     assert_eq!((d.remaining, d.retry_after_ms), (9, 0));
 
     let mut conn = redis.conn().await;
-    let fields: Vec<String> = conn.hkeys("rl:{t}:r").await.unwrap();
-    assert_eq!(fields.len(), 2);
-    assert!(fields.contains(&"tokens".to_owned()) && fields.contains(&"ts".to_owned()));
-    let ttl: i64 = conn.pttl("rl:{t}:r").await.unwrap();
+    let kind: String = redis::cmd("TYPE")
+        .arg("rl2:{t}:r")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(kind, "string");
+    // Full again in 1 token / 2 per s = 0.5 s from the take.
+    let tat: f64 = conn
+        .get::<_, String>("rl2:{t}:r")
+        .await
+        .unwrap()
+        .parse()
+        .unwrap();
+    let ahead = tat - redis_now_us(&mut conn).await;
+    assert!(
+        (400_000.0..=500_000.0).contains(&ahead),
+        "TAT {ahead} µs ahead"
+    );
+    let ttl: i64 = conn.pttl("rl2:{t}:r").await.unwrap();
     assert!((9_000..=10_000).contains(&ttl), "2 × 10/2 s, got {ttl} ms");
 }
 
@@ -58,7 +80,7 @@ async fn first_call_fills_then_takes_and_stores_two_fields_with_a_ttl() {
 async fn refill_follows_redis_time_since_the_stored_timestamp() {
     let redis = RedisServer::start();
     let b = bucket(&redis, Duration::from_secs(2));
-    let key = "rl:{refill}:r";
+    let key = "rl2:{refill}:r";
     b.take(key, &spec(10, 4), Ask::single(10)).await.unwrap();
     let rejected = b
         .take(key, &spec(10, 4), Ask::single(1))
@@ -70,16 +92,8 @@ async fn refill_follows_redis_time_since_the_stored_timestamp() {
 
     // Pretend the bucket was emptied 1.5 s ago: 1.5 s × 4/s = 6 tokens.
     let mut conn = redis.conn().await;
-    let ts: f64 = conn
-        .hget::<_, _, String>(key, "ts")
-        .await
-        .unwrap()
-        .parse()
-        .unwrap();
-    let _: () = conn
-        .hset(key, "ts", format!("{:.3}", ts - 1500.0))
-        .await
-        .unwrap();
+    let tat: f64 = conn.get::<_, String>(key).await.unwrap().parse().unwrap();
+    let _: () = conn.set(key, tat - 1_500_000.0).await.unwrap();
     let d = b
         .take(key, &spec(10, 4), Ask::single(1))
         .await
@@ -90,18 +104,99 @@ async fn refill_follows_redis_time_since_the_stored_timestamp() {
 }
 
 #[actix_web::test]
+async fn one_call_decides_several_keys_with_one_reading_of_the_clock() {
+    let redis = RedisServer::start();
+    let mut conn = redis.conn().await;
+    let reply: Vec<i64> = redis::cmd("EVAL")
+        .arg(include_str!("../lua/token_bucket.lua"))
+        .arg(3)
+        .arg("rl2:{a}:r")
+        .arg("rl2:{a}:s")
+        .arg("rl2:{a}:r")
+        .arg(&[3, 1, 1, 1, 1])
+        .arg(&[5, 1, 8, 2, 1])
+        .arg(&[3, 1, 3, 3, 3])
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(
+        reply,
+        [
+            1, 2, 0, 1, 0, // 1 of 3 taken
+            1, 0, 1_000, 5, 2_000, // a lease: want 8 clamped to 5
+            0, 2, 1_000, 0, 1_000, // 3 wanted, the same bucket holds 2
+        ]
+    );
+}
+
+/// Answers of format 1 (`tests/fixtures/token_bucket_v1.lua`) and of this
+/// script to the same sequence of asks, on twin buckets: allowed, remaining
+/// and granted are equal. The waits are equal up to what Redis's clock
+/// moved between the twin calls (each wait counts down from the bucket's
+/// last write): at most the wall time the two steps concerned took.
+#[actix_web::test]
+async fn every_answer_is_the_one_format_1_gave() {
+    let redis = RedisServer::start();
+    let mut conn = redis.conn().await;
+    let v1 = redis::Script::new(include_str!("fixtures/token_bucket_v1.lua"));
+    let v2 = redis::Script::new(include_str!("../lua/token_bucket.lua"));
+    let clock = SystemClock::new();
+    let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+    let mut next = |n: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % n
+    };
+    // Wall time (ms, rounded up) of the step that last wrote each bucket.
+    let mut written_span = [0u64; 20];
+    for step in 0..2_000 {
+        let bucket = next(20) as usize;
+        let capacity = 1 + bucket as u64 % 7 * 3;
+        let want = 1 + next(capacity + 3);
+        let min = 1 + next(want);
+        let need = 1 + next(min);
+        let args = [capacity as f64, 0.01, want as f64, min as f64, need as f64];
+        let started = clock.now_micros();
+        let old: Vec<i64> = v1
+            .key(format!("rl:{{d{bucket}}}:r"))
+            .arg(&args)
+            .invoke_async(&mut conn)
+            .await
+            .unwrap();
+        let new: Vec<i64> = v2
+            .key(format!("rl2:{{d{bucket}}}:r"))
+            .arg(&args)
+            .invoke_async(&mut conn)
+            .await
+            .unwrap();
+        let span = (clock.now_micros() - started).div_ceil(1000);
+        let slack = (written_span[bucket] + span + 1) as i64;
+        let same = [0, 1, 3].iter().all(|&i| old[i] == new[i])
+            && [2, 4].iter().all(|&i| (old[i] - new[i]).abs() <= slack);
+        assert!(
+            same,
+            "step {step}: bucket {bucket}, ask {args:?}: {old:?} vs {new:?} (slack {slack} ms)"
+        );
+        if new[0] == 1 {
+            written_span[bucket] = span;
+        }
+    }
+}
+
+#[actix_web::test]
 async fn cost_above_capacity_waits_for_a_full_bucket() {
     let redis = RedisServer::start();
     let b = bucket(&redis, Duration::from_secs(2));
     let first = b
-        .take("rl:{c}:r", &spec(3, 1), Ask::single(10))
+        .take("rl2:{c}:r", &spec(3, 1), Ask::single(10))
         .await
         .unwrap()
         .decision;
     assert!(first.allowed);
     assert_eq!(first.remaining, 0);
     let second = b
-        .take("rl:{c}:r", &spec(3, 1), Ask::single(10))
+        .take("rl2:{c}:r", &spec(3, 1), Ask::single(10))
         .await
         .unwrap()
         .decision;
@@ -116,13 +211,13 @@ async fn cost_above_capacity_waits_for_a_full_bucket() {
 async fn a_flushed_script_cache_is_reloaded_on_noscript() {
     let redis = RedisServer::start();
     let b = bucket(&redis, Duration::from_secs(2));
-    b.take("rl:{n}:r", &spec(5, 1), Ask::single(1))
+    b.take("rl2:{n}:r", &spec(5, 1), Ask::single(1))
         .await
         .unwrap();
     let loads = redis.command_calls("script|load");
     redis.cmd(&["SCRIPT", "FLUSH"]);
     let d = b
-        .take("rl:{n}:r", &spec(5, 1), Ask::single(1))
+        .take("rl2:{n}:r", &spec(5, 1), Ask::single(1))
         .await
         .unwrap()
         .decision;
@@ -140,7 +235,7 @@ async fn a_flushed_script_cache_is_reloaded_on_noscript() {
 async fn a_timed_out_call_is_not_replayed() {
     let redis = RedisServer::start();
     let b = bucket(&redis, Duration::from_millis(100));
-    let key = "rl:{slow}:r";
+    let key = "rl2:{slow}:r";
     // A negligible refill, so only takes move the count.
     let spec = BucketSpec {
         capacity: NonZeroU32::new(5).unwrap(),
@@ -168,7 +263,7 @@ async fn a_timed_out_call_is_not_replayed() {
 async fn a_lease_takes_up_to_want_but_at_least_min_or_just_the_request() {
     let redis = RedisServer::start();
     let b = bucket(&redis, Duration::from_secs(2));
-    let key = "rl:{lease}:r";
+    let key = "rl2:{lease}:r";
     // A negligible refill, so only takes move the count.
     let spec = BucketSpec {
         capacity: NonZeroU32::new(12).unwrap(),
@@ -191,7 +286,7 @@ async fn a_lease_takes_up_to_want_but_at_least_min_or_just_the_request() {
     );
 
     // Fewer than min but enough for the request: the request alone passes.
-    let key = "rl:{need}:r";
+    let key = "rl2:{need}:r";
     b.take(key, &spec, Ask::single(10)).await.unwrap();
     let g = b.take(key, &spec, lease(8, 4)).await.unwrap();
     assert_eq!(
@@ -211,7 +306,7 @@ async fn a_bare_call_replies_allowed_remaining_and_retry_after_first() {
         redis::cmd("EVAL")
             .arg(include_str!("../lua/token_bucket.lua"))
             .arg(1)
-            .arg("rl:{bare}:r")
+            .arg("rl2:{bare}:r")
             .arg(2)
             .arg(1)
             .query_async(&mut conn)

@@ -73,8 +73,8 @@ async fn shares_are_validated_stored_and_enforced_per_region() {
             .is_some()
     );
     // Each region's own Redis holds its bucket.
-    assert!(eu_redis.cmd(&["EXISTS", "rl:{t}:api"]).contains(":1"));
-    assert!(us_redis.cmd(&["EXISTS", "rl:{t}:api"]).contains(":1"));
+    assert!(eu_redis.cmd(&["EXISTS", "rl2:{t}:api"]).contains(":1"));
+    assert!(us_redis.cmd(&["EXISTS", "rl2:{t}:api"]).contains(":1"));
 
     for (body, why) in [
         (r#"{"shares": {"eu": 0.6, "us": 0.3}}"#, "does not sum to 1"),

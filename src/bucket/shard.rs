@@ -1,6 +1,6 @@
 //! Sub-bucket choice for rules split into shards.
 //!
-//! A rule with `shards = k` is held in k Redis keys `rl:<tenant>:<route>:<i>`
+//! A rule with `shards = k` is held in k Redis keys `rl2:<tenant>:<route>:<i>`
 //! (no hash tag, so they spread over Redis Cluster nodes), each with 1/k of
 //! the capacity and refill. A request picks one sub-bucket uniformly at
 //! random and is decided by it alone: on a rejection no other sub-bucket is

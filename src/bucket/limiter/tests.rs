@@ -75,7 +75,7 @@ async fn check(s: &Setup, limit: Limit) -> Verdict {
         .await
 }
 
-const KEY: &str = "rl:{t}:r";
+const KEY: &str = "rl2:{t}:r";
 
 #[actix_web::test]
 async fn with_the_breaker_open_the_local_share_decides_without_the_store() {
@@ -246,7 +246,7 @@ async fn a_sharded_rule_asks_one_sub_bucket_with_its_share() {
     }
     for (key, _) in s.store.calls() {
         let index: u32 = key
-            .strip_prefix("rl:t:r:")
+            .strip_prefix("rl2:t:r:")
             .and_then(|i| i.parse().ok())
             .unwrap_or_else(|| panic!("not a sub-bucket key: {key}"));
         assert!(index < 4);
