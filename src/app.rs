@@ -19,7 +19,9 @@ use tokio_cron_scheduler::{Job, JobScheduler};
 
 use crate::admin::{self, AdminState};
 use crate::breaker::{self, BreakerGate};
-use crate::bucket::{HotKeys, Limiter, LimiterCore, LocalBuckets, RedisBucket, WarmWorkers};
+use crate::bucket::{
+    BucketClient, HotKeys, Limiter, LimiterCore, LocalBuckets, RedisBucket, WarmWorkers,
+};
 use crate::clock::{SharedClock, SystemClock};
 use crate::cluster::{LiveInstances, Membership};
 use crate::config::{self, Config, RedisTarget, RuleSource, ServerSettings};
@@ -241,7 +243,7 @@ pub async fn run(
             metrics.clone(),
         ),
         live,
-        breaker,
+        breaker.clone(),
         clock.clone(),
         metrics.clone(),
     ));
@@ -286,6 +288,9 @@ pub async fn run(
     let client = config.client;
     let routes = config.routes.clone();
     let request_timeout = redis_settings.timeout;
+    let max_keys_per_call = redis_settings.max_keys_per_call;
+    let cluster = matches!(redis_settings.target, RedisTarget::Cluster(_));
+    let gate = breaker.clone();
     let warm = redis
         .as_ref()
         .map(|_| Arc::new(WarmWorkers::new(config.server.workers)));
@@ -294,16 +299,26 @@ pub async fn run(
     let proxy = HttpServer::new(move || {
         // Per worker: its own upstream pool and Redis connection, warmed
         // (connected, script loaded) before the gateway says it is ready.
-        let redis = redis.as_ref().map(|r| {
-            RedisBucket::new(r.connect(), request_timeout, metrics.clone(), clock.clone())
+        // Its bucket client (an actor on this worker) coalesces the
+        // worker's decisions into shared script calls.
+        let store = redis.as_ref().map(|r| {
+            let bucket =
+                RedisBucket::new(r.connect(), request_timeout, metrics.clone(), clock.clone());
+            if let Some(warm) = &warm_workers {
+                let (bucket, warm) = (bucket.clone(), warm.clone());
+                actix_web::rt::spawn(async move { bucket.warm_up(control_timeout, &warm).await });
+            }
+            BucketClient::start(
+                bucket,
+                gate.clone(),
+                metrics.clone(),
+                cluster,
+                max_keys_per_call,
+            )
         });
-        if let (Some(bucket), Some(warm)) = (&redis, &warm_workers) {
-            let (bucket, warm) = (bucket.clone(), warm.clone());
-            actix_web::rt::spawn(async move { bucket.warm_up(control_timeout, &warm).await });
-        }
         App::new()
             .app_data(proxy_state.clone())
-            .app_data(web::Data::new(Limiter::new(redis, core.clone())))
+            .app_data(web::Data::new(Limiter::new(store, core.clone())))
             .app_data(web::Data::new(Forwarder::new(
                 &upstream,
                 client,

@@ -38,6 +38,13 @@ pub enum RedisCallError {
     /// Redis answered with an error or the connection failed.
     #[error("redis call failed: {0}")]
     Redis(#[source] redis::RedisError),
+    /// Redis answered, but not with what the script returns.
+    #[error("unexpected reply from redis")]
+    BadReply,
+    /// The call this decision rode, with others, failed; the failure was
+    /// counted once, for the call (its kind is kept for the logs).
+    #[error("the shared redis call failed ({0})")]
+    CallFailed(&'static str),
 }
 
 impl RedisCallError {
@@ -47,7 +54,8 @@ impl RedisCallError {
             Self::Timeout => "timeout",
             Self::NotConnected => "connection",
             Self::Redis(e) if e.is_io_error() || e.is_connection_dropped() => "connection",
-            Self::Redis(_) => "server",
+            Self::Redis(_) | Self::BadReply => "server",
+            Self::CallFailed(kind) => kind,
         }
     }
 }

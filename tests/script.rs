@@ -23,6 +23,7 @@ fn bucket(redis: &RedisServer, timeout: Duration) -> RedisBucket {
         target: RedisTarget::Single(redis.url()),
         timeout,
         connect_timeout: Duration::from_secs(1),
+        max_keys_per_call: 16,
     };
     let conn = RedisConnector::new(&settings).unwrap().unwrap().connect();
     RedisBucket::new(conn, timeout, Metrics::new(), SystemClock::shared())

@@ -7,8 +7,10 @@
 //! 3. hot keys ([`super::lease`]): the over-limit cache rejects, or a lease
 //!    admits, without calling Redis (fetching the next lease in the
 //!    background when this one runs low);
-//! 4. Redis, bounded by its timeout: one request's tokens, or a lease batch;
-//! 5. on error or timeout (reported to the breaker): the local limiter, which
+//! 4. Redis, bounded by its timeout: one request's tokens, or a lease batch
+//!    (the store coalesces decisions into shared calls and reports each
+//!    call to the breaker, see [`super::coalesce`]);
+//! 5. on error or timeout: the local limiter, which
 //!    holds 1/N of the limit (N = live gateway instances), so the cluster
 //!    total stays about right while Redis is away.
 //!
@@ -19,18 +21,17 @@ use std::borrow::Borrow;
 use std::num::NonZeroU32;
 use std::sync::Arc;
 
+use super::coalesce::Coalesced;
 use super::decision::Ask;
 use super::decision::{BucketSpec, Decision};
 use super::lease::{HotKeys, Plan};
 use super::local::LocalBuckets;
-use super::redis::RedisBucket;
 use super::shard;
 use super::store::SharedStore;
 use crate::breaker::{BreakerGate, State};
 use crate::clock::SharedClock;
 use crate::cluster::LiveInstances;
 use crate::key::{BucketKey, RouteId, TenantId};
-use crate::redis_client::RedisCallError;
 use crate::rules::Limit;
 use crate::telemetry::{DecisionSource, Metrics};
 
@@ -146,15 +147,6 @@ impl LimiterCore {
         }
     }
 
-    /// Reports a failed Redis call to the breaker and the metrics.
-    fn redis_failed(&self, e: &RedisCallError) {
-        if let Some(gate) = &self.breaker {
-            gate.failure();
-        }
-        self.metrics.redis_error(e.kind());
-        tracing::debug!(error = %e, "Redis call failed; deciding locally.");
-    }
-
     /// A local decision standing in for Redis, counted as a fallback.
     fn fallback(&self, key: &BucketKey, whole: &BucketSpec, cost: NonZeroU32) -> Verdict {
         let verdict = self.local(key, whole, cost);
@@ -166,7 +158,7 @@ impl LimiterCore {
 /// One proxy worker's limiter: its own connection to the shared store (so
 /// Redis replies wake the worker that asked, not another thread) over the
 /// shared core.
-pub struct Limiter<S: SharedStore = RedisBucket> {
+pub struct Limiter<S: SharedStore = Coalesced> {
     /// This worker's client of the shared store; `None` in local-only mode.
     redis: Option<S>,
     /// State shared with the other workers.
@@ -194,8 +186,7 @@ impl<S: SharedStore> Limiter<S> {
         let whole = BucketSpec::of(limit.capacity, limit.refill_per_second).scaled(share);
         let verdict = match (&self.redis, &core.breaker) {
             (Some(redis), Some(gate)) if gate.allows() => {
-                self.shared(redis, gate, tenant, route, limit, whole, cost)
-                    .await
+                self.shared(redis, tenant, route, limit, whole, cost).await
             }
             (Some(_), _) => core.fallback(&BucketKey::new(tenant, route), &whole, cost),
             (None, _) => core.local(&BucketKey::new(tenant, route), &whole, cost),
@@ -207,11 +198,9 @@ impl<S: SharedStore> Limiter<S> {
 
     /// Steps 1 and 3–5 with the breaker closed; `whole` is this region's
     /// share of `limit`.
-    #[allow(clippy::too_many_arguments)] // One request's facts, each needed.
     async fn shared(
         &self,
         redis: &S,
-        gate: &BreakerGate,
         tenant: &TenantId,
         route: &RouteId,
         limit: Limit,
@@ -268,7 +257,6 @@ impl<S: SharedStore> Limiter<S> {
         let mut settle = owner.then(|| SlotGuard::new(&**core, key.as_str()));
         match redis.take(key.as_str(), &spec, ask).await {
             Ok(grant) => {
-                gate.success();
                 core.hot.record(key.as_str(), &grant, n, owner);
                 // record() released the slot; the guard must not release a
                 // slot another request may hold by now.
@@ -282,7 +270,7 @@ impl<S: SharedStore> Limiter<S> {
             }
             Err(e) => {
                 drop(settle);
-                core.redis_failed(&e);
+                tracing::debug!(error = %e, "No answer from Redis; deciding locally.");
                 // The fallback holds the whole bucket: the key just used,
                 // unless it named a sub-bucket.
                 let whole_key = if shards.get() == 1 {
@@ -306,15 +294,12 @@ impl<S: SharedStore> Limiter<S> {
             let (core, key): (&LimiterCore, &str) = (&slot.core, &slot.key);
             match redis.take(key, &spec, ask).await {
                 Ok(grant) => {
-                    if let Some(gate) = &core.breaker {
-                        gate.success();
-                    }
                     // No request waits on this call: every token granted
                     // is leased. record() releases the slot.
                     core.hot.record(key, &grant, 0, true);
                     slot.disarm();
                 }
-                Err(e) => core.redis_failed(&e),
+                Err(e) => tracing::debug!(error = %e, "A lease top-up got no answer."),
             }
         });
     }

@@ -2,6 +2,7 @@
 //! ([`SharedStore`], Redis in production), the local limiter, and the
 //! hot-path [`Limiter`] that combines them.
 
+pub mod coalesce;
 pub mod decision;
 pub mod keymap;
 pub mod lease;
@@ -12,6 +13,7 @@ pub mod shard;
 pub mod store;
 pub mod tokens;
 
+pub use coalesce::{BucketClient, Coalesced};
 pub use decision::{Ask, BucketSpec, Decision, Grant};
 pub use lease::HotKeys;
 pub use limiter::{Limiter, LimiterCore, RedisState, Verdict};

@@ -117,26 +117,49 @@ impl RedisBucket {
         spec: &BucketSpec,
         ask: Ask,
     ) -> Result<Grant, RedisCallError> {
-        let mut invocation = TOKEN_BUCKET.key(key);
-        invocation
-            .arg(spec.capacity.get())
-            .arg(spec.refill_per_second)
-            .arg(ask.want)
-            .arg(ask.min)
-            .arg(ask.need);
+        let mut grants = self.take_many(&[(key, *spec, ask)]).await?;
+        grants.pop().ok_or(RedisCallError::BadReply)
+    }
+
+    /// Takes tokens from several buckets in one script call (one reading
+    /// of Redis's clock), each as its `Ask` says; the grants come in the
+    /// same order. Every key must live on one node (on a Cluster: one slot).
+    ///
+    /// # Errors
+    /// [`RedisCallError`] on timeout, connection or server failure, or a
+    /// reply of the wrong shape; then no grant is known.
+    pub async fn take_many(
+        &self,
+        batch: &[(&str, BucketSpec, Ask)],
+    ) -> Result<Vec<Grant>, RedisCallError> {
+        let mut invocation = TOKEN_BUCKET.prepare_invoke();
+        for (key, spec, ask) in batch {
+            invocation
+                .key(*key)
+                .arg(spec.capacity.get())
+                .arg(spec.refill_per_second)
+                .arg(ask.want)
+                .arg(ask.min)
+                .arg(ask.need);
+        }
         let started = self.clock.now_micros();
-        let (allowed, remaining, retry_after_ms, granted, block_ms): (i64, i64, i64, i64, i64) =
-            self.conn.invoke(&invocation, self.timeout).await?;
+        let reply: Vec<i64> = self.conn.invoke(&invocation, self.timeout).await?;
         let elapsed = self.clock.now_micros().saturating_sub(started);
         self.metrics.redis_call(elapsed as f64 / 1e6);
-        Ok(Grant {
-            granted: u32::try_from(granted).unwrap_or(0),
-            decision: Decision {
-                allowed: allowed == 1,
-                remaining: u64::try_from(remaining).unwrap_or(0),
-                retry_after_ms: u64::try_from(retry_after_ms).unwrap_or(0),
-            },
-            block_ms: u64::try_from(block_ms).unwrap_or(0),
-        })
+        if reply.len() != 5 * batch.len() {
+            return Err(RedisCallError::BadReply);
+        }
+        Ok(reply
+            .chunks_exact(5)
+            .map(|r| Grant {
+                granted: u32::try_from(r[3]).unwrap_or(0),
+                decision: Decision {
+                    allowed: r[0] == 1,
+                    remaining: u64::try_from(r[1]).unwrap_or(0),
+                    retry_after_ms: u64::try_from(r[2]).unwrap_or(0),
+                },
+                block_ms: u64::try_from(r[4]).unwrap_or(0),
+            })
+            .collect())
     }
 }

@@ -1,8 +1,11 @@
 //! The seam under the limiter: the store of buckets shared by every gateway.
 //!
 //! Owns [`SharedStore`], what the [`super::Limiter`] needs of it: one atomic
-//! take per call, bounded by the store's own timeout. [`RedisBucket`] is
-//! the implementation in production; tests use an in-memory fake
+//! take per decision, bounded by the store's own timeout, each call's
+//! outcome reported to the breaker by the store; and [`BatchStore`], what
+//! the coalescer needs below it: several takes in one call. In production
+//! the limiter's store is [`super::Coalesced`] (this worker's bucket-client
+//! actor) over [`RedisBucket`]; tests use an in-memory fake
 //! (`store::fake`, test builds only) that follows the script's arithmetic
 //! on an injected clock and can be slow, time out, drop a connection
 //! mid-call or answer `NOSCRIPT`, so the limiter's order, single-flight
@@ -14,7 +17,9 @@ use super::decision::{Ask, BucketSpec, Grant};
 use super::redis::RedisBucket;
 use crate::redis_client::RedisCallError;
 
-/// A store of token buckets shared by every gateway instance.
+/// A store of token buckets shared by every gateway instance. It reports
+/// the outcome of each call it makes to the breaker (a call may carry
+/// several decisions).
 pub trait SharedStore: Clone + 'static {
     /// The bound on one call.
     fn timeout(&self) -> Duration;
@@ -32,18 +37,33 @@ pub trait SharedStore: Clone + 'static {
     ) -> impl Future<Output = Result<Grant, RedisCallError>>;
 }
 
-impl SharedStore for RedisBucket {
+/// What the coalescer needs below it: several takes in one atomic call.
+pub trait BatchStore: Clone + Unpin + 'static {
+    /// The bound on one call.
+    fn timeout(&self) -> Duration;
+
+    /// Takes tokens from every bucket of `batch` in one atomic call, each
+    /// as its `Ask` says; the grants come in the same order. On a Redis
+    /// Cluster every key must be in one slot.
+    ///
+    /// # Errors
+    /// [`RedisCallError`] when the call failed; no grant is known then.
+    fn take_many(
+        &self,
+        batch: &[(&str, BucketSpec, Ask)],
+    ) -> impl Future<Output = Result<Vec<Grant>, RedisCallError>>;
+}
+
+impl BatchStore for RedisBucket {
     fn timeout(&self) -> Duration {
         RedisBucket::timeout(self)
     }
 
-    fn take(
+    fn take_many(
         &self,
-        key: &str,
-        spec: &BucketSpec,
-        ask: Ask,
-    ) -> impl Future<Output = Result<Grant, RedisCallError>> {
-        RedisBucket::take(self, key, spec, ask)
+        batch: &[(&str, BucketSpec, Ask)],
+    ) -> impl Future<Output = Result<Vec<Grant>, RedisCallError>> {
+        RedisBucket::take_many(self, batch)
     }
 }
 
@@ -57,7 +77,8 @@ pub(crate) mod fake {
 
     use redis::{ErrorKind, RedisError, ServerErrorKind};
 
-    use super::SharedStore;
+    use super::{BatchStore, SharedStore};
+    use crate::breaker::BreakerGate;
     use crate::bucket::decision::{Ask, BucketSpec, Grant};
     use crate::bucket::tokens::TokenState;
     use crate::clock::SharedClock;
@@ -82,28 +103,32 @@ pub(crate) mod fake {
     struct Inner {
         buckets: HashMap<String, TokenState>,
         faults: VecDeque<Fault>,
-        calls: Vec<(String, Ask)>,
+        /// Every call: its keys with what was asked of each.
+        batches: Vec<Vec<(String, Ask)>>,
     }
 
-    /// Buckets in memory, on `clock`; faults are queued per call.
+    /// Buckets in memory, on `clock`; faults are queued per call; each
+    /// call's outcome goes to `gate`, as the real store's does.
     #[derive(Clone)]
     pub(crate) struct FakeStore {
         inner: Arc<Mutex<Inner>>,
         clock: SharedClock,
         timeout: Duration,
+        gate: Arc<BreakerGate>,
     }
 
     impl FakeStore {
         /// An empty store whose calls are bounded by `timeout`.
-        pub(crate) fn new(clock: SharedClock, timeout: Duration) -> Self {
+        pub(crate) fn new(clock: SharedClock, timeout: Duration, gate: Arc<BreakerGate>) -> Self {
             Self {
                 inner: Arc::new(Mutex::new(Inner {
                     buckets: HashMap::new(),
                     faults: VecDeque::new(),
-                    calls: Vec::new(),
+                    batches: Vec::new(),
                 })),
                 clock,
                 timeout,
+                gate,
             }
         }
 
@@ -112,9 +137,23 @@ pub(crate) mod fake {
             self.lock().faults.push_back(fault);
         }
 
-        /// Every call so far: the key and what was asked.
+        /// Every key asked for so far, with what was asked, in order.
         pub(crate) fn calls(&self) -> Vec<(String, Ask)> {
-            self.lock().calls.clone()
+            self.lock().batches.iter().flatten().cloned().collect()
+        }
+
+        /// How many keys each call carried, in order.
+        pub(crate) fn batch_sizes(&self) -> Vec<usize> {
+            self.lock().batches.iter().map(Vec::len).collect()
+        }
+
+        /// The keys of each call, in order.
+        pub(crate) fn batches(&self) -> Vec<Vec<String>> {
+            self.lock()
+                .batches
+                .iter()
+                .map(|b| b.iter().map(|(k, _)| k.clone()).collect())
+                .collect()
         }
 
         /// Tokens `key`'s bucket holds now, when it exists.
@@ -151,23 +190,62 @@ pub(crate) mod fake {
             spec: &BucketSpec,
             ask: Ask,
         ) -> Result<Grant, RedisCallError> {
+            let result = self.call(&[(key, *spec, ask)]).await;
+            match &result {
+                Ok(_) => self.gate.success(),
+                Err(_) => self.gate.failure(),
+            }
+            result.and_then(|mut grants| grants.pop().ok_or(RedisCallError::BadReply))
+        }
+    }
+
+    impl BatchStore for FakeStore {
+        fn timeout(&self) -> Duration {
+            self.timeout
+        }
+
+        async fn take_many(
+            &self,
+            batch: &[(&str, BucketSpec, Ask)],
+        ) -> Result<Vec<Grant>, RedisCallError> {
+            self.call(batch).await
+        }
+    }
+
+    impl FakeStore {
+        /// One call for `batch`, with the next fault.
+        async fn call(
+            &self,
+            batch: &[(&str, BucketSpec, Ask)],
+        ) -> Result<Vec<Grant>, RedisCallError> {
             let fault = {
                 let mut inner = self.lock();
-                inner.calls.push((key.to_owned(), ask));
+                inner.batches.push(
+                    batch
+                        .iter()
+                        .map(|(k, _, a)| ((*k).to_owned(), *a))
+                        .collect(),
+                );
                 inner.faults.pop_front()
             };
+            let grant_all = || {
+                batch
+                    .iter()
+                    .map(|(key, spec, ask)| self.grant(key, spec, *ask))
+                    .collect()
+            };
             match fault {
-                None => Ok(self.grant(key, spec, ask)),
+                None => Ok(grant_all()),
                 Some(Fault::Slow(delay)) if delay >= self.timeout => {
                     tokio::time::sleep(self.timeout).await;
                     Err(RedisCallError::Timeout)
                 }
                 Some(Fault::Slow(delay)) => {
                     tokio::time::sleep(delay).await;
-                    Ok(self.grant(key, spec, ask))
+                    Ok(grant_all())
                 }
                 Some(Fault::DroppedAfter) => {
-                    self.grant(key, spec, ask);
+                    let _: Vec<Grant> = grant_all();
                     Err(dropped())
                 }
                 Some(Fault::Dropped) => Err(dropped()),

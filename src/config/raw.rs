@@ -80,6 +80,7 @@ pub(crate) struct RawRedis {
     pub(crate) cluster_nodes: Vec<String>,
     pub(crate) timeout_ms: i64,
     pub(crate) connect_timeout_ms: i64,
+    pub(crate) max_keys_per_call: i64,
 }
 
 impl Default for RawRedis {
@@ -89,6 +90,7 @@ impl Default for RawRedis {
             cluster_nodes: Vec::new(),
             timeout_ms: 5,
             connect_timeout_ms: 200,
+            max_keys_per_call: 16,
         }
     }
 }

@@ -102,6 +102,8 @@ pub struct RedisSettings {
     pub timeout: Duration,
     /// Longest wait for a new connection.
     pub connect_timeout: Duration,
+    /// Most decisions one coalesced script call carries.
+    pub max_keys_per_call: usize,
 }
 
 /// Where rules are loaded from.
@@ -388,6 +390,15 @@ pub(crate) fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
             raw.redis.connect_timeout_ms,
             60_000,
         ),
+        max_keys_per_call: c
+            .range(
+                "redis.max_keys_per_call",
+                raw.redis.max_keys_per_call,
+                1,
+                1024,
+            )
+            .and_then(|n| usize::try_from(n).ok())
+            .unwrap_or(1),
     };
 
     let source = if raw.rules.database_url.is_empty() {

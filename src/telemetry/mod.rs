@@ -26,6 +26,8 @@ pub const REQUESTS_TOTAL: &str = "tollgate_requests_total";
 pub const DECISION_SECONDS: &str = "tollgate_decision_duration_seconds";
 /// Round-trip time of bucket script calls to Redis (histogram, seconds).
 pub const REDIS_CALL_SECONDS: &str = "tollgate_redis_call_duration_seconds";
+/// Keys decided by one bucket script call (histogram).
+pub const REDIS_CALL_KEYS: &str = "tollgate_redis_call_keys";
 /// Failed Redis calls by kind (counter).
 pub const REDIS_ERRORS_TOTAL: &str = "tollgate_redis_errors_total";
 /// Decisions made by the local fallback limiter, by outcome (counter).
@@ -67,6 +69,8 @@ pub const NO_ROUTE: &str = "_none";
 const DECISION_BUCKETS: &[f64] = &[
     0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1,
 ];
+/// Bucket bounds for keys per call.
+const KEYS_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0];
 /// Bucket bounds for upstream latency.
 const UPSTREAM_BUCKETS: &[f64] = &[
     0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
@@ -99,6 +103,9 @@ pub fn install() -> PrometheusHandle {
                         UPSTREAM_BUCKETS,
                     )
                 })
+                .and_then(|b| {
+                    b.set_buckets_for_metric(Matcher::Full(REDIS_CALL_KEYS.into()), KEYS_BUCKETS)
+                })
                 // unwrap: the bucket lists above are non-empty constants.
                 .expect("static histogram buckets are valid");
             // unwrap: tollgate installs no other recorder; a second install
@@ -129,6 +136,11 @@ fn describe() {
         REDIS_CALL_SECONDS,
         Unit::Seconds,
         "Round trip of bucket script calls to Redis."
+    );
+    describe_histogram!(
+        REDIS_CALL_KEYS,
+        Unit::Count,
+        "Decisions coalesced into one bucket script call."
     );
     describe_counter!(
         REDIS_ERRORS_TOTAL,
@@ -228,6 +240,8 @@ pub struct Metrics {
     lease_expired_tokens: Counter,
     /// `tollgate_redis_call_duration_seconds`.
     redis_call: Histogram,
+    /// `tollgate_redis_call_keys`.
+    redis_call_keys: Histogram,
     /// `tollgate_redis_errors_total{kind}` for timeout, connection, server.
     redis_errors: [Counter; 3],
     /// `tollgate_fallback_decisions_total{outcome}`: allowed, rejected.
@@ -344,6 +358,7 @@ impl Metrics {
             leased_tokens: metrics::counter!(LEASED_TOKENS_TOTAL),
             lease_expired_tokens: metrics::counter!(LEASE_EXPIRED_TOKENS_TOTAL),
             redis_call: metrics::histogram!(REDIS_CALL_SECONDS),
+            redis_call_keys: metrics::histogram!(REDIS_CALL_KEYS),
             redis_errors: REDIS_ERROR_KINDS
                 .map(|k| metrics::counter!(REDIS_ERRORS_TOTAL, "kind" => k)),
             fallback: ["allowed", "rejected"]
@@ -377,6 +392,11 @@ impl Metrics {
     /// Records one successful Redis call's round trip.
     pub fn redis_call(&self, seconds: f64) {
         self.redis_call.record(seconds);
+    }
+
+    /// Records how many decisions one bucket script call carries.
+    pub fn redis_keys_per_call(&self, keys: usize) {
+        self.redis_call_keys.record(keys as f64);
     }
 
     /// Counts a failed Redis call; `kind` is `timeout`, `connection` or `server`.

@@ -48,7 +48,7 @@ fn setup() -> Setup {
         clock.clone(),
         metrics,
     ));
-    let store = FakeStore::new(clock, TIMEOUT);
+    let store = FakeStore::new(clock, TIMEOUT, gate.clone());
     Setup {
         limiter: Limiter::new(Some(store.clone()), core),
         store,

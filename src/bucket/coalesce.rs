@@ -1,0 +1,414 @@
+//! Coalesced Redis calls: one worker's bucket-client actor.
+//!
+//! Owns how one proxy worker's decisions reach Redis. Every decision that
+//! needs Redis becomes a [`Take`] message to this worker's [`BucketClient`],
+//! an actor started on the worker's own arbiter, so its messages never
+//! cross threads. When no call is in flight the decision goes out at once,
+//! alone: no added wait at low load. Decisions arriving while a call is in
+//! flight queue up and ride the next call together, up to
+//! `redis.max_keys_per_call` keys in one script call with one reading of
+//! Redis's clock. On a Redis Cluster a call holds the keys of one hash
+//! slot (every bucket of a tenant shares its slot through the `{tenant}`
+//! hash tag; sub-bucket keys have their own): each slot has at most one
+//! call in flight and its own queue.
+//!
+//! Each call is bounded by `redis.timeout_ms` and reported to the breaker
+//! once, success or failure; when it fails every decision in it hears
+//! [`RedisCallError::CallFailed`] and is decided locally.
+
+use std::collections::{HashSet, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::fut::{ActorFutureExt, WrapFuture};
+use actix::{Actor, Addr, AsyncContext, Context, Handler, Message, ResponseFuture};
+use redis::cluster_routing::Slot;
+use tokio::sync::oneshot;
+
+use super::decision::{Ask, BucketSpec, Grant};
+use super::redis::RedisBucket;
+use super::store::{BatchStore, SharedStore};
+use crate::breaker::BreakerGate;
+use crate::redis_client::RedisCallError;
+use crate::telemetry::Metrics;
+
+/// Which calls may share a script call: every key on a single server, the
+/// keys of one hash slot on a Cluster.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Group {
+    /// One Redis server: one group.
+    Server,
+    /// One slot of a Redis Cluster.
+    Slot(Slot),
+}
+
+/// One decision waiting for Redis.
+struct Waiting {
+    key: String,
+    spec: BucketSpec,
+    ask: Ask,
+    group: Group,
+    reply: oneshot::Sender<Result<Grant, RedisCallError>>,
+}
+
+/// Take tokens from one bucket, as `ask` says.
+#[derive(Message)]
+#[rtype(result = "Result<Grant, RedisCallError>")]
+pub struct Take {
+    /// The bucket's key.
+    pub key: String,
+    /// The bucket in force.
+    pub spec: BucketSpec,
+    /// What to take.
+    pub ask: Ask,
+}
+
+/// One proxy worker's client of the shared buckets, over `B` (Redis in
+/// production).
+pub struct BucketClient<B: BatchStore = RedisBucket> {
+    /// This worker's script client.
+    redis: B,
+    /// Told about every call's outcome; `None` in tests without a breaker.
+    gate: Option<Arc<BreakerGate>>,
+    /// Error counts and keys per call.
+    metrics: Metrics,
+    /// Whether keys are grouped by Cluster slot.
+    cluster: bool,
+    /// Most keys in one call.
+    max_keys: usize,
+    /// Decisions not sent yet, oldest first.
+    queue: VecDeque<Waiting>,
+    /// Groups with a call in flight.
+    busy: HashSet<Group>,
+}
+
+impl<B: BatchStore> BucketClient<B> {
+    /// Starts a client on the current arbiter (call it on the worker that
+    /// will use it) and returns the store the worker's limiter uses.
+    pub fn start(
+        redis: B,
+        gate: Option<Arc<BreakerGate>>,
+        metrics: Metrics,
+        cluster: bool,
+        max_keys: usize,
+    ) -> Coalesced<B> {
+        let timeout = redis.timeout();
+        let addr = Self {
+            redis,
+            gate,
+            metrics,
+            cluster,
+            max_keys: max_keys.max(1),
+            queue: VecDeque::new(),
+            busy: HashSet::new(),
+        }
+        .start();
+        Coalesced { addr, timeout }
+    }
+
+    /// Sends the next call of every group that has decisions waiting and
+    /// no call in flight.
+    fn dispatch(&mut self, ctx: &mut Context<Self>) {
+        while let Some(group) = self
+            .queue
+            .iter()
+            .map(|w| w.group)
+            .find(|g| !self.busy.contains(g))
+        {
+            let mut batch = Vec::with_capacity(self.max_keys.min(self.queue.len()));
+            let mut rest = VecDeque::with_capacity(self.queue.len());
+            for waiting in self.queue.drain(..) {
+                if waiting.group == group && batch.len() < self.max_keys {
+                    batch.push(waiting);
+                } else {
+                    rest.push_back(waiting);
+                }
+            }
+            self.queue = rest;
+            self.busy.insert(group);
+            self.send(ctx, group, batch);
+        }
+    }
+
+    /// One script call for `batch`; its answers go to their decisions.
+    fn send(&mut self, ctx: &mut Context<Self>, group: Group, batch: Vec<Waiting>) {
+        let redis = self.redis.clone();
+        self.metrics.redis_keys_per_call(batch.len());
+        let call = async move {
+            let asks: Vec<(&str, BucketSpec, Ask)> = batch
+                .iter()
+                .map(|w| (w.key.as_str(), w.spec, w.ask))
+                .collect();
+            let result = redis.take_many(&asks).await;
+            drop(asks);
+            (result, batch)
+        };
+        ctx.spawn(call.into_actor(self).map(move |(result, batch), client, ctx| {
+            match result {
+                Ok(grants) => {
+                    if let Some(gate) = &client.gate {
+                        gate.success();
+                    }
+                    for (waiting, grant) in batch.into_iter().zip(grants) {
+                        // A decision whose request went away has no one
+                        // to tell.
+                        let _ = waiting.reply.send(Ok(grant));
+                    }
+                }
+                Err(e) => {
+                    if let Some(gate) = &client.gate {
+                        gate.failure();
+                    }
+                    client.metrics.redis_error(e.kind());
+                    tracing::debug!(error = %e, keys = batch.len(), "Redis call failed; its decisions are made locally.");
+                    for waiting in batch {
+                        let _ = waiting.reply.send(Err(RedisCallError::CallFailed(e.kind())));
+                    }
+                }
+            }
+            client.busy.remove(&group);
+            client.dispatch(ctx);
+        }));
+    }
+}
+
+/// Messages one client may hold before senders wait: a worker's requests
+/// in flight, with room to spare (actix's default is 16).
+const MAILBOX: usize = 4096;
+
+impl<B: BatchStore> Actor for BucketClient<B> {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        ctx.set_mailbox_capacity(MAILBOX);
+    }
+}
+
+impl<B: BatchStore> Handler<Take> for BucketClient<B> {
+    type Result = ResponseFuture<Result<Grant, RedisCallError>>;
+
+    fn handle(&mut self, take: Take, ctx: &mut Context<Self>) -> Self::Result {
+        let (reply, answer) = oneshot::channel();
+        let group = if self.cluster {
+            Group::Slot(Slot::for_key(take.key.as_bytes()))
+        } else {
+            Group::Server
+        };
+        self.queue.push_back(Waiting {
+            key: take.key,
+            spec: take.spec,
+            ask: take.ask,
+            group,
+            reply,
+        });
+        self.dispatch(ctx);
+        Box::pin(async move {
+            answer
+                .await
+                .unwrap_or(Err(RedisCallError::CallFailed("connection")))
+        })
+    }
+}
+
+/// The shared store as a worker's limiter sees it: its [`BucketClient`].
+pub struct Coalesced<B: BatchStore = RedisBucket> {
+    /// The worker's bucket client.
+    addr: Addr<BucketClient<B>>,
+    /// The bound on one call.
+    timeout: Duration,
+}
+
+impl<B: BatchStore> Clone for Coalesced<B> {
+    fn clone(&self) -> Self {
+        Self {
+            addr: self.addr.clone(),
+            timeout: self.timeout,
+        }
+    }
+}
+
+impl<B: BatchStore> SharedStore for Coalesced<B> {
+    fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    async fn take(&self, key: &str, spec: &BucketSpec, ask: Ask) -> Result<Grant, RedisCallError> {
+        let take = Take {
+            key: key.to_owned(),
+            spec: *spec,
+            ask,
+        };
+        self.addr
+            .send(take)
+            .await
+            .unwrap_or(Err(RedisCallError::CallFailed("connection")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::num::NonZeroU32;
+
+    use super::*;
+    use crate::bucket::store::fake::{FakeStore, Fault};
+    use crate::clock::TokioClock;
+
+    const TIMEOUT: Duration = Duration::from_millis(50);
+
+    fn setup(
+        max_keys: usize,
+        cluster: bool,
+    ) -> (FakeStore, Arc<BreakerGate>, Coalesced<FakeStore>) {
+        let gate = Arc::new(BreakerGate::new());
+        let store = FakeStore::new(TokioClock::shared(), TIMEOUT, gate.clone());
+        let client = BucketClient::start(
+            store.clone(),
+            Some(gate.clone()),
+            Metrics::new(),
+            cluster,
+            max_keys,
+        );
+        (store, gate, client)
+    }
+
+    fn spec() -> BucketSpec {
+        BucketSpec::of(NonZeroU32::new(100).unwrap(), NonZeroU32::new(10).unwrap())
+    }
+
+    /// Sends a take of `key` from a task of its own; returns its handle.
+    fn send(
+        client: &Coalesced<FakeStore>,
+        key: &str,
+    ) -> actix_web::rt::task::JoinHandle<Result<Grant, RedisCallError>> {
+        let (client, key) = (client.clone(), key.to_owned());
+        actix_web::rt::spawn(async move { client.take(&key, &spec(), Ask::single(1)).await })
+    }
+
+    /// Lets spawned tasks and the actor run until `store` has seen `calls`
+    /// calls (no time passes).
+    async fn until_calls(store: &FakeStore, calls: usize) {
+        for _ in 0..1000 {
+            if store.batch_sizes().len() >= calls {
+                return;
+            }
+            tokio::task::yield_now().await;
+        }
+        panic!("only {} calls were made", store.batch_sizes().len());
+    }
+
+    #[actix_web::test]
+    async fn a_lone_decision_goes_out_at_once_and_alone() {
+        tokio::time::pause();
+        let (store, _, client) = setup(16, false);
+        let started = tokio::time::Instant::now();
+        let grant = client
+            .take("rl2:{a}:r", &spec(), Ask::single(1))
+            .await
+            .unwrap();
+        assert!(grant.decision.allowed);
+        assert_eq!(started.elapsed(), Duration::ZERO, "no added wait");
+        assert_eq!(store.batch_sizes(), [1]);
+    }
+
+    #[actix_web::test]
+    async fn decisions_arriving_during_a_call_ride_the_next_one_together() {
+        tokio::time::pause();
+        let (store, gate, client) = setup(16, false);
+        store.fail_next(Fault::Slow(Duration::from_millis(5)));
+        let first = send(&client, "rl2:{first}:r");
+        until_calls(&store, 1).await;
+        let riders: Vec<_> = (0..10)
+            .map(|i| send(&client, &format!("rl2:{{t{i}}}:r")))
+            .collect();
+        assert!(first.await.unwrap().is_ok());
+        for rider in riders {
+            assert!(rider.await.unwrap().unwrap().decision.allowed);
+        }
+        assert_eq!(store.batch_sizes(), [1, 10]);
+        assert_eq!(gate.drain().successes, 2, "one success per call");
+    }
+
+    #[actix_web::test]
+    async fn a_call_carries_at_most_max_keys() {
+        tokio::time::pause();
+        let (store, _, client) = setup(4, false);
+        store.fail_next(Fault::Slow(Duration::from_millis(5)));
+        let first = send(&client, "rl2:{first}:r");
+        until_calls(&store, 1).await;
+        let riders: Vec<_> = (0..10)
+            .map(|i| send(&client, &format!("rl2:{{t{i}}}:r")))
+            .collect();
+        first.await.unwrap().unwrap();
+        for rider in riders {
+            rider.await.unwrap().unwrap();
+        }
+        assert_eq!(store.batch_sizes(), [1, 4, 4, 2]);
+    }
+
+    #[actix_web::test]
+    async fn a_failed_call_fails_each_of_its_decisions_and_counts_once() {
+        tokio::time::pause();
+        let (store, gate, client) = setup(16, false);
+        store.fail_next(Fault::Slow(Duration::from_millis(5)));
+        store.fail_next(Fault::Dropped);
+        let first = send(&client, "rl2:{first}:r");
+        until_calls(&store, 1).await;
+        let riders: Vec<_> = (0..5)
+            .map(|i| send(&client, &format!("rl2:{{t{i}}}:r")))
+            .collect();
+        first.await.unwrap().unwrap();
+        for rider in riders {
+            let failed = rider.await.unwrap();
+            assert!(
+                matches!(failed, Err(RedisCallError::CallFailed("connection"))),
+                "{failed:?}"
+            );
+        }
+        let seen = gate.drain();
+        assert_eq!(
+            (seen.successes, seen.failures),
+            (1, 1),
+            "one failure for the call"
+        );
+    }
+
+    #[actix_web::test]
+    async fn a_timed_out_call_ends_within_the_timeout() {
+        tokio::time::pause();
+        let (store, _, client) = setup(16, false);
+        store.fail_next(Fault::Slow(TIMEOUT));
+        let started = tokio::time::Instant::now();
+        let result = client.take("rl2:{slow}:r", &spec(), Ask::single(1)).await;
+        assert!(
+            matches!(result, Err(RedisCallError::CallFailed("timeout"))),
+            "{result:?}"
+        );
+        assert!(started.elapsed() <= TIMEOUT + Duration::from_millis(1));
+    }
+
+    #[actix_web::test]
+    async fn on_a_cluster_a_call_holds_the_keys_of_one_slot() {
+        tokio::time::pause();
+        let (store, _, client) = setup(16, true);
+        store.fail_next(Fault::Slow(Duration::from_millis(5)));
+        let first = send(&client, "rl2:{a}:x");
+        until_calls(&store, 1).await;
+        // Another slot goes out at once; the same slot waits for its call.
+        let other = send(&client, "rl2:{b}:x");
+        until_calls(&store, 2).await;
+        let same = [send(&client, "rl2:{a}:y"), send(&client, "rl2:{a}:z")];
+        first.await.unwrap().unwrap();
+        other.await.unwrap().unwrap();
+        for rider in same {
+            rider.await.unwrap().unwrap();
+        }
+        assert_eq!(
+            store.batches(),
+            [
+                vec!["rl2:{a}:x".to_owned()],
+                vec!["rl2:{b}:x".to_owned()],
+                vec!["rl2:{a}:y".to_owned(), "rl2:{a}:z".to_owned()],
+            ]
+        );
+    }
+}
