@@ -296,6 +296,25 @@ mod tests {
         panic!("only {} calls were made", store.batch_sizes().len());
     }
 
+    /// Holds one call in flight for 5 ms and sends `n` decisions meanwhile;
+    /// returns the first decision's handle and theirs.
+    async fn behind_a_slow_call(
+        store: &FakeStore,
+        client: &Coalesced<FakeStore>,
+        n: usize,
+    ) -> (
+        actix_web::rt::task::JoinHandle<Result<Grant, RedisCallError>>,
+        Vec<actix_web::rt::task::JoinHandle<Result<Grant, RedisCallError>>>,
+    ) {
+        store.fail_next(Fault::Slow(Duration::from_millis(5)));
+        let first = send(client, "rl2:{first}:r");
+        until_calls(store, 1).await;
+        let riders = (0..n)
+            .map(|i| send(client, &format!("rl2:{{t{i}}}:r")))
+            .collect();
+        (first, riders)
+    }
+
     #[actix_web::test]
     async fn a_lone_decision_goes_out_at_once_and_alone() {
         tokio::time::pause();
@@ -314,12 +333,7 @@ mod tests {
     async fn decisions_arriving_during_a_call_ride_the_next_one_together() {
         tokio::time::pause();
         let (store, gate, client) = setup(16, false);
-        store.fail_next(Fault::Slow(Duration::from_millis(5)));
-        let first = send(&client, "rl2:{first}:r");
-        until_calls(&store, 1).await;
-        let riders: Vec<_> = (0..10)
-            .map(|i| send(&client, &format!("rl2:{{t{i}}}:r")))
-            .collect();
+        let (first, riders) = behind_a_slow_call(&store, &client, 10).await;
         assert!(first.await.unwrap().is_ok());
         for rider in riders {
             assert!(rider.await.unwrap().unwrap().decision.allowed);
@@ -332,12 +346,7 @@ mod tests {
     async fn a_call_carries_at_most_max_keys() {
         tokio::time::pause();
         let (store, _, client) = setup(4, false);
-        store.fail_next(Fault::Slow(Duration::from_millis(5)));
-        let first = send(&client, "rl2:{first}:r");
-        until_calls(&store, 1).await;
-        let riders: Vec<_> = (0..10)
-            .map(|i| send(&client, &format!("rl2:{{t{i}}}:r")))
-            .collect();
+        let (first, riders) = behind_a_slow_call(&store, &client, 10).await;
         first.await.unwrap().unwrap();
         for rider in riders {
             rider.await.unwrap().unwrap();
@@ -349,13 +358,9 @@ mod tests {
     async fn a_failed_call_fails_each_of_its_decisions_and_counts_once() {
         tokio::time::pause();
         let (store, gate, client) = setup(16, false);
-        store.fail_next(Fault::Slow(Duration::from_millis(5)));
+        let (first, riders) = behind_a_slow_call(&store, &client, 5).await;
+        // The riders' call, made once the first one ends, breaks off.
         store.fail_next(Fault::Dropped);
-        let first = send(&client, "rl2:{first}:r");
-        until_calls(&store, 1).await;
-        let riders: Vec<_> = (0..5)
-            .map(|i| send(&client, &format!("rl2:{{t{i}}}:r")))
-            .collect();
         first.await.unwrap().unwrap();
         for rider in riders {
             let failed = rider.await.unwrap();
