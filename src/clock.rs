@@ -115,6 +115,12 @@ impl Clock for TokioClock {
     }
 }
 
+/// `d` in whole milliseconds (saturating), the unit every clock here
+/// counts in.
+pub fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
 /// Wall-clock seconds since the Unix epoch, for timestamps shown to operators
 /// (never used in limiter arithmetic).
 #[allow(clippy::disallowed_methods)] // The one place that reads the wall clock.

@@ -23,6 +23,7 @@ use actix::{
 };
 use redis::Script;
 
+use crate::clock::millis;
 use crate::redis_client::RedisConn;
 use crate::telemetry::Metrics;
 
@@ -125,9 +126,7 @@ struct Heartbeat {
 impl Heartbeat {
     fn beat(&mut self, ctx: &mut Context<Self>) {
         let mut invocation = HEARTBEAT.key(&self.key);
-        invocation
-            .arg(&self.id)
-            .arg(u64::try_from(self.ttl.as_millis()).unwrap_or(u64::MAX));
+        invocation.arg(&self.id).arg(millis(self.ttl));
         let (conn, timeout) = (self.conn.clone(), self.timeout);
         ctx.spawn(
             async move { conn.invoke::<u32>(&invocation, timeout).await }

@@ -19,7 +19,7 @@ use actix::{Actor, AsyncContext, Context};
 
 use super::BreakerGate;
 use super::state::{Machine, State, Transition};
-use crate::clock::SharedClock;
+use crate::clock::{SharedClock, millis};
 use crate::config::BreakerSettings;
 use crate::redis_client::RedisConn;
 use crate::telemetry::Metrics;
@@ -93,7 +93,7 @@ impl BreakerActor {
         }
         let health_due = self
             .last_health_ms
-            .is_none_or(|last| now.saturating_sub(last) >= duration_ms(HEALTH_PERIOD));
+            .is_none_or(|last| now.saturating_sub(last) >= millis(HEALTH_PERIOD));
         match self.machine.state() {
             State::HalfOpen => self.probe(ctx, Machine::probe_result),
             State::Closed if health_due => {
@@ -146,11 +146,6 @@ impl BreakerActor {
             ),
         }
     }
-}
-
-/// `d` in whole milliseconds.
-fn duration_ms(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 impl Actor for BreakerActor {

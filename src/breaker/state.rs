@@ -9,6 +9,7 @@
 //! row, so an unreachable Redis is noticed without traffic too. Nothing
 //! here reads a clock or touches Redis.
 
+use crate::clock::millis;
 use crate::config::BreakerSettings;
 
 /// Failed health probes in a row that open a closed breaker.
@@ -101,7 +102,7 @@ impl Machine {
     pub fn observe(&mut self, seen: Outcomes, now_ms: u64) -> Option<Transition> {
         match self.state {
             State::Closed => {
-                let window_ms = u64::try_from(self.settings.window.as_millis()).unwrap_or(u64::MAX);
+                let window_ms = millis(self.settings.window);
                 if now_ms.saturating_sub(self.window_start_ms) >= window_ms {
                     self.reset_window(now_ms);
                 }
@@ -115,8 +116,7 @@ impl Machine {
                 (run_too_long || ratio_too_high).then(|| self.open(now_ms))
             }
             State::Open => {
-                let cooldown_ms =
-                    u64::try_from(self.settings.cooldown.as_millis()).unwrap_or(u64::MAX);
+                let cooldown_ms = millis(self.settings.cooldown);
                 (now_ms.saturating_sub(self.opened_at_ms) >= cooldown_ms)
                     .then(|| self.move_to(State::HalfOpen))
             }

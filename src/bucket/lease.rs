@@ -36,7 +36,7 @@ use tokio::sync::futures::OwnedNotified;
 
 use super::decision::{Ask, BucketSpec, Decision, Grant};
 use super::keymap::{Idle, KeyMap};
-use crate::clock::SharedClock;
+use crate::clock::{SharedClock, millis};
 use crate::config::LeaseSettings;
 use crate::telemetry::{DecisionSource, Metrics};
 
@@ -372,7 +372,7 @@ impl HotKeys {
     /// the key must now be blocked. An `owner` call releases the key's slot.
     pub fn record(&self, key: &str, grant: &Grant, cost: u32, owner: bool) {
         let now = self.clock.now_ms();
-        let window = u64::try_from(self.settings.window.as_millis()).unwrap_or(u64::MAX);
+        let window = millis(self.settings.window);
         self.keys.get(key, |s| {
             s.last_remaining = grant.decision.remaining;
             s.blocked_until_ms = match grant.block_ms {

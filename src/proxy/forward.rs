@@ -35,7 +35,7 @@ use super::pool::IdleList;
 use super::route::Route;
 use super::slots::{Slot, Slots};
 use super::stall::Watchdog;
-use crate::clock::SharedClock;
+use crate::clock::{SharedClock, millis};
 use crate::config::{ClientSettings, RouteSpec, UpstreamSettings};
 use crate::key::TenantId;
 use crate::telemetry::Metrics;
@@ -78,7 +78,7 @@ impl Upstream {
                 authority.port_u16().unwrap_or(80)
             ),
             host: hy::HeaderValue::try_from(host).expect("an authority is a header value"),
-            idle: IdleList::new(u64::try_from(max_idle.as_millis()).unwrap_or(u64::MAX)),
+            idle: IdleList::new(millis(max_idle)),
             clock,
         }
     }
@@ -244,7 +244,7 @@ impl Forwarder {
         upload: &Upload,
     ) -> Result<T, ProxyError> {
         let started = self.clock.now_ms();
-        let limit = u64::try_from(self.timeout.as_millis()).unwrap_or(u64::MAX);
+        let limit = millis(self.timeout);
         let mut exchange = pin!(exchange);
         let mut wait = self.timeout;
         loop {

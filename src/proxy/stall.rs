@@ -24,7 +24,7 @@ use std::cell::{Cell, RefCell, RefMut};
 use std::rc::{Rc, Weak};
 use std::time::Duration;
 
-use crate::clock::SharedClock;
+use crate::clock::{SharedClock, millis};
 use crate::config::Pace;
 use crate::telemetry::{BodyDirection, Metrics};
 
@@ -46,7 +46,7 @@ pub(super) struct Progress {
 impl Progress {
     /// A transfer that has not waited yet, at `pace`.
     pub(super) fn new(pace: Pace) -> Self {
-        let timeout_ms = u64::try_from(pace.timeout.as_millis()).unwrap_or(u64::MAX);
+        let timeout_ms = millis(pace.timeout);
         Self {
             timeout_ms,
             min_rate: pace.min_bytes_per_second,

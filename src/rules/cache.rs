@@ -40,7 +40,7 @@ use super::file::{self, FileChange, FileFingerprint, FileWatch, RuleFileError};
 use super::model::{Limit, Rule, RuleSet, SnapshotOrigin};
 use super::pg::{CHANNEL, Change, RuleStore, RuleStoreError};
 use super::snapshot;
-use crate::clock::{SharedClock, unix_now_seconds};
+use crate::clock::{SharedClock, millis, unix_now_seconds};
 use crate::config::{RuleSource, RulesSettings};
 use crate::telemetry::{Metrics, RequestCounters};
 
@@ -157,7 +157,7 @@ pub async fn start(
             tracing::info!(rules = first.len(), file = %path.display(), "Rules loaded.");
             let source = Source::File {
                 path: path.clone(),
-                watch: FileWatch::new(fingerprint, duration_ms(settings.settle)),
+                watch: FileWatch::new(fingerprint, millis(settings.settle)),
                 applied: Some(digest(&contents)),
                 recheck: false,
             };
@@ -277,11 +277,6 @@ async fn load_database(store: &RuleStore, migrate: bool) -> Result<Vec<Rule>, Ru
 fn digest(contents: &str) -> u64 {
     use std::hash::{BuildHasher, BuildHasherDefault};
     BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default().hash_one(contents)
-}
-
-/// `d` in whole milliseconds.
-fn duration_ms(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// Provenance stamped now.
