@@ -41,9 +41,10 @@ pub enum RedisCallError {
     /// Redis answered, but not with what the script returns.
     #[error("unexpected reply from redis")]
     BadReply,
-    /// The call this decision rode, with others, failed; the failure was
-    /// counted once, for the call (its kind is kept for the logs).
-    #[error("the shared redis call failed ({0})")]
+    /// A coalesced decision got no answer (the reason kept for the logs):
+    /// the call it rode, with others, failed (counted once, for the call),
+    /// or it waited out the timeout, or its worker's queue was full.
+    #[error("no answer from the shared redis call ({0})")]
     CallFailed(&'static str),
 }
 

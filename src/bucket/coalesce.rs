@@ -14,14 +14,17 @@
 //!
 //! Each call is bounded by `redis.timeout_ms` and reported to the breaker
 //! once, success or failure; when it fails every decision in it hears
-//! [`RedisCallError::CallFailed`] and is decided locally.
+//! [`RedisCallError::CallFailed`] and is decided locally. A decision waits
+//! at most `redis.timeout_ms` in all, queue included: one still queued when
+//! that runs out is decided locally and never sent, so a paused Redis costs
+//! a request one timeout, not two.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
 use actix::fut::{ActorFutureExt, WrapFuture};
-use actix::{Actor, Addr, AsyncContext, Context, Handler, Message, ResponseFuture};
+use actix::{Actor, Addr, AsyncContext, Context, Handler, Message};
 use redis::cluster_routing::Slot;
 use tokio::sync::oneshot;
 
@@ -42,18 +45,12 @@ enum Group {
     Slot(Slot),
 }
 
-/// One decision waiting for Redis.
-struct Waiting {
-    key: String,
-    spec: BucketSpec,
-    ask: Ask,
-    group: Group,
-    reply: oneshot::Sender<Result<Grant, RedisCallError>>,
-}
+/// The answer to one decision.
+type Reply = oneshot::Sender<Result<Grant, RedisCallError>>;
 
-/// Take tokens from one bucket, as `ask` says.
+/// Take tokens from one bucket, as `ask` says, and answer on `reply`.
 #[derive(Message)]
-#[rtype(result = "Result<Grant, RedisCallError>")]
+#[rtype(result = "()")]
 pub struct Take {
     /// The bucket's key.
     pub key: String,
@@ -61,6 +58,18 @@ pub struct Take {
     pub spec: BucketSpec,
     /// What to take.
     pub ask: Ask,
+    /// Where the grant goes; a decision that gave up has dropped the
+    /// other end, and is then not sent.
+    pub reply: Reply,
+}
+
+/// The decisions of one group, and whether its call is in flight.
+#[derive(Default)]
+struct Queue {
+    /// Decisions not sent yet, oldest first.
+    waiting: VecDeque<Take>,
+    /// Whether a call of this group is in flight.
+    busy: bool,
 }
 
 /// One proxy worker's client of the shared buckets, over `B` (Redis in
@@ -68,7 +77,7 @@ pub struct Take {
 pub struct BucketClient<B: BatchStore = RedisBucket> {
     /// This worker's script client.
     redis: B,
-    /// Told about every call's outcome; `None` in tests without a breaker.
+    /// Told about every call's outcome; `None` without a breaker.
     gate: Option<Arc<BreakerGate>>,
     /// Error counts and keys per call.
     metrics: Metrics,
@@ -76,10 +85,8 @@ pub struct BucketClient<B: BatchStore = RedisBucket> {
     cluster: bool,
     /// Most keys in one call.
     max_keys: usize,
-    /// Decisions not sent yet, oldest first.
-    queue: VecDeque<Waiting>,
-    /// Groups with a call in flight.
-    busy: HashSet<Group>,
+    /// Each group with decisions waiting or a call in flight.
+    queues: HashMap<Group, Queue>,
 }
 
 impl<B: BatchStore> BucketClient<B> {
@@ -99,45 +106,46 @@ impl<B: BatchStore> BucketClient<B> {
             metrics,
             cluster,
             max_keys: max_keys.max(1),
-            queue: VecDeque::new(),
-            busy: HashSet::new(),
+            queues: HashMap::new(),
         }
         .start();
         Coalesced { addr, timeout }
     }
 
-    /// Sends the next call of every group that has decisions waiting and
-    /// no call in flight.
-    fn dispatch(&mut self, ctx: &mut Context<Self>) {
-        while let Some(group) = self
-            .queue
-            .iter()
-            .map(|w| w.group)
-            .find(|g| !self.busy.contains(g))
-        {
-            let mut batch = Vec::with_capacity(self.max_keys.min(self.queue.len()));
-            let mut rest = VecDeque::with_capacity(self.queue.len());
-            for waiting in self.queue.drain(..) {
-                if waiting.group == group && batch.len() < self.max_keys {
-                    batch.push(waiting);
-                } else {
-                    rest.push_back(waiting);
-                }
-            }
-            self.queue = rest;
-            self.busy.insert(group);
-            self.send(ctx, group, batch);
+    /// Sends `group`'s next call, unless one is in flight: its oldest
+    /// decisions still waiting for an answer, up to the cap. A group with
+    /// nothing left to do is forgotten.
+    fn dispatch(&mut self, ctx: &mut Context<Self>, group: Group) {
+        let Some(queue) = self.queues.get_mut(&group) else {
+            return;
+        };
+        if queue.busy {
+            return;
         }
+        let mut batch = Vec::with_capacity(self.max_keys.min(queue.waiting.len()));
+        while batch.len() < self.max_keys {
+            match queue.waiting.pop_front() {
+                Some(take) if take.reply.is_closed() => {}
+                Some(take) => batch.push(take),
+                None => break,
+            }
+        }
+        if batch.is_empty() {
+            self.queues.remove(&group);
+            return;
+        }
+        queue.busy = true;
+        self.send(ctx, group, batch);
     }
 
     /// One script call for `batch`; its answers go to their decisions.
-    fn send(&mut self, ctx: &mut Context<Self>, group: Group, batch: Vec<Waiting>) {
+    fn send(&mut self, ctx: &mut Context<Self>, group: Group, batch: Vec<Take>) {
         let redis = self.redis.clone();
         self.metrics.redis_keys_per_call(batch.len());
         let call = async move {
             let asks: Vec<(&str, BucketSpec, Ask)> = batch
                 .iter()
-                .map(|w| (w.key.as_str(), w.spec, w.ask))
+                .map(|t| (t.key.as_str(), t.spec, t.ask))
                 .collect();
             let result = redis.take_many(&asks).await;
             drop(asks);
@@ -149,10 +157,9 @@ impl<B: BatchStore> BucketClient<B> {
                     if let Some(gate) = &client.gate {
                         gate.success();
                     }
-                    for (waiting, grant) in batch.into_iter().zip(grants) {
-                        // A decision whose request went away has no one
-                        // to tell.
-                        let _ = waiting.reply.send(Ok(grant));
+                    for (take, grant) in batch.into_iter().zip(grants) {
+                        // A decision that gave up has no one to tell.
+                        let _ = take.reply.send(Ok(grant));
                     }
                 }
                 Err(e) => {
@@ -161,19 +168,22 @@ impl<B: BatchStore> BucketClient<B> {
                     }
                     client.metrics.redis_error(e.kind());
                     tracing::debug!(error = %e, keys = batch.len(), "Redis call failed; its decisions are made locally.");
-                    for waiting in batch {
-                        let _ = waiting.reply.send(Err(RedisCallError::CallFailed(e.kind())));
+                    for take in batch {
+                        let _ = take.reply.send(Err(RedisCallError::CallFailed(e.kind())));
                     }
                 }
             }
-            client.busy.remove(&group);
-            client.dispatch(ctx);
+            if let Some(queue) = client.queues.get_mut(&group) {
+                queue.busy = false;
+            }
+            client.dispatch(ctx, group);
         }));
     }
 }
 
-/// Messages one client may hold before senders wait: a worker's requests
-/// in flight, with room to spare (actix's default is 16).
+/// Messages one client may hold before senders are turned away (and
+/// decide locally): a worker's requests in flight, with room to spare
+/// (actix's default is 16).
 const MAILBOX: usize = 4096;
 
 impl<B: BatchStore> Actor for BucketClient<B> {
@@ -185,28 +195,20 @@ impl<B: BatchStore> Actor for BucketClient<B> {
 }
 
 impl<B: BatchStore> Handler<Take> for BucketClient<B> {
-    type Result = ResponseFuture<Result<Grant, RedisCallError>>;
+    type Result = ();
 
-    fn handle(&mut self, take: Take, ctx: &mut Context<Self>) -> Self::Result {
-        let (reply, answer) = oneshot::channel();
+    fn handle(&mut self, take: Take, ctx: &mut Context<Self>) {
         let group = if self.cluster {
             Group::Slot(Slot::for_key(take.key.as_bytes()))
         } else {
             Group::Server
         };
-        self.queue.push_back(Waiting {
-            key: take.key,
-            spec: take.spec,
-            ask: take.ask,
-            group,
-            reply,
-        });
-        self.dispatch(ctx);
-        Box::pin(async move {
-            answer
-                .await
-                .unwrap_or(Err(RedisCallError::CallFailed("connection")))
-        })
+        self.queues
+            .entry(group)
+            .or_default()
+            .waiting
+            .push_back(take);
+        self.dispatch(ctx, group);
     }
 }
 
@@ -214,7 +216,7 @@ impl<B: BatchStore> Handler<Take> for BucketClient<B> {
 pub struct Coalesced<B: BatchStore = RedisBucket> {
     /// The worker's bucket client.
     addr: Addr<BucketClient<B>>,
-    /// The bound on one call.
+    /// The bound on one call, and on one decision's whole wait.
     timeout: Duration,
 }
 
@@ -233,15 +235,21 @@ impl<B: BatchStore> SharedStore for Coalesced<B> {
     }
 
     async fn take(&self, key: &str, spec: &BucketSpec, ask: Ask) -> Result<Grant, RedisCallError> {
+        let (reply, answer) = oneshot::channel();
         let take = Take {
             key: key.to_owned(),
             spec: *spec,
             ask,
+            reply,
         };
-        self.addr
-            .send(take)
-            .await
-            .unwrap_or(Err(RedisCallError::CallFailed("connection")))
+        if self.addr.try_send(take).is_err() {
+            return Err(RedisCallError::CallFailed("queue full"));
+        }
+        match tokio::time::timeout(self.timeout, answer).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(_)) => Err(RedisCallError::CallFailed("connection")),
+            Err(_) => Err(RedisCallError::CallFailed("timeout")),
+        }
     }
 }
 
@@ -296,17 +304,18 @@ mod tests {
         panic!("only {} calls were made", store.batch_sizes().len());
     }
 
-    /// Holds one call in flight for 5 ms and sends `n` decisions meanwhile;
+    /// Holds one call in flight for `ms` and sends `n` decisions meanwhile;
     /// returns the first decision's handle and theirs.
     async fn behind_a_slow_call(
         store: &FakeStore,
         client: &Coalesced<FakeStore>,
+        ms: u64,
         n: usize,
     ) -> (
         actix_web::rt::task::JoinHandle<Result<Grant, RedisCallError>>,
         Vec<actix_web::rt::task::JoinHandle<Result<Grant, RedisCallError>>>,
     ) {
-        store.fail_next(Fault::Slow(Duration::from_millis(5)));
+        store.fail_next(Fault::Slow(Duration::from_millis(ms)));
         let first = send(client, "rl2:{first}:r");
         until_calls(store, 1).await;
         let riders = (0..n)
@@ -333,7 +342,7 @@ mod tests {
     async fn decisions_arriving_during_a_call_ride_the_next_one_together() {
         tokio::time::pause();
         let (store, gate, client) = setup(16, false);
-        let (first, riders) = behind_a_slow_call(&store, &client, 10).await;
+        let (first, riders) = behind_a_slow_call(&store, &client, 5, 10).await;
         assert!(first.await.unwrap().is_ok());
         for rider in riders {
             assert!(rider.await.unwrap().unwrap().decision.allowed);
@@ -346,7 +355,7 @@ mod tests {
     async fn a_call_carries_at_most_max_keys() {
         tokio::time::pause();
         let (store, _, client) = setup(4, false);
-        let (first, riders) = behind_a_slow_call(&store, &client, 10).await;
+        let (first, riders) = behind_a_slow_call(&store, &client, 5, 10).await;
         first.await.unwrap().unwrap();
         for rider in riders {
             rider.await.unwrap().unwrap();
@@ -358,7 +367,7 @@ mod tests {
     async fn a_failed_call_fails_each_of_its_decisions_and_counts_once() {
         tokio::time::pause();
         let (store, gate, client) = setup(16, false);
-        let (first, riders) = behind_a_slow_call(&store, &client, 5).await;
+        let (first, riders) = behind_a_slow_call(&store, &client, 5, 5).await;
         // The riders' call, made once the first one ends, breaks off.
         store.fail_next(Fault::Dropped);
         first.await.unwrap().unwrap();
@@ -374,6 +383,35 @@ mod tests {
             (seen.successes, seen.failures),
             (1, 1),
             "one failure for the call"
+        );
+    }
+
+    #[actix_web::test]
+    async fn a_decision_waits_one_timeout_in_all_and_one_that_gave_up_is_never_sent() {
+        tokio::time::pause();
+        let (store, _, client) = setup(1, false);
+        let started = tokio::time::Instant::now();
+        // The first call holds the queue for 40 ms; the next (t0, alone by
+        // the cap of 1) would take 20 ms more: t0 and t1 give up at 50 ms.
+        let (first, riders) = behind_a_slow_call(&store, &client, 40, 2).await;
+        store.fail_next(Fault::Slow(Duration::from_millis(20)));
+        first.await.unwrap().unwrap();
+        for rider in riders {
+            let gave_up = rider.await.unwrap();
+            assert!(
+                matches!(gave_up, Err(RedisCallError::CallFailed("timeout"))),
+                "{gave_up:?}"
+            );
+        }
+        assert!(started.elapsed() <= TIMEOUT + Duration::from_millis(1));
+        // Once t0's call ends, t1, which gave up while queued, is dropped.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(
+            store.batches(),
+            [
+                vec!["rl2:{first}:r".to_owned()],
+                vec!["rl2:{t0}:r".to_owned()]
+            ]
         );
     }
 
