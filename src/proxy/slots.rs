@@ -48,11 +48,13 @@ impl Slots {
             return None;
         }
         let mut tenants = self.tenants.borrow_mut();
-        let held = tenants.entry(tenant.clone()).or_insert(0);
-        if *held >= self.per_tenant {
-            return None;
+        match tenants.get_mut(tenant) {
+            Some(held) if *held >= self.per_tenant => return None,
+            Some(held) => *held += 1,
+            None => {
+                tenants.insert(tenant.clone(), 1);
+            }
         }
-        *held += 1;
         if !has_rule {
             self.defaulted.set(self.defaulted.get() + 1);
         }
