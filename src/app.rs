@@ -329,6 +329,7 @@ pub async fn run(
             .configure(proxy::configure)
     })
     .workers(config.server.workers)
+    .on_connect(proxy::on_connect)
     .tcp_nodelay(true)
     .client_request_timeout(config.client.header_timeout)
     .shutdown_timeout(config.server.shutdown_timeout.as_secs())

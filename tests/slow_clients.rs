@@ -33,8 +33,19 @@ fn read_status(stream: &mut TcpStream) -> u16 {
     std::str::from_utf8(&head[9..12]).unwrap().parse().unwrap()
 }
 
+/// Whether the kernel holds an established TCP connection from local port
+/// `local` to remote port `remote` on 127.0.0.1 (`/proc/net/tcp`).
+fn established(local: u16, remote: u16) -> bool {
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
+    table.lines().skip(1).any(|line| {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let port = |addr: &str| u16::from_str_radix(addr.rsplit(':').next().unwrap(), 16).unwrap();
+        port(fields[1]) == local && port(fields[2]) == remote && fields[3] == "01"
+    })
+}
+
 #[test]
-fn a_client_that_stops_reading_loses_its_upstream_connection() {
+fn a_client_that_stops_reading_loses_its_upstream_connection_and_its_own() {
     let endless = EndlessUpstream::start();
     let s = Stack::start("slow-reader", "", |c, up| {
         c.extra = "[default_rule]\ncapacity = 100\nrefill_per_second = 100\n\
@@ -56,6 +67,16 @@ fn a_client_that_stops_reading_loses_its_upstream_connection() {
     assert!(
         wait_until(Duration::from_secs(10), || endless.closed() == 1),
         "the gateway kept the upstream connection of a client that stopped reading"
+    );
+    // The gateway has let go of our connection too (it is no longer
+    // established on its side), though we never read.
+    let ours = stalled.local_addr().unwrap().port();
+    assert!(
+        wait_until(Duration::from_secs(5), || !established(
+            s.gw.addr.port(),
+            ours
+        )),
+        "the gateway kept the connection of a client that stopped reading"
     );
     let res = raw_http(
         s.gw.addr,

@@ -20,7 +20,7 @@ use actix_web::web;
 use futures_util::Stream;
 use hyper::body::{Body, Bytes, Frame, Incoming, SizeHint};
 
-use super::stall::{Progress, Watch};
+use super::stall::{Cut, Progress, Watch};
 use crate::clock::SharedClock;
 use crate::config::Pace;
 
@@ -171,13 +171,59 @@ impl Body for RequestBody {
     }
 }
 
-/// What a response holds while it streams: the upstream's body and the
-/// connection (with its permit and slot) it arrives on.
+/// What a response holds while it streams: the upstream's body, the
+/// connection (with its permit and slot) it arrives on, and a handle on
+/// the client's socket.
 pub(super) struct Held<L> {
     /// hyper's body: data frames, possibly trailers (dropped).
     pub(super) body: Incoming,
     /// Returned to its upstream when the body ends, dropped otherwise.
     pub(super) lease: L,
+    /// The client's connection, when known.
+    pub(super) client: Option<ClientSocket>,
+}
+
+impl<L> Cut for Held<L> {
+    /// Drops the upstream side (the body unread, so the connection closes)
+    /// and shuts the client's socket down: the client's connection, stuck
+    /// behind full buffers, ends at once instead of when the client reads
+    /// again or leaves.
+    fn cut(self) {
+        let Self {
+            body,
+            lease,
+            client,
+        } = self;
+        drop((body, lease));
+        if let Some(client) = client {
+            client.shut_down();
+        }
+    }
+}
+
+/// A second handle on a client connection's socket (a duplicated file
+/// descriptor, taken once per connection and kept with it), so that a
+/// response can end the connection from outside actix's dispatcher.
+#[derive(Clone)]
+pub(crate) struct ClientSocket(Rc<std::net::TcpStream>);
+
+impl ClientSocket {
+    /// The handle of `conn`, the connection actix is about to serve, when it
+    /// is a TCP socket that can be duplicated.
+    pub(crate) fn of(conn: &dyn std::any::Any) -> Option<Self> {
+        use std::os::fd::AsFd as _;
+        let tcp = conn.downcast_ref::<actix_web::rt::net::TcpStream>()?;
+        let fd = tcp.as_fd().try_clone_to_owned().ok()?;
+        Some(Self(Rc::new(std::net::TcpStream::from(fd))))
+    }
+
+    /// Shuts both directions down; the dispatcher's next write fails and it
+    /// drops the connection.
+    fn shut_down(&self) {
+        if let Err(e) = self.0.shutdown(std::net::Shutdown::Both) {
+            tracing::debug!(error = %e, "Could not shut down a stalled client's connection.");
+        }
+    }
 }
 
 /// Where a finished exchange's connection goes.

@@ -28,7 +28,7 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use super::body::{ClientFault, Held, RequestBody, ResponseBody, Reuse, Upload};
+use super::body::{ClientFault, ClientSocket, Held, RequestBody, ResponseBody, Reuse, Upload};
 use super::error::ProxyError;
 use super::hop;
 use super::pool::IdleList;
@@ -217,7 +217,15 @@ impl Forwarder {
         let bodiless = status.is_informational()
             || status == StatusCode::NO_CONTENT
             || status == StatusCode::NOT_MODIFIED;
-        let watch = self.watchdog.watch(Held { body, lease }, self.client.write);
+        let client = req.conn_data::<ClientSocket>().cloned();
+        let watch = self.watchdog.watch(
+            Held {
+                body,
+                lease,
+                client,
+            },
+            self.client.write,
+        );
         let stream = ResponseBody::new(watch, self.clock.clone());
         // A chunked answer has no length. A HEAD answer keeps the
         // upstream's Content-Length; actix writes no body for HEAD, and the

@@ -66,6 +66,15 @@ pub struct ProxyState {
     pub clock: SharedClock,
 }
 
+/// Keeps a second handle on each new client connection's socket, so that a
+/// client cut off for not reading can be disconnected; give it to
+/// `HttpServer::on_connect`.
+pub fn on_connect(conn: &dyn std::any::Any, data: &mut actix_web::dev::Extensions) {
+    if let Some(socket) = body::ClientSocket::of(conn) {
+        data.insert(socket);
+    }
+}
+
 /// Adds the proxy handler for every method and path to an actix `App`.
 pub fn configure(cfg: &mut web::ServiceConfig) {
     cfg.default_service(web::to(handle));

@@ -5,9 +5,9 @@
 //! their clients, swept on a timer. A client that uploads or downloads
 //! slower than `client.min_bytes_per_second` on average, or makes no
 //! progress for `client.read_timeout_ms` / `client.write_timeout_ms`, is
-//! cut off, and what it held (an upstream connection, a tenant's slot) is
-//! released. Time spent waiting on the upstream is never counted against
-//! the client.
+//! cut off: what it held (an upstream connection, a tenant's slot) is
+//! released, and a download's client connection is shut down ([`Cut`]).
+//! Time spent waiting on the upstream is never counted against the client.
 //!
 //! Credit model: a transfer starts with `timeout` of credit. While it waits
 //! on the client the credit drains in real time; every chunk the client
@@ -123,6 +123,13 @@ impl<T> Watched<T> {
     }
 }
 
+/// What a watched response holds, and how it is let go when its client is
+/// cut off (dropping it is how it is let go when the response ends).
+pub(super) trait Cut {
+    /// Releases everything, the client included.
+    fn cut(self);
+}
+
 /// One worker's responses that may wait on their clients.
 pub(super) struct Watchdog<T> {
     /// Watched responses by slot; `None` slots are free.
@@ -135,7 +142,7 @@ pub(super) struct Watchdog<T> {
     metrics: Metrics,
 }
 
-impl<T: 'static> Watchdog<T> {
+impl<T: Cut + 'static> Watchdog<T> {
     /// A watchdog whose sweep runs every `period` on the current worker
     /// (it stops once the watchdog is dropped).
     pub(super) fn start(period: Duration, clock: SharedClock, metrics: Metrics) -> Rc<Self> {
@@ -188,7 +195,13 @@ impl<T: 'static> Watchdog<T> {
     pub(super) fn sweep(&self, now: u64) -> usize {
         let mut cut = 0;
         for watched in self.entries.borrow().iter().flatten() {
-            if watched.progress().expired(now) && watched.held().take().is_some() {
+            if !watched.progress().expired(now) {
+                continue;
+            }
+            // Taken out first: the borrow ends before the hook runs.
+            let held = watched.held().take();
+            if let Some(held) = held {
+                held.cut();
                 cut += 1;
                 self.metrics.client_timeout(BodyDirection::Response);
             }
@@ -233,6 +246,10 @@ impl<T> Drop for Watch<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    impl Cut for &'static str {
+        fn cut(self) {}
+    }
 
     fn pace(timeout_ms: u64, min_bytes_per_second: u64) -> Pace {
         Pace {
