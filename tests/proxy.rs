@@ -8,7 +8,7 @@ mod common;
 use std::io::{Read, Write};
 
 use actix_web::web::Bytes;
-use common::{Gateway, GatewayConfig, RedisServer, Stack, TempDir, client, free_port, header};
+use common::{Gateway, GatewayConfig, RedisServer, Stack, TempDir, client, header, refused_port};
 use futures_util::StreamExt;
 
 /// A gateway with routes to the mock upstream (`orders`, `slow`, `files`)
@@ -21,7 +21,7 @@ fn setup(tag: &str, capacity: u32) -> Stack {
              [[routes]]\nid = \"slow\"\npath_prefix = \"/slow\"\nupstream = \"{up}\"\n\
              [[routes]]\nid = \"files\"\npath_prefix = \"/download\"\nupstream = \"{up}\"\n\
              [[routes]]\nid = \"down\"\npath_prefix = \"/down\"\nupstream = \"http://127.0.0.1:{}\"\n",
-            free_port()
+            refused_port()
         );
     })
 }

@@ -10,8 +10,8 @@ mod common;
 use std::time::Duration;
 
 use common::{
-    Gateway, GatewayConfig, RedisCluster, RedisServer, Stack, TempDir, Upstream, eventually,
-    free_port, get, ready,
+    Gateway, GatewayConfig, RedisCluster, RedisServer, Stack, TempDir, Upstream, eventually, get,
+    ready, refused_port,
 };
 
 /// `/ready`'s `redis` field becomes `state` within `within`, with no
@@ -45,7 +45,7 @@ async fn redis_is_marked_down_and_up_again_without_traffic() {
 async fn a_gateway_started_without_redis_is_ready_with_redis_down() {
     let up = Upstream::start();
     let dir = TempDir::new("ready-no-redis");
-    let nothing = format!("redis://127.0.0.1:{}", free_port());
+    let nothing = format!("redis://127.0.0.1:{}", refused_port());
     // Gateway::start waits for /ready to answer 200.
     let gw = Gateway::start(&GatewayConfig::new(
         &nothing,

@@ -140,7 +140,9 @@ async fn a_file_that_says_rule_equals_empty_list_removes_every_rule() {
 #[actix_web::test]
 async fn rewriting_the_rules_in_force_does_no_work() {
     let s = quick_watch("reload-same", 5);
-    // Same contents, new modification time: looked at, not applied.
+    // Same contents, new modification time: looked at, not applied. A look
+    // that does no work shows nothing to wait for, so give the watch (every
+    // 100 ms, settling 200 ms) time to look before the real change.
     std::fs::write(rules_path(&s), rules(5)).unwrap();
     std::thread::sleep(Duration::from_millis(600));
     // A real change afterwards is the one reload.

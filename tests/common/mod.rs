@@ -29,6 +29,21 @@ pub fn free_port() -> u16 {
         .expect("an ephemeral port is available")
 }
 
+/// A port on 127.0.0.1 where connections are refused for as long as the
+/// test process runs: bound, never listening, so nothing else can take it
+/// (a port merely found free may be taken before it is used).
+pub fn refused_port() -> u16 {
+    static RESERVED: std::sync::OnceLock<tokio::net::TcpSocket> = std::sync::OnceLock::new();
+    let socket = RESERVED.get_or_init(|| {
+        let socket = tokio::net::TcpSocket::new_v4().expect("a TCP socket");
+        socket
+            .bind(SocketAddr::from(([127, 0, 0, 1], 0)))
+            .expect("a port to reserve");
+        socket
+    });
+    socket.local_addr().expect("a bound socket").port()
+}
+
 /// A fresh directory under the system temp dir, removed on drop.
 pub struct TempDir(pub PathBuf);
 
@@ -485,18 +500,27 @@ pub fn raw_http(addr: SocketAddr, head: &str) -> RawResponse {
     }
 }
 
-/// The payload of a chunked body.
-fn dechunk(mut body: &str) -> String {
+/// The payload of a chunked body (which must be complete).
+fn dechunk(chunked: &str) -> String {
     let mut out = String::new();
-    while let Some((size, rest)) = body.split_once("\r\n") {
-        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
-        if n == 0 || rest.len() < n {
-            break;
+    let mut body = chunked;
+    loop {
+        let (size, rest) = body
+            .split_once("\r\n")
+            .unwrap_or_else(|| panic!("no chunk size line in {chunked:?}"));
+        let n = usize::from_str_radix(size.trim(), 16)
+            .unwrap_or_else(|_| panic!("bad chunk size {size:?} in {chunked:?}"));
+        if n == 0 {
+            return out;
         }
-        out.push_str(&rest[..n]);
-        body = rest[n..].trim_start_matches("\r\n");
+        let data = rest
+            .get(..n)
+            .unwrap_or_else(|| panic!("a chunk cut short in {chunked:?}"));
+        out.push_str(data);
+        body = rest[n..]
+            .strip_prefix("\r\n")
+            .unwrap_or_else(|| panic!("no CRLF after a chunk in {chunked:?}"));
     }
-    out
 }
 
 /// An upstream on a raw socket that answers every request with a huge
