@@ -15,9 +15,9 @@
 //! Each call is bounded by `redis.timeout_ms` and reported to the breaker
 //! once, success or failure; when it fails every decision in it hears
 //! [`RedisCallError::CallFailed`] and is decided locally. A decision waits
-//! at most `redis.timeout_ms` in all, queue included: one still queued when
-//! that runs out is decided locally and never sent, so a paused Redis costs
-//! a request one timeout, not two.
+//! at most two timeouts in all (the call in flight ahead of it, then its
+//! own), whatever befalls the client; one that gives up while still queued
+//! is decided locally and never sent, so it spends no tokens nobody uses.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -216,7 +216,7 @@ impl<B: BatchStore> Handler<Take> for BucketClient<B> {
 pub struct Coalesced<B: BatchStore = RedisBucket> {
     /// The worker's bucket client.
     addr: Addr<BucketClient<B>>,
-    /// The bound on one call, and on one decision's whole wait.
+    /// The bound on one call; a decision waits at most twice this.
     timeout: Duration,
 }
 
@@ -245,7 +245,7 @@ impl<B: BatchStore> SharedStore for Coalesced<B> {
         if self.addr.try_send(take).is_err() {
             return Err(RedisCallError::CallFailed("queue full"));
         }
-        match tokio::time::timeout(self.timeout, answer).await {
+        match tokio::time::timeout(2 * self.timeout, answer).await {
             Ok(Ok(result)) => result,
             Ok(Err(_)) => Err(RedisCallError::CallFailed("connection")),
             Err(_) => Err(RedisCallError::CallFailed("timeout")),
@@ -256,6 +256,8 @@ impl<B: BatchStore> SharedStore for Coalesced<B> {
 #[cfg(test)]
 mod tests {
     use std::num::NonZeroU32;
+
+    use futures_util::future::join_all;
 
     use super::*;
     use crate::bucket::store::fake::{FakeStore, Fault};
@@ -387,32 +389,35 @@ mod tests {
     }
 
     #[actix_web::test]
-    async fn a_decision_waits_one_timeout_in_all_and_one_that_gave_up_is_never_sent() {
+    async fn a_decision_waits_two_timeouts_at_most_and_one_that_gave_up_is_never_sent() {
         tokio::time::pause();
         let (store, _, client) = setup(1, false);
         let started = tokio::time::Instant::now();
-        // The first call holds the queue for 40 ms; the next (t0, alone by
-        // the cap of 1) would take 20 ms more: t0 and t1 give up at 50 ms.
-        let (first, riders) = behind_a_slow_call(&store, &client, 40, 2).await;
-        store.fail_next(Fault::Slow(Duration::from_millis(20)));
+        // One key per call, each call 49 ms: the first ends at 49 ms, t0's
+        // at 98 ms, t1's would at 147 ms; t1 and t2 give up at 100 ms, t2
+        // while still queued.
+        let (first, riders) = behind_a_slow_call(&store, &client, 49, 3).await;
+        for _ in 0..2 {
+            store.fail_next(Fault::Slow(Duration::from_millis(49)));
+        }
         first.await.unwrap().unwrap();
-        for rider in riders {
-            let gave_up = rider.await.unwrap();
+        let answers: Vec<_> = join_all(riders)
+            .await
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
+        assert!(answers[0].is_ok(), "{:?}", answers[0]);
+        for gave_up in &answers[1..] {
             assert!(
                 matches!(gave_up, Err(RedisCallError::CallFailed("timeout"))),
                 "{gave_up:?}"
             );
         }
-        assert!(started.elapsed() <= TIMEOUT + Duration::from_millis(1));
-        // Once t0's call ends, t1, which gave up while queued, is dropped.
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        assert_eq!(
-            store.batches(),
-            [
-                vec!["rl2:{first}:r".to_owned()],
-                vec!["rl2:{t0}:r".to_owned()]
-            ]
-        );
+        assert!(started.elapsed() <= 2 * TIMEOUT + Duration::from_millis(1));
+        // Once t1's call ends, t2, which gave up while queued, is dropped.
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        let sent: Vec<_> = store.batches().concat();
+        assert_eq!(sent, ["rl2:{first}:r", "rl2:{t0}:r", "rl2:{t1}:r"]);
     }
 
     #[actix_web::test]
