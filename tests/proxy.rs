@@ -118,6 +118,77 @@ async fn large_bodies_stream_both_ways() {
     assert_eq!(total, 16 * 1024 * 1024);
 }
 
+/// An upstream on a raw socket that answers every request on a kept
+/// connection with `Content-Length: 10` and the body `helloworld`, sent as
+/// the path asks: `/whole` with the head in one write, `/after` the head
+/// first and the body 100 ms later, `/split` the head with `hello` and
+/// `world` 100 ms later.
+fn pausing_upstream() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { break };
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 8192];
+                while let Ok(n) = stream.read(&mut buf) {
+                    if n == 0 {
+                        break;
+                    }
+                    let request = String::from_utf8_lossy(&buf[..n]).into_owned();
+                    let head = "HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n";
+                    let (first, rest): (String, &[u8]) = if request.contains(" /whole ") {
+                        (format!("{head}helloworld"), b"")
+                    } else if request.contains(" /after ") {
+                        (head.to_owned(), b"helloworld")
+                    } else {
+                        (format!("{head}hello"), b"world")
+                    };
+                    let sent = stream.write_all(first.as_bytes()).and_then(|()| {
+                        if rest.is_empty() {
+                            return Ok(());
+                        }
+                        std::thread::sleep(std::time::Duration::from_millis(100));
+                        stream.write_all(rest)
+                    });
+                    if sent.is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    format!("http://{addr}")
+}
+
+#[actix_web::test]
+async fn bodies_arriving_with_their_head_or_after_it_reach_the_client_whole() {
+    let up = pausing_upstream();
+    let s = Stack::start("arrival", "", |c, _| {
+        c.extra = "[default_rule]\ncapacity = 100\nrefill_per_second = 100\n".into();
+        c.routes =
+            format!("[[routes]]\nid = \"pausing\"\npath_prefix = \"/\"\nupstream = \"{up}\"\n");
+    });
+    let c = client();
+    // Twice each, so that every way is also served on a reused connection.
+    for path in ["/whole", "/after", "/split", "/whole", "/split", "/after"] {
+        let mut res = c
+            .get(s.gw.url(path))
+            .insert_header(("x-api-key", "arrival"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(res.status(), 200, "{path}");
+        assert_eq!(
+            header(&res, "content-length").as_deref(),
+            Some("10"),
+            "{path}"
+        );
+        assert!(header(&res, "x-ratelimit-remaining").is_some(), "{path}");
+        assert_eq!(res.body().await.unwrap(), "helloworld", "{path}");
+    }
+}
+
 #[actix_web::test]
 async fn no_route_is_404_and_costs_no_tokens() {
     let s = setup("noroute", 100);

@@ -1,10 +1,15 @@
 # Shared plumbing for the benchmark scripts (sourced, not run).
 #
 # Provides: require TOOL..., build_tollgate, start_work_dir (sets $work and
-# cleans up on exit, killing everything recorded in $pids), free_port,
-# wait_port PORT, start_redis PORT, start_upstream PORT (nginx answering
-# "ok"), write_bench_config …, start_tollgate NAME CONFIG [ENV=VALUE...],
-# run_oha OUT URL ARGS..., latency_ms FILE (p50 p99 p99.9 in ms).
+# cleans up on exit: runs the commands in $cleanup, then kills everything
+# recorded in $pids), free_port, wait_port PORT, start_redis PORT (sets
+# REDIS_PID), start_upstream PORT (nginx answering "ok"; sets UPSTREAM_PID),
+# write_bench_config …, start_tollgate NAME CONFIG [ENV=VALUE...] (sets
+# TOLLGATE_PID), run_oha OUT URL ARGS..., run_wrk OUT URL ARGS...,
+# latency_ms FILE (p50 p99 p99.9 in ms), cpu_ticks PID..., pin CPU PID...,
+# script_usec PORT... .
+#
+# Load generators run under ${LOAD_PREFIX[@]} (for example taskset -c 1).
 
 require() {
   local tool hint
@@ -12,6 +17,7 @@ require() {
     command -v "$tool" >/dev/null 2>&1 && continue
     case $tool in
       oha) hint="cargo install oha --locked" ;;
+      taskset) hint="apt-get install -y util-linux" ;;
       nginx) hint="apt-get install -y nginx-light" ;;
       redis-server | redis-cli) hint="apt-get install -y redis-server redis-tools" ;;
       *) hint="apt-get install -y $tool" ;;
@@ -30,7 +36,9 @@ build_tollgate() {
 start_work_dir() {
   work=$(mktemp -d)
   pids=()
-  trap 'for pid in "${pids[@]}"; do kill -CONT "$pid" 2>/dev/null; kill "$pid" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$work"' EXIT
+  cleanup=()
+  LOAD_PREFIX=()
+  trap 'for c in "${cleanup[@]}"; do eval "$c"; done; for pid in "${pids[@]}"; do kill -CONT "$pid" 2>/dev/null; kill "$pid" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$work"' EXIT
 }
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
@@ -70,12 +78,15 @@ http {
 CONF
   nginx -p "$work/up" -c "$work/up/nginx.conf" &
   pids+=($!)
+  UPSTREAM_PID=$!
   wait_port "$1"
 }
 
 # write_bench_config FILE LISTEN_PORT ADMIN_PORT REDIS_URL UPSTREAM_PORT WORKERS [EXACT]
-# A gateway config with one catch-all route "bench" to the upstream, and a
-# rule for tenant "bench" so large that no request is ever rejected. With
+# A gateway config with one catch-all route "bench" to the upstream, a rule
+# for tenant "bench" so large that no request is ever rejected, and a
+# default rule of a million requests per second for every other tenant
+# (far above what one tenant of a many-tenant run sends). With
 # EXACT=true (the default) the rule never leases, so every request is
 # decided by a Redis call; with false the gateway runs as configured by
 # default, leasing tokens for the hot key.
@@ -99,6 +110,9 @@ url = "$4"
 file = "$1.rules.toml"
 [log]
 level = "warn"
+[default_rule]
+capacity = 1000000
+refill_per_second = 1000000
 [[routes]]
 id = "bench"
 path_prefix = "/"
@@ -111,14 +125,53 @@ start_tollgate() {
   shift 2
   env "$@" "$TOLLGATE" serve --config "$config" >"$work/$name.log" 2>&1 &
   pids+=($!)
+  TOLLGATE_PID=$!
 }
 
 run_oha() {
   local out=$1 url=$2
   shift 2
-  oha --no-tui --output-format json -H "X-Api-Key: bench" "$@" "$url" >"$out"
+  "${LOAD_PREFIX[@]}" oha --no-tui --output-format json -H "X-Api-Key: bench" "$@" "$url" >"$out"
+}
+
+# run_wrk OUT URL ARGS...: wrk with scripts/lib/load.lua, which rotates the
+# key over $TENANTS tenants (1: "bench") and paces each connection by
+# $DELAY_MS when set; OUT gets the summary in run_oha's JSON shape.
+run_wrk() {
+  local out=$1 url=$2
+  shift 2
+  OUT=$out TENANTS=${TENANTS:-1} DELAY_MS=${DELAY_MS:-0} \
+    "${LOAD_PREFIX[@]}" wrk -s scripts/lib/load.lua "$@" "$url" >"$out.log"
 }
 
 latency_ms() {
   python3 -c 'import json,sys; p=json.load(open(sys.argv[1]))["latencyPercentiles"]; print(" ".join(f"{p[k]*1000:.3f}" for k in ("p50","p99","p99.9")))' "$1"
+}
+
+# cpu_ticks PID...: user plus system CPU time, in clock ticks (getconf
+# CLK_TCK per second), of these processes (all their threads) and their
+# children (nginx's workers).
+cpu_ticks() {
+  local pid all=()
+  for pid in "$@"; do all+=("$pid" $(pgrep -P "$pid" || true)); done
+  for pid in "${all[@]}"; do cat "/proc/$pid/stat"; done | awk '{n += $14 + $15} END {print n + 0}'
+}
+
+# pin CPU PID...: binds these processes, every thread and their children to
+# one CPU; threads started later inherit it.
+pin() {
+  local cpu=$1 pid
+  shift
+  for pid in "$@" $(for p in "$@"; do pgrep -P "$p" || true; done); do
+    taskset -a -p -c "$cpu" "$pid" >/dev/null
+  done
+}
+
+# script_usec PORT...: microseconds Redis spent in script calls (EVALSHA and
+# EVAL) since the last CONFIG RESETSTAT, summed over the servers on PORTs,
+# then their number of calls: "usec calls".
+script_usec() {
+  local port
+  for port in "$@"; do redis-cli -p "$port" INFO commandstats; done |
+    awk -F'[:=,]' '/^cmdstat_eval(sha)?:/ {calls += $3; usec += $5} END {print usec + 0, calls + 0}'
 }

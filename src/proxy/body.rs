@@ -1,13 +1,16 @@
 //! Request and response bodies between a client and an upstream.
 //!
-//! Owns streaming in both directions, never buffering a whole body, and
-//! the client deadlines on each: [`RequestBody`] reads the client's upload
-//! as hyper asks for it and fails it when the client falls behind
-//! `client.read_timeout_ms` / `client.min_bytes_per_second`, recording
-//! that the client (not the upstream) was at fault; [`ResponseBody`]
-//! streams the upstream's answer to actix, holding the upstream connection
-//! and the tenant's slot until the body ends, and is watched so that a
-//! client that stops reading loses both (see [`super::stall`]).
+//! Owns streaming in both directions, never waiting to buffer a whole
+//! body, and the client deadlines on each: [`RequestBody`] reads the
+//! client's upload as hyper asks for it and fails it when the client falls
+//! behind `client.read_timeout_ms` / `client.min_bytes_per_second`,
+//! recording that the client (not the upstream) was at fault;
+//! [`ResponseBody`] streams the upstream's answer to actix, holding the
+//! upstream connection and the tenant's slot until the body ends, and is
+//! watched so that a client that stops reading loses both (see
+//! [`super::stall`]). An answer whose body had wholly arrived with its
+//! head ([`Arrived`]) skips the stream: the exchange with the upstream is
+//! already over, and actix writes head and body together.
 
 use std::cell::Cell;
 use std::io;
@@ -232,12 +235,49 @@ pub(super) trait Reuse {
     fn reuse(self);
 }
 
+/// What of an upstream's response body had arrived when its head did.
+pub(super) enum Arrived {
+    /// All of it: the exchange with the upstream is over.
+    Whole(Bytes),
+    /// Not all of it: the first piece, if one had come.
+    Part(Option<Bytes>),
+}
+
+impl Arrived {
+    /// Takes from `body` what is already there, without waiting: a body
+    /// that arrived with its head (the common case for small answers) is
+    /// then answered in one piece, with no stream to drive or watch.
+    ///
+    /// # Errors
+    /// The upstream's error, when the body failed before anything was sent.
+    pub(super) fn take(body: &mut Incoming) -> Result<Self, hyper::Error> {
+        use futures_util::FutureExt as _;
+        if body.is_end_stream() {
+            return Ok(Self::Whole(Bytes::new()));
+        }
+        let ready =
+            futures_util::future::poll_fn(|cx| Pin::new(&mut *body).poll_frame(cx)).now_or_never();
+        Ok(match ready {
+            Some(Some(frame)) => match frame?.into_data() {
+                Ok(data) if body.is_end_stream() => Self::Whole(data),
+                Ok(data) => Self::Part(Some(data)),
+                // Trailers are hop-level here: dropped, as when streaming.
+                Err(_) => Self::Part(None),
+            },
+            Some(None) => Self::Whole(Bytes::new()),
+            None => Self::Part(None),
+        })
+    }
+}
+
 /// The upstream's response body as a byte stream for actix, under the
 /// write pace: the worker's watchdog releases what it holds if the client
 /// stops taking it.
 pub(super) struct ResponseBody<L: Reuse> {
     /// The watched body and connection.
     watch: Watch<Held<L>>,
+    /// What had arrived before streaming began, handed over first.
+    first: Option<Bytes>,
     /// Bytes handed to actix by the last poll, not yet known taken.
     handed: Option<usize>,
     /// Whether the body has been read to the end.
@@ -247,10 +287,11 @@ pub(super) struct ResponseBody<L: Reuse> {
 }
 
 impl<L: Reuse> ResponseBody<L> {
-    /// Streams what `watch` holds.
-    pub(super) fn new(watch: Watch<Held<L>>, clock: SharedClock) -> Self {
+    /// Streams `first`, then what `watch` holds.
+    pub(super) fn new(watch: Watch<Held<L>>, first: Option<Bytes>, clock: SharedClock) -> Self {
         Self {
             watch,
+            first,
             handed: None,
             done: false,
             clock,
@@ -269,7 +310,11 @@ impl<L: Reuse> Stream for ResponseBody<L> {
         if let Some(bytes) = this.handed.take() {
             progress.moved(now, bytes);
         }
-        let result = {
+        let result = if let Some(data) = this.first.take() {
+            this.handed = Some(data.len());
+            progress.wait(now);
+            Poll::Ready(Some(Ok(data)))
+        } else {
             let mut held = this.watch.held();
             let Some(held) = held.as_mut() else {
                 return Poll::Ready(Some(Err(io::Error::new(

@@ -28,7 +28,9 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use super::body::{ClientFault, ClientSocket, Held, RequestBody, ResponseBody, Reuse, Upload};
+use super::body::{
+    Arrived, ClientFault, ClientSocket, Held, RequestBody, ResponseBody, Reuse, Upload,
+};
 use super::error::ProxyError;
 use super::hop;
 use super::pool::IdleList;
@@ -207,7 +209,7 @@ impl Forwarder {
         };
         let (lease, response) = self.bounded(exchange, &upload).await?;
 
-        let (head, body) = response.into_parts();
+        let (head, mut body) = response.into_parts();
         let status = StatusCode::from_u16(head.status.as_u16()).map_err(upstream_failure)?;
         let mut builder = HttpResponse::build(status);
         hop::copy_response_headers(&head.headers, |name, value| {
@@ -217,6 +219,24 @@ impl Forwarder {
         let bodiless = status.is_informational()
             || status == StatusCode::NO_CONTENT
             || status == StatusCode::NOT_MODIFIED;
+        // A chunked answer has no length. A HEAD answer keeps the
+        // upstream's Content-Length; actix writes no body for HEAD, and the
+        // upstream sent none.
+        let length = if head.headers.contains_key(hy::TRANSFER_ENCODING) {
+            None
+        } else {
+            content_length(head.headers.get(hy::CONTENT_LENGTH).map(|v| v.as_bytes()))
+        };
+        let mut first = None;
+        if !bodiless && length.is_some() && req.method() != Method::HEAD {
+            match Arrived::take(&mut body).map_err(upstream_failure)? {
+                Arrived::Whole(data) => {
+                    lease.reuse();
+                    return Ok(builder.body(data));
+                }
+                Arrived::Part(data) => first = data,
+            }
+        }
         let client = req.conn_data::<ClientSocket>().cloned();
         let watch = self.watchdog.watch(
             Held {
@@ -226,15 +246,7 @@ impl Forwarder {
             },
             self.client.write,
         );
-        let stream = ResponseBody::new(watch, self.clock.clone());
-        // A chunked answer has no length. A HEAD answer keeps the
-        // upstream's Content-Length; actix writes no body for HEAD, and the
-        // upstream sent none.
-        let length = if head.headers.contains_key(hy::TRANSFER_ENCODING) {
-            None
-        } else {
-            content_length(head.headers.get(hy::CONTENT_LENGTH).map(|v| v.as_bytes()))
-        };
+        let stream = ResponseBody::new(watch, first, self.clock.clone());
         Ok(match length {
             _ if bodiless => builder.finish(),
             Some(len) => builder.body(SizedStream::new(len, stream)),

@@ -6,13 +6,16 @@
 //! requests decided by the default rule (no rule for the pair) together at
 //! most `upstream.max_connections_without_rule`. A request over either
 //! bound is refused before any token is taken. A slot is held from before
-//! the decision until the response body ends or its client is cut off.
+//! the decision until the upstream's response body has been read to its
+//! end (for a small answer, often as soon as its head arrives) or its
+//! client is cut off.
 //!
 //! Invariant: the map holds only tenants with an exchange in flight, so it
 //! is bounded by the worker's connections, never by the keys seen.
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::rc::Rc;
 
 use crate::config::UpstreamSettings;
@@ -47,14 +50,13 @@ impl Slots {
         if !has_rule && self.defaulted.get() >= self.without_rule {
             return None;
         }
+        // One lookup: the entry is found or made, then counted.
         let mut tenants = self.tenants.borrow_mut();
-        match tenants.get_mut(tenant) {
-            Some(held) if *held >= self.per_tenant => return None,
-            Some(held) => *held += 1,
-            None => {
-                tenants.insert(tenant.clone(), 1);
-            }
+        let held = tenants.entry(tenant.clone()).or_insert(0);
+        if *held >= self.per_tenant {
+            return None;
         }
+        *held += 1;
         if !has_rule {
             self.defaulted.set(self.defaulted.get() + 1);
         }
@@ -85,10 +87,10 @@ pub(super) struct Slot {
 impl Drop for Slot {
     fn drop(&mut self) {
         let mut tenants = self.slots.tenants.borrow_mut();
-        if let Some(held) = tenants.get_mut(&self.tenant) {
-            *held -= 1;
-            if *held == 0 {
-                tenants.remove(&self.tenant);
+        if let Entry::Occupied(mut held) = tenants.entry(self.tenant.clone()) {
+            *held.get_mut() -= 1;
+            if *held.get() == 0 {
+                held.remove();
             }
         }
         if self.defaulted {
