@@ -20,14 +20,18 @@
 --                need are taken, so a lease call never turns away a request
 --                that could pass
 --
--- Returns five integers per key, in key order:
+-- Returns, per key in key order, three integers for a plain ask (want,
+-- min and need as given all equal, or left out) and five for a lease:
 --   allowed         1 when the request's tokens were taken, else 0
 --   remaining       tokens left after this call, floored
 --   retry_after_ms  ms until need tokens exist, rounded up: for a rejection
 --                   at least 1; after a grant, 0 while need tokens remain
---   granted         tokens taken: min..want, or need, or 0
---   block_ms        the same as retry_after_ms for min: when another lease
---                   could be granted
+--   granted         (leases only) tokens taken: min..want, or need, or 0
+--   block_ms        (leases only) the same as retry_after_ms for min: when
+--                   another lease could be granted
+-- For a plain ask those two say nothing new (granted is need when allowed,
+-- else 0; block_ms is retry_after_ms), so they are not sent: a reply's
+-- integers are most of what a caller spends parsing it.
 --
 -- Per key: one GET, and one SET ... PX when tokens are taken (a rejection
 -- writes nothing). Now always comes
@@ -45,9 +49,14 @@ for i = 1, #KEYS do
   local at = (i - 1) * 5
   local capacity = tonumber(ARGV[at + 1])
   local rate = tonumber(ARGV[at + 2])
-  local want = math.min(tonumber(ARGV[at + 3] or 1), capacity)
-  local min = math.min(tonumber(ARGV[at + 4] or want), want)
-  local need = math.min(tonumber(ARGV[at + 5] or min), min)
+  local want = tonumber(ARGV[at + 3] or 1)
+  local min = tonumber(ARGV[at + 4] or want)
+  local need = tonumber(ARGV[at + 5] or min)
+  -- Decided on the asks as given, which the caller knows too.
+  local lease = want ~= min or min ~= need
+  want = math.min(want, capacity)
+  min = math.min(min, want)
+  need = math.min(need, min)
 
   local tat = tonumber(redis.call('GET', KEYS[i])) or now
   local tokens = math.max(0, capacity - math.max(0, tat - now) * rate / 1000000)
@@ -70,8 +79,10 @@ for i = 1, #KEYS do
     reply[base + 1] = 0
     reply[base + 2] = math.floor(tokens)
     reply[base + 3] = math.max(1, wait(need))
-    reply[base + 4] = 0
-    reply[base + 5] = math.max(1, wait(min))
+    if lease then
+      reply[base + 4] = 0
+      reply[base + 5] = math.max(1, wait(min))
+    end
   else
     local granted = need
     if tokens >= min then
@@ -83,8 +94,10 @@ for i = 1, #KEYS do
     reply[base + 1] = 1
     reply[base + 2] = math.floor(tokens)
     reply[base + 3] = wait(need)
-    reply[base + 4] = granted
-    reply[base + 5] = wait(min)
+    if lease then
+      reply[base + 4] = granted
+      reply[base + 5] = wait(min)
+    end
   end
 end
 

@@ -95,6 +95,13 @@ impl Ask {
             need: cost,
         }
     }
+
+    /// Whether this is a plain ask (want, min and need equal), not a
+    /// lease: the script then replies without `granted` and `block_ms`,
+    /// which follow from the decision.
+    pub fn is_plain(&self) -> bool {
+        self.want == self.min && self.min == self.need
+    }
 }
 
 /// What one script call got.

@@ -146,20 +146,44 @@ impl RedisBucket {
         let reply: Vec<i64> = self.conn.invoke(&invocation, self.timeout).await?;
         let elapsed = self.clock.now_micros().saturating_sub(started);
         self.metrics.redis_call(elapsed as f64 / 1e6);
-        if reply.len() != 5 * batch.len() {
-            return Err(RedisCallError::BadReply);
+        let mut rest = reply.as_slice();
+        let mut grants = Vec::with_capacity(batch.len());
+        for (_, spec, ask) in batch {
+            let width = if ask.is_plain() { 3 } else { 5 };
+            let (r, tail) = rest
+                .split_at_checked(width)
+                .ok_or(RedisCallError::BadReply)?;
+            rest = tail;
+            let decision = Decision {
+                allowed: r[0] == 1,
+                remaining: u64::try_from(r[1]).unwrap_or(0),
+                retry_after_ms: u64::try_from(r[2]).unwrap_or(0),
+            };
+            grants.push(if ask.is_plain() {
+                // What the script leaves out: a plain ask takes its cost
+                // (clamped to the capacity, as the script does) or nothing,
+                // and can be asked again when the request could pass.
+                Grant {
+                    granted: if decision.allowed {
+                        ask.need.min(spec.capacity.get())
+                    } else {
+                        0
+                    },
+                    decision,
+                    block_ms: decision.retry_after_ms,
+                }
+            } else {
+                Grant {
+                    granted: u32::try_from(r[3]).unwrap_or(0),
+                    decision,
+                    block_ms: u64::try_from(r[4]).unwrap_or(0),
+                }
+            });
         }
-        Ok(reply
-            .chunks_exact(5)
-            .map(|r| Grant {
-                granted: u32::try_from(r[3]).unwrap_or(0),
-                decision: Decision {
-                    allowed: r[0] == 1,
-                    remaining: u64::try_from(r[1]).unwrap_or(0),
-                    retry_after_ms: u64::try_from(r[2]).unwrap_or(0),
-                },
-                block_ms: u64::try_from(r[4]).unwrap_or(0),
-            })
-            .collect())
+        if rest.is_empty() {
+            Ok(grants)
+        } else {
+            Err(RedisCallError::BadReply)
+        }
     }
 }
