@@ -7,21 +7,22 @@
 --                Unix epoch by Redis's clock (possibly fractional). A
 --                bucket holds capacity - (TAT - now) × rate tokens; a
 --                missing key is a full bucket.
--- ARGV[5i-4]     capacity of bucket i: size in tokens (number >= 1)
--- ARGV[5i-3]     refill rate of bucket i in tokens per second (number > 0)
--- ARGV[5i-2]     want (optional, default 1): tokens to take (integer >= 1):
---                one request's cost, or a lease batch; clamped to the
---                capacity, so a request costing more than the bucket holds
---                passes only when the bucket is full
--- ARGV[5i-1]     min (optional, default want): the fewest tokens worth a
---                lease
--- ARGV[5i]       need (optional, default min): the request's own cost; when
---                fewer than min but at least need tokens exist, exactly
---                need are taken, so a lease call never turns away a request
---                that could pass
+-- ARGV[3i-2]     capacity of bucket i: size in tokens (number >= 1)
+-- ARGV[3i-1]     refill rate of bucket i in tokens per second (number > 0)
+-- ARGV[3i]       the ask (optional, default 1): a plain ask is the
+--                request's cost, tokens to take (integer >= 1); a lease
+--                ask is "want:min:need": take up to want tokens (a lease
+--                batch), at least min (the fewest worth a lease), or,
+--                when fewer than min but at least need exist, exactly need
+--                (the request's own cost), so a lease call never turns
+--                away a request that could pass. Every count is clamped
+--                to the capacity, so a request costing more than the
+--                bucket holds passes only when the bucket is full. Three
+--                arguments per key whatever the ask: every argument costs
+--                Redis a Lua string per call.
 --
--- Returns, per key in key order, three integers for a plain ask (want,
--- min and need as given all equal, or left out) and five for a lease:
+-- Returns, per key in key order, three integers for a plain ask and five
+-- for a lease ask:
 --   allowed         1 when the request's tokens were taken, else 0
 --   remaining       tokens left after this call, floored
 --   retry_after_ms  ms until need tokens exist, rounded up: for a rejection
@@ -29,9 +30,9 @@
 --   granted         (leases only) tokens taken: min..want, or need, or 0
 --   block_ms        (leases only) the same as retry_after_ms for min: when
 --                   another lease could be granted
--- For a plain ask those two say nothing new (granted is need when allowed,
--- else 0; block_ms is retry_after_ms), so they are not sent: a reply's
--- integers are most of what a caller spends parsing it.
+-- For a plain ask those two say nothing new (granted is the cost when
+-- allowed, else 0; block_ms is retry_after_ms), so they are not sent: a
+-- reply's integers are most of what a caller spends parsing it.
 --
 -- Per key: one GET, and one SET ... PX when tokens are taken (a rejection
 -- writes nothing). Now always comes
@@ -41,19 +42,33 @@
 -- empty bucket; an idle bucket therefore vanishes and comes back full. A
 -- changed rule keeps a bucket's debt (time until full), not its count.
 
+-- Milliseconds until n tokens exist in a bucket holding tokens and
+-- refilling at rate per second, rounded up; 0 when they do.
+local function wait(n, tokens, rate)
+  if tokens >= n then
+    return 0
+  end
+  return math.ceil((n - tokens) * 1000 / rate)
+end
+
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
 local reply = {}
 
 for i = 1, #KEYS do
-  local at = (i - 1) * 5
+  local at = (i - 1) * 3
   local capacity = tonumber(ARGV[at + 1])
   local rate = tonumber(ARGV[at + 2])
-  local want = tonumber(ARGV[at + 3] or 1)
-  local min = tonumber(ARGV[at + 4] or want)
-  local need = tonumber(ARGV[at + 5] or min)
-  -- Decided on the asks as given, which the caller knows too.
-  local lease = want ~= min or min ~= need
+  local ask = ARGV[at + 3] or '1'
+  local want = tonumber(ask)
+  local min, need, lease = want, want, false
+  if not want then
+    local w, m, n = string.match(ask, '^(%d+):(%d+):(%d+)$')
+    if not n then
+      return redis.error_reply('tollgate: bad ask ' .. ask)
+    end
+    want, min, need, lease = tonumber(w), tonumber(m), tonumber(n), true
+  end
   want = math.min(want, capacity)
   min = math.min(min, want)
   need = math.min(need, min)
@@ -66,22 +81,14 @@ for i = 1, #KEYS do
     tokens = whole
   end
 
-  -- Milliseconds until n tokens exist, rounded up; 0 when they do.
-  local function wait(n)
-    if tokens >= n then
-      return 0
-    end
-    return math.ceil((n - tokens) * 1000 / rate)
-  end
-
   local base = #reply
   if tokens < need then
     reply[base + 1] = 0
     reply[base + 2] = math.floor(tokens)
-    reply[base + 3] = math.max(1, wait(need))
+    reply[base + 3] = math.max(1, wait(need, tokens, rate))
     if lease then
       reply[base + 4] = 0
-      reply[base + 5] = math.max(1, wait(min))
+      reply[base + 5] = math.max(1, wait(min, tokens, rate))
     end
   else
     local granted = need
@@ -93,10 +100,10 @@ for i = 1, #KEYS do
       'PX', math.max(1, math.ceil(2 * capacity * 1000 / rate)))
     reply[base + 1] = 1
     reply[base + 2] = math.floor(tokens)
-    reply[base + 3] = wait(need)
+    reply[base + 3] = wait(need, tokens, rate)
     if lease then
       reply[base + 4] = granted
-      reply[base + 5] = wait(min)
+      reply[base + 5] = wait(min, tokens, rate)
     end
   end
 end

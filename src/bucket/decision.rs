@@ -97,8 +97,8 @@ impl Ask {
     }
 
     /// Whether this is a plain ask (want, min and need equal), not a
-    /// lease: the script then replies without `granted` and `block_ms`,
-    /// which follow from the decision.
+    /// lease: the script then takes it as one number (the cost) and replies
+    /// without `granted` and `block_ms`, which follow from the decision.
     pub fn is_plain(&self) -> bool {
         self.want == self.min && self.min == self.need
     }

@@ -137,10 +137,12 @@ impl RedisBucket {
             invocation
                 .key(*key)
                 .arg(spec.capacity.get())
-                .arg(spec.refill_per_second)
-                .arg(ask.want)
-                .arg(ask.min)
-                .arg(ask.need);
+                .arg(spec.refill_per_second);
+            if ask.is_plain() {
+                invocation.arg(ask.need);
+            } else {
+                invocation.arg(format!("{}:{}:{}", ask.want, ask.min, ask.need));
+            }
         }
         let started = self.clock.now_micros();
         let reply: Vec<i64> = self.conn.invoke(&invocation, self.timeout).await?;
