@@ -55,20 +55,23 @@ def port_open(port):
 
 
 class Redis:
-    def __init__(self, work):
+    def __init__(self, work, wrapper=()):
+        """A throwaway redis-server on a free port, run under `wrapper` (a
+        command prefix such as valgrind's) when one is given."""
         if not shutil.which("redis-server"):
             fail("redis-server not found; install it with: apt-get install -y redis-server")
         self.port = free_port()
         self.log = open(os.path.join(work, "redis.log"), "ab")
+        self.wrapper = list(wrapper)
         self.proc = None
         self.start()
 
     def start(self):
         self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
-             "--save", "", "--appendonly", "no"],
+            self.wrapper + ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+                            "--save", "", "--appendonly", "no"],
             stdout=self.log, stderr=self.log)
-        wait_for(lambda: port_open(self.port), 10, "redis-server start")
+        wait_for(lambda: port_open(self.port), 60 if self.wrapper else 10, "redis-server start")
 
     def kill(self):
         self.proc.kill()
