@@ -151,9 +151,9 @@ impl RedisBucket {
         let mut rest = reply.as_slice();
         let mut grants = Vec::with_capacity(batch.len());
         for (_, spec, ask) in batch {
-            let width = if ask.is_plain() { 3 } else { 5 };
+            let plain = ask.is_plain();
             let (r, tail) = rest
-                .split_at_checked(width)
+                .split_at_checked(if plain { 3 } else { 5 })
                 .ok_or(RedisCallError::BadReply)?;
             rest = tail;
             let decision = Decision {
@@ -161,25 +161,26 @@ impl RedisBucket {
                 remaining: u64::try_from(r[1]).unwrap_or(0),
                 retry_after_ms: u64::try_from(r[2]).unwrap_or(0),
             };
-            grants.push(if ask.is_plain() {
-                // What the script leaves out: a plain ask takes its cost
-                // (clamped to the capacity, as the script does) or nothing,
-                // and can be asked again when the request could pass.
-                Grant {
-                    granted: if decision.allowed {
-                        ask.need.min(spec.capacity.get())
-                    } else {
-                        0
-                    },
-                    decision,
-                    block_ms: decision.retry_after_ms,
-                }
+            // What the script leaves out for a plain ask follows from the
+            // decision: it took its cost (clamped to the capacity, as the
+            // script does) or nothing, and can ask again once it could pass.
+            let (granted, block_ms) = if plain {
+                let granted = if decision.allowed {
+                    ask.need.min(spec.capacity.get())
+                } else {
+                    0
+                };
+                (granted, decision.retry_after_ms)
             } else {
-                Grant {
-                    granted: u32::try_from(r[3]).unwrap_or(0),
-                    decision,
-                    block_ms: u64::try_from(r[4]).unwrap_or(0),
-                }
+                (
+                    u32::try_from(r[3]).unwrap_or(0),
+                    u64::try_from(r[4]).unwrap_or(0),
+                )
+            };
+            grants.push(Grant {
+                granted,
+                decision,
+                block_ms,
             });
         }
         if rest.is_empty() {
