@@ -37,6 +37,12 @@
 -- Per key: one GET, and one SET ... PX when tokens are taken (a rejection
 -- writes nothing). Now always comes
 -- from redis.call('TIME'), never from the gateway: gateway clocks drift.
+--
+-- Redis pays for every Lua function call and every number turned into a
+-- string, so the loop compares inline instead of calling math.min and
+-- math.max, and converts a rule's capacity, rate and expiry once for a run
+-- of keys under the same rule (ARGV strings are interned: comparing two is
+-- comparing pointers).
 -- Redis 7 replicates scripts by their effects, so reading TIME before a
 -- write is safe. A written key expires after twice the time to refill an
 -- empty bucket; an idle bucket therefore vanishes and comes back full. A
@@ -44,66 +50,83 @@
 
 -- Milliseconds until n tokens exist in a bucket holding tokens and
 -- refilling at rate per second, rounded up; 0 when they do.
+local floor, ceil = math.floor, math.ceil
 local function wait(n, tokens, rate)
   if tokens >= n then
     return 0
   end
-  return math.ceil((n - tokens) * 1000 / rate)
+  return ceil((n - tokens) * 1000 / rate)
 end
 
 local time = redis.call('TIME')
-local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
+local now = time[1] * 1000000 + time[2]
 local reply = {}
+local n = 0
+-- The rule of the previous key: its argument strings and their values.
+local rule_capacity, rule_rate, capacity, rate, expire_ms
 
 for i = 1, #KEYS do
-  local at = (i - 1) * 3
-  local capacity = tonumber(ARGV[at + 1])
-  local rate = tonumber(ARGV[at + 2])
-  local ask = ARGV[at + 3] or '1'
+  local at = i * 3
+  if ARGV[at - 2] ~= rule_capacity or ARGV[at - 1] ~= rule_rate then
+    rule_capacity, rule_rate = ARGV[at - 2], ARGV[at - 1]
+    capacity, rate = tonumber(rule_capacity), tonumber(rule_rate)
+    expire_ms = string.format('%d', ceil(2000 * capacity / rate))
+  end
+  local ask = ARGV[at] or '1'
   local want = tonumber(ask)
   local min, need, lease = want, want, false
   if not want then
-    local w, m, n = string.match(ask, '^(%d+):(%d+):(%d+)$')
-    if not n then
+    local w, m, k = string.match(ask, '^(%d+):(%d+):(%d+)$')
+    if not k then
       return redis.error_reply('tollgate: bad ask ' .. ask)
     end
-    want, min, need, lease = tonumber(w), tonumber(m), tonumber(n), true
+    want, min, need, lease = tonumber(w), tonumber(m), tonumber(k), true
   end
-  want = math.min(want, capacity)
-  min = math.min(min, want)
-  need = math.min(need, min)
+  if want > capacity then want = capacity end
+  if min > want then min = want end
+  if need > min then need = min end
 
-  local tat = tonumber(redis.call('GET', KEYS[i])) or now
-  local tokens = math.max(0, capacity - math.max(0, tat - now) * rate / 1000000)
-  -- Whole token counts survive the trip through the TAT despite rounding.
-  local whole = math.floor(tokens + 0.5)
-  if math.abs(tokens - whole) < 1e-9 then
-    tokens = whole
+  local tokens = capacity
+  local tat = tonumber(redis.call('GET', KEYS[i]))
+  if tat and tat > now then
+    tokens = capacity - (tat - now) * rate / 1000000
+    if tokens < 0 then
+      tokens = 0
+    end
+    -- Whole token counts survive the trip through the TAT despite rounding.
+    local whole = floor(tokens + 0.5)
+    if tokens - whole < 1e-9 and whole - tokens < 1e-9 then
+      tokens = whole
+    end
   end
 
-  local base = #reply
   if tokens < need then
-    reply[base + 1] = 0
-    reply[base + 2] = math.floor(tokens)
-    reply[base + 3] = math.max(1, wait(need, tokens, rate))
+    -- tokens < need <= min, so both waits are at least 1 ms.
+    reply[n + 1] = 0
+    reply[n + 2] = floor(tokens)
+    reply[n + 3] = wait(need, tokens, rate)
+    n = n + 3
     if lease then
-      reply[base + 4] = 0
-      reply[base + 5] = math.max(1, wait(min, tokens, rate))
+      reply[n + 1] = 0
+      reply[n + 2] = wait(min, tokens, rate)
+      n = n + 2
     end
   else
     local granted = need
     if tokens >= min then
-      granted = math.min(want, math.floor(tokens))
+      granted = floor(tokens)
+      if granted > want then granted = want end
     end
     tokens = tokens - granted
-    redis.call('SET', KEYS[i], now + (capacity - tokens) * 1000000 / rate,
-      'PX', math.max(1, math.ceil(2 * capacity * 1000 / rate)))
-    reply[base + 1] = 1
-    reply[base + 2] = math.floor(tokens)
-    reply[base + 3] = wait(need, tokens, rate)
+    redis.call('SET', KEYS[i], now + (capacity - tokens) * 1000000 / rate, 'PX', expire_ms)
+    reply[n + 1] = 1
+    reply[n + 2] = floor(tokens)
+    reply[n + 3] = wait(need, tokens, rate)
+    n = n + 3
     if lease then
-      reply[base + 4] = granted
-      reply[base + 5] = wait(min, tokens, rate)
+      reply[n + 1] = granted
+      reply[n + 2] = wait(min, tokens, rate)
+      n = n + 2
     end
   end
 end

@@ -147,6 +147,8 @@ async fn plain_asks_and_leases_share_a_call_and_read_back_in_order() {
             ("rl2:{m}:b", spec(5, 1), lease),
             ("rl2:{m}:c", spec(3, 1), Ask::single(10)),
             ("rl2:{m}:c", spec(3, 1), Ask::single(1)),
+            // The same capacity at another rate: a rule of its own.
+            ("rl2:{m}:d", spec(3, 2), Ask::single(4)),
         ])
         .await
         .unwrap();
@@ -170,6 +172,7 @@ async fn plain_asks_and_leases_share_a_call_and_read_back_in_order() {
             // A cost above the capacity takes the whole (full) bucket.
             (true, 0, 3, 3_000, 3_000),
             (false, 0, 0, 1_000, 1_000),
+            (true, 0, 3, 1_500, 1_500),
         ]
     );
 }
