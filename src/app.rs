@@ -283,6 +283,7 @@ pub async fn run(
         metrics: metrics.clone(),
         requests,
         clock: clock.clone(),
+        shadow: config.shadow,
     });
     let upstream = config.upstream.clone();
     let client = config.client;

@@ -4,7 +4,9 @@
 
 mod common;
 
-use common::{Gateway, GatewayConfig, Stack, TempDir, Upstream, client, get, header, ready};
+use common::{
+    Gateway, GatewayConfig, Stack, TempDir, Upstream, client, get, header, metric, ready,
+};
 
 #[actix_web::test]
 async fn capacity_two_admits_two_then_rejects_with_remaining_1_0_0() {
@@ -153,4 +155,79 @@ async fn local_only_mode_limits_without_redis() {
     ];
     assert_eq!(statuses, expected);
     assert_eq!(ready(&gw).await["redis"], "disabled");
+}
+
+/// Sends `n` requests as `tenant` and returns each one's status,
+/// `X-RateLimit-Remaining` and `Retry-After`.
+async fn statuses(gw: &Gateway, tenant: &str, n: usize) -> Vec<(u16, String, Option<String>)> {
+    let c = client();
+    let mut seen = Vec::new();
+    for _ in 0..n {
+        let res = c
+            .get(gw.url("/x"))
+            .insert_header(("x-api-key", tenant))
+            .send()
+            .await
+            .unwrap();
+        seen.push((
+            res.status().as_u16(),
+            header(&res, "x-ratelimit-remaining").unwrap_or_default(),
+            header(&res, "retry-after"),
+        ));
+    }
+    seen
+}
+
+/// `tollgate_requests_total` of `outcome` on route `api` for `tenant`'s
+/// label.
+fn outcome_series(tenant: &str, outcome: &str) -> String {
+    format!("tollgate_requests_total{{route=\"api\",tenant=\"{tenant}\",outcome=\"{outcome}\"}}")
+}
+
+#[actix_web::test]
+async fn a_rule_in_shadow_mode_forwards_its_refusals_and_counts_them() {
+    let rules = "[[rule]]\ntenant = \"dry\"\nroute = \"api\"\ncapacity = 1\nrefill_per_second = 1\n\
+                 mode = \"shadow\"\nname = \"Dry\"\n\n\
+                 [[rule]]\ntenant = \"wet\"\nroute = \"api\"\ncapacity = 1\nrefill_per_second = 1\n";
+    let s = Stack::start("shadow-rule", rules, |_, _| {});
+    let refused = || (200, "0".to_owned(), None);
+    assert_eq!(
+        statuses(&s.gw, "dry", 3).await,
+        [(200, "0".to_owned(), None), refused(), refused()]
+    );
+    // The same limit without shadow mode still answers 429.
+    let wet = statuses(&s.gw, "wet", 2).await;
+    assert_eq!((wet[0].0, wet[1].0), (200, 429));
+    assert_eq!(wet[1].2.as_deref(), Some("1"));
+    assert_eq!(
+        metric(&s.gw, &outcome_series("Dry", "shadow_rejected")).await,
+        2.0
+    );
+    assert_eq!(metric(&s.gw, &outcome_series("Dry", "allowed")).await, 1.0);
+    assert_eq!(metric(&s.gw, &outcome_series("Dry", "rejected")).await, 0.0);
+    // Tokens were taken as usual: the bucket is as empty as an enforced one.
+    let stored = s.redis.cmd(&["EXISTS", "rl2:{dry}:api"]);
+    assert_eq!(stored.trim(), ":1");
+}
+
+#[actix_web::test]
+async fn limits_shadow_puts_every_rule_in_shadow_mode() {
+    let s = Stack::start("shadow-all", "", |c, _| {
+        c.extra.push_str("[limits]\nshadow = true\n");
+    });
+    let seen = statuses(&s.gw, "anyone", 4).await;
+    assert!(
+        seen.iter()
+            .all(|(status, _, retry)| *status == 200 && retry.is_none()),
+        "{seen:?}"
+    );
+    assert_eq!(
+        seen.iter().filter(|(_, left, _)| left == "0").count(),
+        3,
+        "{seen:?}"
+    );
+    assert_eq!(
+        metric(&s.gw, &outcome_series("_other", "shadow_rejected")).await,
+        2.0
+    );
 }

@@ -8,8 +8,8 @@ mod common;
 use std::time::Duration;
 
 use common::{
-    Gateway, GatewayConfig, RedisServer, TempDir, TestDatabase, Upstream, admin, limit_of, metric,
-    wait_for_limit,
+    Gateway, GatewayConfig, RedisServer, TempDir, TestDatabase, Upstream, admin, get, limit_of,
+    metric, wait_for_limit,
 };
 
 const TOKEN: &str = "s3cret-token";
@@ -454,4 +454,52 @@ async fn writes_are_disabled_when_no_token_is_configured() {
         (status, error["error"].as_str()),
         (403, Some("writes_disabled"))
     );
+}
+
+#[actix_web::test]
+async fn a_rule_put_in_shadow_mode_forwards_refusals_on_every_gateway() {
+    let fleet = fleet(2);
+    let (a, b) = (&fleet.gateways[0], &fleet.gateways[1]);
+    let (status, row) = admin(
+        a,
+        "PUT",
+        "/admin/rules/dry-run/api",
+        Some(TOKEN),
+        Some(r#"{"capacity": 1, "refill_per_second": 1, "mode": "shadow"}"#),
+    )
+    .await;
+    assert_eq!((status, row["mode"].as_str()), (201, Some("shadow")));
+    all_reach(&fleet, "dry-run", "1").await;
+    // The change event carried the mode: b forwards what the bucket refuses.
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        seen.push(get(&b.url("/x"), Some("dry-run")).await);
+    }
+    assert!(seen.iter().all(|(status, _)| *status == 200), "{seen:?}");
+    assert_eq!(seen[2].1.as_deref(), Some("0"));
+
+    // The table refuses a mode the gateway would refuse.
+    let refused = std::process::Command::new("psql")
+        .args([
+            "-X",
+            "-v",
+            "ON_ERROR_STOP=1",
+            "-d",
+            fleet.db.url().as_str(),
+            "-c",
+            "UPDATE rate_limit_rule SET mode = 'dry' WHERE tenant_id = 'dry-run'",
+        ])
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    // Back to enforcing, by plain SQL: the third request is a 429 again.
+    fleet.db.sql(
+        "UPDATE rate_limit_rule SET mode = 'enforce', capacity = 2 WHERE tenant_id = 'dry-run'",
+    );
+    all_reach(&fleet, "dry-run", "2").await;
+    let mut statuses = Vec::new();
+    for _ in 0..3 {
+        statuses.push(get(&b.url("/x"), Some("dry-run")).await.0);
+    }
+    assert!(statuses.contains(&429), "{statuses:?}");
 }

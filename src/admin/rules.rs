@@ -199,14 +199,22 @@ fn ids(path: &(String, String)) -> Result<(TenantId, RouteId), AdminError> {
 /// one rule validation, [`RuleSpec::validate`].
 fn parse_rule(tenant: &str, route: &str, body: &[u8]) -> Result<Rule, AdminError> {
     let example = "expected a JSON object such as {\"capacity\": 200, \"refill_per_second\": 100} \
-                   (optional: \"shards\": 1..64, \"exact\": true|false, \"name\": \"Acme\")";
+                   (optional: \"shards\": 1..64, \"exact\": true|false, \"mode\": \"enforce\"|\"shadow\", \"name\": \"Acme\")";
     let value: Value = serde_json::from_slice(body)
         .map_err(|e| AdminError::invalid("body", format!("not valid JSON ({e}); {example}")))?;
     let object = value
         .as_object()
         .ok_or_else(|| AdminError::invalid("body", example))?;
     if let Some(unknown) = object.keys().find(|k| {
-        !["capacity", "refill_per_second", "shards", "exact", "name"].contains(&k.as_str())
+        ![
+            "capacity",
+            "refill_per_second",
+            "shards",
+            "exact",
+            "mode",
+            "name",
+        ]
+        .contains(&k.as_str())
     }) {
         return Err(AdminError::invalid(unknown.as_str(), "unknown field"));
     }
@@ -222,15 +230,13 @@ fn parse_rule(tenant: &str, route: &str, body: &[u8]) -> Result<Rule, AdminError
             AdminError::invalid("exact", format!("must be true or false, found {v}"))
         })?,
     };
-    let name = match object.get("name") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(name)) => Some(name.clone()),
-        Some(other) => {
-            return Err(AdminError::invalid(
-                "name",
-                format!("must be a string or null, found {other}"),
-            ));
-        }
+    let text = |field: &'static str| match object.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(text)) => Ok(Some(text.clone())),
+        Some(other) => Err(AdminError::invalid(
+            field,
+            format!("must be a string or null, found {other}"),
+        )),
     };
     RuleSpec {
         tenant: tenant.to_owned(),
@@ -239,7 +245,8 @@ fn parse_rule(tenant: &str, route: &str, body: &[u8]) -> Result<Rule, AdminError
         refill_per_second: number("refill_per_second", None)?,
         shards: number("shards", Some(1))?,
         exact,
-        name,
+        mode: text("mode")?,
+        name: text("name")?,
     }
     .validate()
     .map_err(|problems| {
@@ -267,9 +274,10 @@ mod tests {
         let rule = parse_rule(
             "acme",
             "api",
-            br#"{"capacity": 200, "refill_per_second": 100, "name": "Acme"}"#,
+            br#"{"capacity": 200, "refill_per_second": 100, "mode": "shadow", "name": "Acme"}"#,
         )
         .unwrap();
+        assert_eq!(rule.limit.mode, crate::rules::model::Mode::Shadow);
         assert_eq!(
             (
                 rule.limit.capacity.get(),
@@ -317,6 +325,14 @@ mod tests {
             field_of(r#"{"capacity": 5, "refill_per_second": 1, "name": 7}"#),
             "name"
         );
+        for mode in [r#""dry-run""#, "true"] {
+            assert_eq!(
+                field_of(&format!(
+                    r#"{{"capacity": 5, "refill_per_second": 1, "mode": {mode}}}"#
+                )),
+                "mode"
+            );
+        }
         assert!(matches!(
             parse_rule("{x}", "r", br#"{"capacity": 5, "refill_per_second": 1}"#),
             Err(AdminError::Invalid { field, .. }) if field == "tenant"

@@ -17,6 +17,7 @@ pub(crate) struct RawConfig {
     pub(crate) redis: RawRedis,
     pub(crate) rules: RawRules,
     pub(crate) default_rule: RawLimit,
+    pub(crate) limits: RawLimits,
     pub(crate) admin: RawAdmin,
     pub(crate) breaker: RawBreaker,
     pub(crate) fallback: RawFallback,
@@ -137,6 +138,13 @@ impl Default for RawLimit {
             refill_per_second: 10,
         }
     }
+}
+
+/// `[limits]`: how every rule is applied.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(crate) struct RawLimits {
+    pub(crate) shadow: bool,
 }
 
 /// `[admin]`: admin API protection.

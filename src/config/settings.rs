@@ -30,6 +30,9 @@ pub struct Config {
     pub rules: RulesSettings,
     /// The limit for (tenant, route) pairs without a rule.
     pub default_rule: LimitSettings,
+    /// Shadow mode for the whole gateway: `[limits] shadow`; refusals of
+    /// every rule are forwarded and counted, never answered with 429.
+    pub shadow: bool,
     /// Admin API protection.
     pub admin: AdminSettings,
     /// When to stop calling a failing Redis.
@@ -619,6 +622,7 @@ pub(crate) fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
             redis,
             rules,
             default_rule,
+            shadow: raw.limits.shadow,
             admin,
             breaker,
             fallback,

@@ -37,8 +37,10 @@ pub struct RateLimitHeaders {
 
 impl RateLimitHeaders {
     /// Headers for `verdict` under the policy named `policy` (the route id,
-    /// already restricted to a header-safe charset).
-    pub fn new(policy: &str, verdict: &Verdict) -> Self {
+    /// already restricted to a header-safe charset). A `shadowed` refusal
+    /// is forwarded anyway: it reports the bucket as a refusal does (0
+    /// remaining, the wait in `RateLimit`) but carries no `Retry-After`.
+    pub fn new(policy: &str, verdict: &Verdict, shadowed: bool) -> Self {
         let decision = &verdict.decision;
         let capacity = u64::from(verdict.spec.capacity.get());
         // A rejection says 0 remaining: none are left for this request.
@@ -61,7 +63,7 @@ impl RateLimitHeaders {
                     structured(policy, [("r", remaining), ("t", wait)]),
                 ),
             ],
-            retry_after: (!decision.allowed).then(|| HeaderValue::from(wait)),
+            retry_after: (!decision.allowed && !shadowed).then(|| HeaderValue::from(wait)),
         }
     }
 
@@ -135,7 +137,7 @@ mod tests {
 
     #[test]
     fn allowed_requests_carry_limit_remaining_and_ietf_fields() {
-        let h = RateLimitHeaders::new("create-order", &verdict(true, 199, 0));
+        let h = RateLimitHeaders::new("create-order", &verdict(true, 199, 0), false);
         assert_eq!(get(&h, &X_RATELIMIT_LIMIT).as_deref(), Some("200"));
         assert_eq!(get(&h, &X_RATELIMIT_REMAINING).as_deref(), Some("199"));
         assert_eq!(
@@ -151,14 +153,22 @@ mod tests {
 
     #[test]
     fn rejections_say_when_to_retry() {
-        let h = RateLimitHeaders::new("create-order", &verdict(false, 0, 10));
+        let h = RateLimitHeaders::new("create-order", &verdict(false, 0, 10), false);
         assert_eq!(get(&h, &X_RATELIMIT_REMAINING).as_deref(), Some("0"));
         assert_eq!(get(&h, &RETRY_AFTER).as_deref(), Some("1"));
         assert_eq!(
             get(&h, &RATELIMIT).as_deref(),
             Some("\"create-order\";r=0;t=1")
         );
-        let h = RateLimitHeaders::new("p", &verdict(false, 0, 2_500));
+        let h = RateLimitHeaders::new("p", &verdict(false, 0, 2_500), false);
         assert_eq!(get(&h, &RETRY_AFTER).as_deref(), Some("3"));
+    }
+
+    #[test]
+    fn a_shadowed_refusal_reports_the_bucket_but_no_retry_after() {
+        let h = RateLimitHeaders::new("p", &verdict(false, 0, 2_500), true);
+        assert_eq!(get(&h, &X_RATELIMIT_REMAINING).as_deref(), Some("0"));
+        assert_eq!(get(&h, &RATELIMIT).as_deref(), Some("\"p\";r=0;t=3"));
+        assert_eq!(get(&h, &RETRY_AFTER), None);
     }
 }

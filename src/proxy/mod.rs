@@ -9,7 +9,9 @@
 //!    400 malformed or more than one; a rejected key never reaches Redis);
 //! 3. **limit** — a slot among the tenant's exchanges in flight (429 when
 //!    at its bound, before any token is taken), then rule snapshot →
-//!    [`Limiter::check`] (429 with headers);
+//!    [`Limiter::check`] (429 with headers; under a rule in shadow mode, or
+//!    `[limits] shadow`, a refusal is counted as `shadow_rejected` and the
+//!    request goes on, without `Retry-After`);
 //! 4. **forward** — stream to the upstream and back ([`forward`]), adding
 //!    the rate-limit headers ([`headers`]).
 //!
@@ -41,6 +43,7 @@ use crate::key::TenantId;
 use crate::path;
 use crate::region::shares::SharesHandle;
 use crate::rules::RulesHandle;
+use crate::rules::model::Mode;
 use crate::telemetry::{BodyDirection, Metrics, Outcome, RequestCounters, Unrouted};
 use error::ProxyError;
 use forward::{Forwarder, Target};
@@ -64,6 +67,8 @@ pub struct ProxyState {
     pub requests: Arc<RequestCounters>,
     /// Times upstream calls.
     pub clock: SharedClock,
+    /// `[limits] shadow`: every rule in shadow mode.
+    pub shadow: bool,
 }
 
 /// Keeps a second handle on each new client connection's socket, so that a
@@ -137,8 +142,10 @@ async fn handle(
     let verdict = limiter
         .check(&tenant, &route.spec.id, limit, share, route.spec.cost)
         .await;
-    let headers = RateLimitHeaders::new(route.spec.id.as_str(), &verdict);
-    if !verdict.decision.allowed {
+    let refused = !verdict.decision.allowed;
+    let shadowed = refused && (state.shadow || limit.mode == Mode::Shadow);
+    let headers = RateLimitHeaders::new(route.spec.id.as_str(), &verdict, shadowed);
+    if refused && !shadowed {
         count(Outcome::Rejected);
         let rejected = ProxyError::RateLimited;
         let mut builder = rejected.builder();
@@ -158,6 +165,7 @@ async fn handle(
     let elapsed = state.clock.now_micros().saturating_sub(started);
     route.metrics.upstream_seconds(elapsed as f64 / 1e6);
     count(match &forwarded {
+        Ok(_) if shadowed => Outcome::ShadowRejected,
         Ok(_) => Outcome::Allowed,
         Err(ProxyError::UpstreamTimeout) => Outcome::UpstreamTimeout,
         Err(ProxyError::ClientTimeout) => {

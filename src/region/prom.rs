@@ -42,8 +42,8 @@ pub fn demand_query(window: Duration) -> String {
     let seconds = window.as_secs().max(1);
     format!(
         "sum by (region, tenant, route) (\
-         rate(tollgate_requests_total{{outcome=~\"allowed|rejected\"}}[{seconds}s]) \
-         and tollgate_requests_total{{outcome=~\"allowed|rejected\"}} offset {seconds}s)"
+         rate(tollgate_requests_total{{outcome=~\"allowed|rejected|shadow_rejected\"}}[{seconds}s]) \
+         and tollgate_requests_total{{outcome=~\"allowed|rejected|shadow_rejected\"}} offset {seconds}s)"
     )
 }
 
@@ -171,8 +171,8 @@ mod tests {
         assert_eq!(
             demand_query(Duration::from_secs(300)),
             "sum by (region, tenant, route) (\
-             rate(tollgate_requests_total{outcome=~\"allowed|rejected\"}[300s]) \
-             and tollgate_requests_total{outcome=~\"allowed|rejected\"} offset 300s)"
+             rate(tollgate_requests_total{outcome=~\"allowed|rejected|shadow_rejected\"}[300s]) \
+             and tollgate_requests_total{outcome=~\"allowed|rejected|shadow_rejected\"} offset 300s)"
         );
     }
 }

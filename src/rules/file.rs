@@ -90,6 +90,8 @@ struct RawRule {
     #[serde(default)]
     exact: bool,
     #[serde(default)]
+    mode: Option<String>,
+    #[serde(default)]
     name: Option<String>,
 }
 
@@ -144,6 +146,7 @@ pub fn parse(path: &Path, contents: &str) -> Result<RuleFile, RuleFileError> {
             refill_per_second: raw.refill_per_second,
             shards: raw.shards,
             exact: raw.exact,
+            mode: raw.mode,
             name: raw.name,
         };
         match spec.validate() {
@@ -315,6 +318,27 @@ refill_per_second = 100
         assert_eq!(rules.len(), 1);
         assert_eq!(rules[0].tenant.as_str(), "shop-a");
         assert_eq!(rules[0].limit.capacity.get(), 200);
+    }
+
+    #[test]
+    fn a_rule_may_be_in_shadow_mode() {
+        let parsed = |mode: &str| {
+            parse(
+                Path::new("r.toml"),
+                &format!(
+                    "[[rule]]\ntenant='a'\nroute='b'\ncapacity=1\nrefill_per_second=1\n{mode}"
+                ),
+            )
+        };
+        let shadow = parsed("mode = 'shadow'\n").unwrap().rules;
+        assert_eq!(shadow[0].limit.mode, super::super::model::Mode::Shadow);
+        let RuleFileError::Invalid { problems, .. } = parsed("mode = 'dry'\n").unwrap_err() else {
+            panic!("expected Invalid");
+        };
+        assert_eq!(
+            problems,
+            ["rule[0].mode: must be \"enforce\" or \"shadow\", found \"dry\""]
+        );
     }
 
     #[test]

@@ -32,16 +32,49 @@ pub struct Limit {
     pub shards: NonZeroU32,
     /// Exact mode: never lease tokens in batches for this pair.
     pub exact: bool,
+    /// Whether a refusal is enforced (429) or only counted.
+    pub mode: Mode,
 }
 
 impl Limit {
-    /// A limit in one bucket, leases allowed.
+    /// A limit in one bucket, leases allowed, enforced.
     pub fn new(capacity: NonZeroU32, refill_per_second: NonZeroU32) -> Self {
         Self {
             capacity,
             refill_per_second,
             shards: NonZeroU32::MIN,
             exact: false,
+            mode: Mode::Enforce,
+        }
+    }
+}
+
+/// What a rule does with a request it refuses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Mode {
+    /// Answer 429 (the default).
+    #[default]
+    Enforce,
+    /// Forward it anyway and count it as `shadow_rejected`: a dry run of a
+    /// new limit. Tokens are taken as under `Enforce`.
+    Shadow,
+}
+
+impl Mode {
+    /// The mode as written in rules: `enforce` or `shadow`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Enforce => "enforce",
+            Self::Shadow => "shadow",
+        }
+    }
+
+    /// Reads `enforce` or `shadow`.
+    pub fn parse(text: &str) -> Option<Self> {
+        match text {
+            "enforce" => Some(Self::Enforce),
+            "shadow" => Some(Self::Shadow),
+            _ => None,
         }
     }
 }
@@ -99,6 +132,9 @@ pub struct RuleSpec {
     pub shards: i64,
     /// Exact mode.
     pub exact: bool,
+    /// Mode as written (`enforce` or `shadow`); `None` when the source
+    /// does not say: enforce.
+    pub mode: Option<String>,
     /// Display name as written, if any.
     pub name: Option<String>,
 }
@@ -122,7 +158,7 @@ impl std::fmt::Display for FieldProblem {
 const I32_MAX: u32 = i32::MAX.unsigned_abs();
 
 impl RuleSpec {
-    /// A spec with one bucket, no exact mode and no name.
+    /// A spec with one bucket, no exact mode, enforced, and no name.
     pub fn new(tenant: &str, route: &str, capacity: i64, refill_per_second: i64) -> Self {
         Self {
             tenant: tenant.to_owned(),
@@ -131,6 +167,7 @@ impl RuleSpec {
             refill_per_second,
             shards: 1,
             exact: false,
+            mode: None,
             name: None,
         }
     }
@@ -139,7 +176,7 @@ impl RuleSpec {
     ///
     /// # Errors
     /// Every invalid field, in the order tenant, route, capacity,
-    /// refill_per_second, shards, name.
+    /// refill_per_second, shards, mode, name.
     pub fn validate(self) -> Result<Rule, Vec<FieldProblem>> {
         let mut problems = Vec::new();
         let mut bad = |field, message: String| problems.push(FieldProblem { field, message });
@@ -164,6 +201,16 @@ impl RuleSpec {
             I32_MAX,
         );
         let shards = number("shards", self.shards, shard_count, MAX_SHARDS);
+        let mode = match self.mode.as_deref() {
+            None => Mode::Enforce,
+            Some(text) => Mode::parse(text).unwrap_or_else(|| {
+                bad(
+                    "mode",
+                    format!("must be \"enforce\" or \"shadow\", found {text:?}"),
+                );
+                Mode::Enforce
+            }),
+        };
         let name = match self.name.as_deref().map(TenantName::parse) {
             None => None,
             Some(Ok(name)) => Some(name),
@@ -184,6 +231,7 @@ impl RuleSpec {
                         refill_per_second,
                         shards,
                         exact: self.exact,
+                        mode,
                     },
                     name,
                 })
@@ -202,6 +250,7 @@ impl From<&Rule> for RuleSpec {
             refill_per_second: i64::from(rule.limit.refill_per_second.get()),
             shards: i64::from(rule.limit.shards.get()),
             exact: rule.limit.exact,
+            mode: Some(rule.limit.mode.as_str().to_owned()),
             name: rule.name.as_ref().map(ToString::to_string),
         }
     }
@@ -373,6 +422,7 @@ mod tests {
     fn a_spec_reports_every_bad_field_at_once() {
         let spec = RuleSpec {
             shards: 65,
+            mode: Some("dry-run".into()),
             name: Some("_x".into()),
             ..RuleSpec::new("{x}", "a:b", 0, 3_000_000_000)
         };
@@ -390,9 +440,16 @@ mod tests {
                 "capacity",
                 "refill_per_second",
                 "shards",
+                "mode",
                 "name"
             ]
         );
+    }
+
+    #[test]
+    fn a_rule_that_does_not_say_is_enforced() {
+        let rule = RuleSpec::new("acme", "search", 20, 10).validate().unwrap();
+        assert_eq!(rule.limit.mode, Mode::Enforce);
     }
 
     #[test]
@@ -400,11 +457,13 @@ mod tests {
         let spec = RuleSpec {
             shards: 4,
             exact: true,
+            mode: Some("shadow".into()),
             name: Some("Acme EU".into()),
             ..RuleSpec::new("acme", "search", 20, 10)
         };
         let rule = spec.clone().validate().unwrap();
         assert_eq!(rule.limit.shards.get(), 4);
+        assert_eq!(rule.limit.mode, Mode::Shadow);
         assert_eq!(rule.name.as_ref().unwrap().as_str(), "Acme EU");
         assert_eq!(RuleSpec::from(&rule), spec);
     }

@@ -52,6 +52,8 @@ pub struct StoredRule {
     pub shards: i32,
     /// Exact mode (no leases).
     pub exact: bool,
+    /// `enforce` or `shadow`.
+    pub mode: String,
     /// The tenant's display name, if the rule gives one.
     pub name: Option<String>,
     /// Last change, RFC 3339 in UTC.
@@ -68,6 +70,7 @@ impl StoredRule {
             refill_per_second: to_i32(rule.limit.refill_per_second),
             shards: to_i32(rule.limit.shards),
             exact: rule.limit.exact,
+            mode: rule.limit.mode.as_str().to_owned(),
             name: rule.name.as_ref().map(ToString::to_string),
             updated_at: None,
         }
@@ -75,7 +78,7 @@ impl StoredRule {
 }
 
 /// Columns of [`StoredRule`], in order.
-const COLUMNS: &str = "tenant_id AS tenant, route_id AS route, capacity, refill_per_second, shards, exact, name, \
+const COLUMNS: &str = "tenant_id AS tenant, route_id AS route, capacity, refill_per_second, shards, exact, mode, name, \
      to_char(updated_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') AS updated_at";
 
 /// Access to the rules table.
@@ -135,7 +138,7 @@ impl RuleStore {
     /// When the database is unreachable or the query fails.
     pub async fn load_all(&self) -> Result<Vec<Rule>, RuleStoreError> {
         let rows: Vec<RuleRow> = sqlx::query_as(
-            "SELECT id, tenant_id, route_id, capacity, refill_per_second, shards, exact, name \
+            "SELECT id, tenant_id, route_id, capacity, refill_per_second, shards, exact, mode, name \
              FROM rate_limit_rule",
         )
         .fetch_all(&self.pool)
@@ -208,11 +211,12 @@ impl RuleStore {
     pub async fn put(&self, rule: &Rule) -> Result<(StoredRule, bool), RuleStoreError> {
         let sql = sqlx::AssertSqlSafe(format!(
             "INSERT INTO rate_limit_rule \
-               (tenant_id, route_id, capacity, refill_per_second, shards, exact, name) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7) \
+               (tenant_id, route_id, capacity, refill_per_second, shards, exact, mode, name) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8) \
              ON CONFLICT (tenant_id, route_id) DO UPDATE \
                SET capacity = EXCLUDED.capacity, refill_per_second = EXCLUDED.refill_per_second, \
-                   shards = EXCLUDED.shards, exact = EXCLUDED.exact, name = EXCLUDED.name \
+                   shards = EXCLUDED.shards, exact = EXCLUDED.exact, mode = EXCLUDED.mode, \
+                   name = EXCLUDED.name \
              RETURNING {COLUMNS}, (xmax = 0) AS created"
         ));
         let limit = rule.limit;
@@ -224,6 +228,7 @@ impl RuleStore {
             .bind(to_i32(limit.refill_per_second))
             .bind(to_i32(limit.shards))
             .bind(limit.exact)
+            .bind(limit.mode.as_str())
             .bind(rule.name.as_ref().map(|n| n.as_str()))
             .fetch_one(&mut *tx)
             .await
@@ -279,6 +284,7 @@ struct RuleRow {
     refill_per_second: i32,
     shards: i32,
     exact: bool,
+    mode: String,
     name: Option<String>,
 }
 
@@ -291,6 +297,7 @@ impl From<RuleRow> for RuleSpec {
             refill_per_second: row.refill_per_second.into(),
             shards: row.shards.into(),
             exact: row.exact,
+            mode: Some(row.mode),
             name: row.name,
         }
     }
@@ -326,6 +333,8 @@ enum Payload {
         #[serde(default)]
         exact: bool,
         #[serde(default)]
+        mode: Option<String>,
+        #[serde(default)]
         name: Option<String>,
     },
     Delete {
@@ -346,6 +355,7 @@ impl Change {
                 refill_per_second,
                 shards,
                 exact,
+                mode,
                 name,
             } => RuleSpec {
                 tenant,
@@ -354,6 +364,7 @@ impl Change {
                 refill_per_second,
                 shards,
                 exact,
+                mode,
                 name,
             }
             .validate()
@@ -392,13 +403,16 @@ mod tests {
     }
 
     #[test]
-    fn shards_and_exact_travel_in_payloads() {
+    fn shards_exact_and_mode_travel_in_payloads() {
         let Some(Change::Upsert(rule)) = Change::parse(
-            r#"{"op":"upsert","tenant":"t","route":"r","capacity":5,"refill_per_second":2,"shards":4,"exact":true}"#,
+            r#"{"op":"upsert","tenant":"t","route":"r","capacity":5,"refill_per_second":2,"shards":4,"exact":true,"mode":"shadow"}"#,
         ) else {
             panic!("not an upsert");
         };
-        assert_eq!((rule.limit.shards.get(), rule.limit.exact), (4, true));
+        assert_eq!(
+            (rule.limit.shards.get(), rule.limit.exact, rule.limit.mode),
+            (4, true, crate::rules::model::Mode::Shadow)
+        );
         assert_eq!(
             Change::parse(
                 r#"{"op":"upsert","tenant":"t","route":"r","capacity":5,"refill_per_second":2,"shards":65}"#

@@ -56,6 +56,8 @@ struct SnapshotRule {
     #[serde(default)]
     exact: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    mode: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     name: Option<String>,
 }
 
@@ -73,6 +75,7 @@ impl From<RuleSpec> for SnapshotRule {
             refill_per_second: spec.refill_per_second,
             shards: spec.shards,
             exact: spec.exact,
+            mode: spec.mode,
             name: spec.name,
         }
     }
@@ -87,6 +90,7 @@ impl From<SnapshotRule> for RuleSpec {
             refill_per_second: saved.refill_per_second,
             shards: saved.shards,
             exact: saved.exact,
+            mode: saved.mode,
             name: saved.name,
         }
     }
@@ -162,6 +166,7 @@ mod tests {
         let limit = Limit {
             shards: std::num::NonZeroU32::new(4).unwrap(),
             exact: true,
+            mode: crate::rules::model::Mode::Shadow,
             ..Limit::new(
                 std::num::NonZeroU32::new(7).unwrap(),
                 std::num::NonZeroU32::new(3).unwrap(),

@@ -14,7 +14,7 @@ use super::{REQUESTS_TOTAL, UPSTREAM_SECONDS};
 use crate::key::{TenantName, full_fingerprint, tenant_label};
 
 /// Number of [`Outcome`]s.
-const OUTCOMES: usize = 9;
+const OUTCOMES: usize = 10;
 
 /// What happened to one proxied request, as a metric label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,6 +23,9 @@ pub enum Outcome {
     Allowed,
     /// Over the limit: 429.
     Rejected,
+    /// Over a limit in shadow mode: forwarded anyway (whatever the
+    /// upstream then answered).
+    ShadowRejected,
     /// No `X-Api-Key`: 401.
     Unauthorized,
     /// Malformed `X-Api-Key`: 400.
@@ -45,6 +48,7 @@ impl Outcome {
     const ALL: [Self; OUTCOMES] = [
         Self::Allowed,
         Self::Rejected,
+        Self::ShadowRejected,
         Self::Unauthorized,
         Self::BadKey,
         Self::UpstreamError,
@@ -59,6 +63,7 @@ impl Outcome {
         match self {
             Self::Allowed => "allowed",
             Self::Rejected => "rejected",
+            Self::ShadowRejected => "shadow_rejected",
             Self::Unauthorized => "unauthorized",
             Self::BadKey => "bad_key",
             Self::UpstreamError => "upstream_error",
