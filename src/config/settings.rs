@@ -4,7 +4,7 @@
 //! [`Problem`] for every bad value rather than stopping at the first.
 
 use std::collections::HashSet;
-use std::net::SocketAddr;
+use std::net::{SocketAddr, ToSocketAddrs};
 use std::num::NonZeroU32;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -327,14 +327,17 @@ impl Check {
         NonZeroU32::new(u32::try_from(v).unwrap_or(1)).expect("checked non-zero")
     }
 
+    /// A listen address: `ip:port`, or `host:port` with a host name
+    /// resolved once, here (the first IPv4 address it has, else its first
+    /// IPv6 one: `localhost:8080` listens on 127.0.0.1).
     fn socket(&mut self, key: &str, value: &str) -> SocketAddr {
-        value.parse().unwrap_or_else(|_| {
-            self.bad(
-                key,
-                format!("expected host:port with a numeric IP, found {value:?}"),
-            );
-            SocketAddr::from(([127, 0, 0, 1], 0))
-        })
+        match listen_address(value) {
+            Ok(addr) => addr,
+            Err(message) => {
+                self.bad(key, message);
+                SocketAddr::from(([127, 0, 0, 1], 0))
+            }
+        }
     }
 
     fn limit(&mut self, section: &str, raw: &RawLimit) -> LimitSettings {
@@ -346,6 +349,29 @@ impl Check {
             ),
         }
     }
+}
+
+/// Resolves a listen address (see `Check::socket`); the message says
+/// what is wrong.
+fn listen_address(value: &str) -> Result<SocketAddr, String> {
+    if let Ok(addr) = value.parse() {
+        return Ok(addr);
+    }
+    let expected = || format!("expected ip:port or host:port, found {value:?}");
+    let (host, port) = value.rsplit_once(':').ok_or_else(expected)?;
+    if host.is_empty() || port.parse::<u16>().is_err() {
+        return Err(expected());
+    }
+    let found: Vec<SocketAddr> = value
+        .to_socket_addrs()
+        .map_err(|e| format!("cannot resolve host {host:?}: {e}"))?
+        .collect();
+    found
+        .iter()
+        .find(|a| a.is_ipv4())
+        .or_else(|| found.first())
+        .copied()
+        .ok_or_else(|| format!("host {host:?} resolves to no address"))
 }
 
 /// Validates every value of `raw`.

@@ -340,3 +340,33 @@ fn the_readme_and_the_reference_file_document_every_key() {
     }
     assert!(missing.is_empty(), "undocumented keys: {missing:#?}");
 }
+
+#[test]
+fn listen_addresses_may_name_a_host() {
+    let config = load(
+        &format!(
+            "[server]\nlisten = \"localhost:8080\"\nadmin_listen = \"localhost:0\"\n{MINIMAL}"
+        ),
+        &BTreeMap::new(),
+    )
+    .unwrap();
+    assert_eq!(config.server.listen.to_string(), "127.0.0.1:8080");
+    assert_eq!(config.server.admin_listen.to_string(), "127.0.0.1:0");
+    for (value, message) in [
+        ("8080", "expected ip:port or host:port"),
+        ("localhost:http", "expected ip:port or host:port"),
+        (":8080", "expected ip:port or host:port"),
+        (
+            "no-such-host.invalid:80",
+            "cannot resolve host \"no-such-host.invalid\"",
+        ),
+    ] {
+        let found = problems(&format!("[server]\nlisten = \"{value}\"\n{MINIMAL}"), &[]);
+        assert!(
+            found.len() == 1
+                && found[0].starts_with("server.listen: ")
+                && found[0].contains(message),
+            "{value}: {found:?}"
+        );
+    }
+}
