@@ -99,7 +99,13 @@ pub fn check(config: &Config) -> Result<String, Vec<String>> {
     let rules = match &config.rules.source {
         RuleSource::Database(_) => "rules from PostgreSQL".to_owned(),
         RuleSource::File(path) => match rules::file::load(path) {
-            Ok(file) => format!("{} rules in {}", file.rules.len(), path.display()),
+            Ok(file) => {
+                problems.extend(file.rules.iter().enumerate().filter_map(|(i, rule)| {
+                    let why = config.unknown_route(rule.route.as_str())?;
+                    Some(format!("{}: rule[{i}].route: {why}", path.display()))
+                }));
+                format!("{} rules in {}", file.rules.len(), path.display())
+            }
             Err(rules::file::RuleFileError::Invalid {
                 path,
                 problems: found,
@@ -347,6 +353,7 @@ pub async fn run(
         shares: shares.clone(),
         token: config.admin.token.clone(),
         read_token: config.admin.read_token.clone(),
+        config: config.clone(),
         warm,
     });
     let admin = HttpServer::new(move || {

@@ -130,3 +130,35 @@ fn migrate_creates_the_rules_table_and_can_run_again() {
         .unwrap();
     assert_eq!(bad.status.code(), Some(64));
 }
+
+#[test]
+fn check_config_refuses_rules_for_routes_the_gateway_does_not_have() {
+    let rules = write_config(
+        "unknown-route.rules.toml",
+        "[[rule]]\ntenant = \"a\"\nroute = \"orders\"\ncapacity = 1\nrefill_per_second = 1\n\n\
+         [[rule]]\ntenant = \"a\"\nroute = \"order\"\ncapacity = 1\nrefill_per_second = 1\n",
+    );
+    let config = write_config(
+        "unknown-route.toml",
+        &format!(
+            "[rules]\nfile = \"{}\"\n[[routes]]\nid = \"orders\"\npath_prefix = \"/orders\"\n\
+             upstream = \"http://127.0.0.1:1\"\n",
+            rules.display()
+        ),
+    );
+    let out = tollgate()
+        .args(["check-config", "--config"])
+        .arg(&config)
+        .output()
+        .unwrap();
+    let _ = (std::fs::remove_file(&config), std::fs::remove_file(&rules));
+    assert_eq!(out.status.code(), Some(64));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(
+            "rule[1].route: no route \"order\" in this gateway's configuration (routes: orders)"
+        ),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("rule[0]"), "{stderr}");
+}

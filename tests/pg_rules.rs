@@ -278,6 +278,8 @@ async fn invalid_writes_are_refused_with_the_field_and_change_nothing() {
             "tenant",
         ),
         ("/admin/rules/keep/a%20pi", ok, "route"),
+        // A well-formed id, but no route of this gateway's has it.
+        ("/admin/rules/keep/no-such-route", ok, "route"),
     ];
     for (path, body, field) in cases {
         let (status, error) = admin(gw, "PUT", path, Some(TOKEN), Some(body)).await;

@@ -21,6 +21,7 @@ use serde_json::json;
 
 use crate::bucket::{LimiterCore, RedisState, WarmWorkers};
 use crate::clock::unix_now_seconds;
+use crate::config::Config;
 use crate::region::shares::SharesHandle;
 use crate::rules::RulesHandle;
 use error::AdminError;
@@ -45,6 +46,9 @@ pub struct AdminState {
     pub shares: SharesHandle,
     /// Proxy workers whose Redis connection is warm; `None` without Redis.
     pub warm: Option<Arc<WarmWorkers>>,
+    /// The gateway's configuration: a rule written here must name one of
+    /// its routes.
+    pub config: Config,
 }
 
 /// Admits an admin write to `store`: without one, `missing` (a 409 saying

@@ -131,6 +131,9 @@ async fn put(
 ) -> Result<HttpResponse, AdminError> {
     let store = writable(&req, &state)?;
     let rule = parse_rule(&path.0, &path.1, &read_body(body).await?)?;
+    if let Some(why) = state.config.unknown_route(rule.route.as_str()) {
+        return Err(AdminError::invalid("route", why));
+    }
     let (row, created) = store.put(&rule).await?;
     tracing::info!(
         tenant = %tenant_label(rule.tenant.as_str(), rule.name.as_ref()),

@@ -57,6 +57,21 @@ pub struct Config {
     pub routes: Vec<RouteSpec>,
 }
 
+impl Config {
+    /// Why a rule for `route` would never apply here: `None` when the route
+    /// table has that route, else a message listing the routes it has.
+    pub fn unknown_route(&self, route: &str) -> Option<String> {
+        if self.routes.iter().any(|r| r.id.as_str() == route) {
+            return None;
+        }
+        let known: Vec<&str> = self.routes.iter().map(|r| r.id.as_str()).collect();
+        Some(format!(
+            "no route {route:?} in this gateway's configuration (routes: {})",
+            known.join(", ")
+        ))
+    }
+}
+
 /// `[server]`.
 #[derive(Debug, Clone)]
 pub struct ServerSettings {
