@@ -215,6 +215,17 @@ impl Schema {
         }
     }
 
+    /// The keys of `section` (of a route, for `routes`); none for an
+    /// unknown section.
+    fn keys_of<'a>(&'a self, section: &str) -> impl Iterator<Item = &'a String> {
+        let table = if section == "routes" {
+            Some(&self.route)
+        } else {
+            self.root.get(section).and_then(Value::as_table)
+        };
+        table.into_iter().flat_map(Table::keys)
+    }
+
     /// Reports every unknown key and wrongly typed value in `table` and
     /// removes it, leaving a table that deserializes.
     fn prune(&self, table: &mut Table, problems: &mut Vec<Problem>) {
@@ -244,7 +255,13 @@ impl Schema {
                 self.root.get(section).and_then(Value::as_table),
                 value.as_table_mut(),
             ) {
-                (None, _) => problems.push(Problem::new(section, "unknown section")),
+                (None, _) => problems.push(Problem::new(
+                    section,
+                    format!(
+                        "unknown section{}",
+                        did_you_mean(section, self.root.keys().map(String::as_str))
+                    ),
+                )),
                 (Some(_), None) => {
                     problems.push(Problem::new(section, "must be a [section] table"))
                 }
@@ -264,7 +281,10 @@ fn prune_keys(table: &mut Table, schema: &Table, path: &str, problems: &mut Vec<
     table.retain(|key, value| {
         let at = format!("{path}.{key}");
         let problem = match schema.get(key) {
-            None => Some("unknown key".to_owned()),
+            None => Some(format!(
+                "unknown key{}",
+                did_you_mean(key, schema.keys().map(String::as_str))
+            )),
             Some(expected) => type_mismatch(value, expected),
         };
         match problem {
@@ -275,6 +295,37 @@ fn prune_keys(table: &mut Table, schema: &Table, path: &str, problems: &mut Vec<
             None => true,
         }
     });
+}
+
+/// `; did you mean "<name>"?` for the candidate closest to `word` when it
+/// is a likely typo (at most two edits away, and fewer edits than `word`
+/// has characters), else nothing.
+fn did_you_mean<'a>(word: &str, candidates: impl Iterator<Item = &'a str>) -> String {
+    candidates
+        .map(|c| (edit_distance(word, c), c))
+        .filter(|&(d, _)| d <= 2 && d < word.chars().count())
+        .min()
+        .map(|(_, c)| format!("; did you mean {c:?}?"))
+        .unwrap_or_default()
+}
+
+/// Levenshtein distance: the fewest single-character insertions, deletions
+/// and substitutions that turn `a` into `b`.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut diagonal = row[0];
+        row[0] = i + 1;
+        for (j, &cb) in b.iter().enumerate() {
+            let above = row[j + 1];
+            row[j + 1] = (diagonal + usize::from(ca != cb))
+                .min(above + 1)
+                .min(row[j] + 1);
+            diagonal = above;
+        }
+    }
+    row[b.len()]
 }
 
 /// Describes how `value` differs in type from `expected`, if it does.
@@ -339,7 +390,15 @@ fn apply_env(
             }
         };
         let Some(expected) = schema.default_at(section, key) else {
-            problems.push(Problem::new(name, format!("no config key {section}.{key}")));
+            let known = schema.keys_of(section).map(|k| format!("{section}.{k}"));
+            let hint = did_you_mean(
+                &format!("{section}.{key}"),
+                known.collect::<Vec<_>>().iter().map(String::as_str),
+            );
+            problems.push(Problem::new(
+                name,
+                format!("no config key {section}.{key}{hint}"),
+            ));
             continue;
         };
         let value = match coerce(raw, expected) {

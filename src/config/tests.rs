@@ -370,3 +370,32 @@ fn listen_addresses_may_name_a_host() {
         );
     }
 }
+
+#[test]
+fn a_mistyped_key_or_section_gets_the_closest_name() {
+    let found = problems(
+        &format!(
+            "[server]\nlisen = \"127.0.0.1:1\"\ncolour = 1\n[redis]\nurl = \"\"\ntimeout_msec = 5\n[breakr]\n{MINIMAL}"
+        ),
+        &[("TOLLGATE__REDIS__TIMEOUTMS", "5")],
+    );
+    assert_eq!(
+        found,
+        [
+            "TOLLGATE__REDIS__TIMEOUTMS: no config key redis.timeoutms; did you mean \"redis.timeout_ms\"?",
+            "breakr: unknown section; did you mean \"breaker\"?",
+            "redis.timeout_msec: unknown key; did you mean \"timeout_ms\"?",
+            "server.colour: unknown key",
+            "server.lisen: unknown key; did you mean \"listen\"?",
+        ]
+    );
+}
+
+#[test]
+fn edit_distance_counts_single_character_edits() {
+    assert_eq!(edit_distance("listen", "listen"), 0);
+    assert_eq!(edit_distance("lisen", "listen"), 1);
+    assert_eq!(edit_distance("kitten", "sitting"), 3);
+    assert_eq!(edit_distance("", "abc"), 3);
+    assert_eq!(edit_distance("abc", ""), 3);
+}
