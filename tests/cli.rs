@@ -132,6 +132,29 @@ fn migrate_creates_the_rules_table_and_can_run_again() {
 }
 
 #[test]
+fn migrate_names_a_missing_database_and_how_to_create_it() {
+    let name = format!("tollgate_missing_{}", std::process::id());
+    let out = tollgate()
+        .args(["migrate", "--database-url"])
+        .arg(format!("{}/{name}", common::test_postgres()))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(&format!(
+            "database \"{name}\" does not exist: create it (psql -c 'CREATE DATABASE \"{name}\"'"
+        )),
+        "{stderr}"
+    );
+    assert_eq!(
+        stderr.matches("does not exist").count(),
+        1,
+        "said once: {stderr}"
+    );
+}
+
+#[test]
 fn check_config_refuses_rules_for_routes_the_gateway_does_not_have() {
     let rules = write_config(
         "unknown-route.rules.toml",

@@ -238,7 +238,7 @@ async fn first_database_load(
                     tracing::warn!(
                         error = %e,
                         rules = set.len(),
-                        "PostgreSQL is unreachable; serving the saved rule snapshot and retrying."
+                        "The rules database cannot be read; serving the saved rule snapshot and retrying."
                     );
                     set
                 }
@@ -250,7 +250,7 @@ async fn first_database_load(
                     tracing::error!(
                         error = %e,
                         snapshot = %reason,
-                        "PostgreSQL is unreachable and no saved rules exist; every tenant gets the default rule until it answers."
+                        "The rules database cannot be read and no saved rules exist; every tenant gets the default rule until it can."
                     );
                     RuleSet::new(Vec::new(), default, origin("default"))
                 }

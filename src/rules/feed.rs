@@ -17,6 +17,8 @@ use sqlx::postgres::PgListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use super::pg::RuleStoreError;
+
 /// First and longest pause between attempts to re-subscribe.
 const BACKOFF: (Duration, Duration) = (Duration::from_millis(100), Duration::from_secs(5));
 
@@ -146,7 +148,11 @@ async fn follow<A>(
             }
             Err(e) => {
                 if !announced_down {
-                    tracing::warn!(channel, error = %e, "Cannot follow changes: PostgreSQL unreachable; retrying.");
+                    tracing::warn!(
+                        channel,
+                        error = %RuleStoreError::from(e),
+                        "Cannot follow changes: the rules database cannot be reached; retrying."
+                    );
                     announced_down = true;
                 }
             }

@@ -26,15 +26,53 @@ static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 /// Longest wait for a pooled connection before a query gives up.
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// Why a database operation failed.
+/// Why a database operation failed. The messages carry their cause
+/// (there is no separate source, so a printed chain says it once).
 #[derive(Debug, thiserror::Error)]
 pub enum RuleStoreError {
+    /// The server answered, but the database in the URL does not exist.
+    #[error(
+        "database {0:?} does not exist: create it (psql -c 'CREATE DATABASE \"{0}\"', \
+         or createdb {0}), then run tollgate migrate --database-url <url>"
+    )]
+    MissingDatabase(String),
     /// The database could not be reached or the query failed.
     #[error("database error: {0}")]
-    Database(#[from] sqlx::Error),
+    Database(sqlx::Error),
     /// A migration could not be applied.
     #[error("migration failed: {0}")]
-    Migrate(#[from] sqlx::migrate::MigrateError),
+    Migrate(sqlx::migrate::MigrateError),
+}
+
+/// The database a "does not exist" error (SQLSTATE 3D000) names.
+fn missing_database(e: &sqlx::Error) -> Option<String> {
+    let db = e.as_database_error()?;
+    if db.code().as_deref() != Some("3D000") {
+        return None;
+    }
+    let message = db.message();
+    let name = message
+        .split('"')
+        .nth(1)
+        .map_or_else(|| message.to_owned(), str::to_owned);
+    Some(name)
+}
+
+impl From<sqlx::Error> for RuleStoreError {
+    fn from(e: sqlx::Error) -> Self {
+        missing_database(&e).map_or(Self::Database(e), Self::MissingDatabase)
+    }
+}
+
+impl From<sqlx::migrate::MigrateError> for RuleStoreError {
+    fn from(e: sqlx::migrate::MigrateError) -> Self {
+        use sqlx::migrate::MigrateError::{Execute, ExecuteMigration};
+        match &e {
+            Execute(inner) | ExecuteMigration(inner, _) => missing_database(inner),
+            _ => None,
+        }
+        .map_or(Self::Migrate(e), Self::MissingDatabase)
+    }
 }
 
 /// One row of `rate_limit_rule`, as the admin API shows it.
