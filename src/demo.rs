@@ -39,8 +39,39 @@ async fn echo(req: HttpRequest, body: web::Bytes) -> HttpResponse {
 
 /// The demo's configuration, compiled in so `tollgate demo` works anywhere.
 pub const DEMO_CONFIG: &str = include_str!("../config/demo.toml");
-/// The shipped rules, used when `config/rules.toml` is not on disk.
-const SHIPPED_RULES: &str = include_str!("../config/rules.toml");
+/// The rules file written when the configured one is not on disk: no
+/// rule, on purpose (`rule = []`), so every tenant gets the default rule.
+/// The rules are read at run time only: editing them never rebuilds.
+const NO_RULES: &str = "# tollgate demo: no rules file was found, so every tenant gets \
+                        [default_rule].\nrule = []\n";
+
+/// The tenant whose burst the printed loop runs past, and its route.
+const LOOP_TENANT: (&str, &str) = ("shop-b", "create-order");
+
+/// Points the demo at an empty rules file (`rule = []`, in the temporary
+/// directory) when the configured one is not on disk, so that `tollgate
+/// demo` runs from any directory: every tenant then gets the default rule.
+///
+/// # Errors
+/// When the empty rules file cannot be written.
+pub fn without_rules_file(config: &mut crate::config::Config) -> std::io::Result<()> {
+    use crate::config::RuleSource;
+
+    if let RuleSource::File(path) = &config.rules.source
+        && !path.exists()
+    {
+        let fallback = std::env::temp_dir().join("tollgate-demo-rules.toml");
+        std::fs::write(&fallback, NO_RULES)?;
+        println!(
+            "{} not found: no rules, every tenant gets the default rule; \
+             rules added to {} apply within seconds",
+            path.display(),
+            fallback.display()
+        );
+        config.rules.source = RuleSource::File(fallback);
+    }
+    Ok(())
+}
 
 /// Runs the demo: an echo upstream plus one gateway on `config`, using
 /// Redis when one answers at the configured URL and local-only limiting
@@ -52,19 +83,18 @@ pub async fn run(mut config: crate::config::Config) -> anyhow::Result<()> {
     use crate::config::{RedisTarget, RuleSource, redact_url};
     use anyhow::Context as _;
 
-    if let RuleSource::File(path) = &config.rules.source
-        && !path.exists()
-    {
-        let fallback = std::env::temp_dir().join("tollgate-demo-rules.toml");
-        std::fs::write(&fallback, SHIPPED_RULES)
-            .with_context(|| format!("cannot write {}", fallback.display()))?;
-        println!(
-            "{} not found; using the shipped rules, written to {}",
-            path.display(),
-            fallback.display()
-        );
-        config.rules.source = RuleSource::File(fallback);
+    // Enough requests to run past the loop tenant's burst, whatever the
+    // rules file gives it.
+    let burst = match &config.rules.source {
+        RuleSource::File(path) => crate::rules::file::load(path).ok().and_then(|file| {
+            file.rules
+                .iter()
+                .find(|r| (r.tenant.as_str(), r.route.as_str()) == LOOP_TENANT)
+                .map(|r| r.limit.capacity.get())
+        }),
+        RuleSource::Database(_) => None,
     }
+    .unwrap_or(config.default_rule.capacity.get());
 
     let redis_line = match config.redis.target.clone() {
         RedisTarget::Single(url) if redis_answers(&url).await => {
@@ -106,12 +136,14 @@ pub async fn run(mut config: crate::config::Config) -> anyhow::Result<()> {
          rules    {rules}\n\n\
          Try:\n\
          \x20 curl -i -X POST -H 'X-Api-Key: shop-a' http://{gw}/orders\n\
-         \x20 for i in $(seq 8); do curl -s -o /dev/null -w '%{{http_code}} ' -X POST -H 'X-Api-Key: shop-b' http://{gw}/orders; done; echo\n\
+         \x20 for i in $(seq {loops}); do curl -s -o /dev/null -w '%{{http_code}} ' -X POST -H 'X-Api-Key: {tenant}' http://{gw}/orders; done; echo\n\
          \x20 curl -i http://{gw}/orders/42                      # 401: no X-Api-Key\n\
          \x20 curl -i -H 'X-Api-Key: {{bad}}' http://{gw}/orders/42  # 400: malformed key\n\
          \x20 curl -s http://{admin}/ready\n\
          \x20 curl -s http://{admin}/metrics | grep tollgate_requests_total\n\n\
          Edit the rules file and the change applies within seconds. Ctrl-C stops.\n",
+        loops = burst + 3,
+        tenant = LOOP_TENANT.0,
         rules = match &config.rules.source {
             RuleSource::File(p) => p.display().to_string(),
             RuleSource::Database(_) => "PostgreSQL (rules.database_url)".to_owned(),

@@ -63,7 +63,7 @@ fn main() -> ExitCode {
         Command::Demo => config::load(demo::DEMO_CONFIG, &env),
         Command::Migrate { database_url } => return migrate(database_url),
     };
-    let config = match loaded {
+    let mut config = match loaded {
         Ok(config) => config,
         Err(e) => return config_failure(&e.problems()),
     };
@@ -82,6 +82,10 @@ fn main() -> ExitCode {
         Command::Migrate { .. } => unreachable!("handled before loading a config"),
         Command::Serve { .. } => serve(config),
         Command::Demo => {
+            if let Err(e) = demo::without_rules_file(&mut config) {
+                eprintln!("error: cannot write the demo's empty rules file: {e}");
+                return ExitCode::FAILURE;
+            }
             if let Err(problems) = app::check(&config) {
                 return config_failure(&problems);
             }

@@ -185,3 +185,43 @@ fn check_config_refuses_rules_for_routes_the_gateway_does_not_have() {
     );
     assert!(!stderr.contains("rule[0]"), "{stderr}");
 }
+
+#[test]
+fn demo_runs_from_any_directory_and_sizes_its_loop_to_the_rules() {
+    use std::io::{BufRead, BufReader};
+
+    let dir = common::TempDir::new("demo-anywhere");
+    let port = |p: u16| format!("127.0.0.1:{p}");
+    let mut child = tollgate()
+        .arg("demo")
+        .current_dir(&dir.0)
+        .env("TOLLGATE__SERVER__LISTEN", port(common::free_port()))
+        .env("TOLLGATE__SERVER__ADMIN_LISTEN", port(common::free_port()))
+        .env("TOLLGATE__REDIS__URL", "")
+        .env(
+            "TOLLGATE__ROUTES__0__UPSTREAM",
+            format!("http://{}", port(common::free_port())),
+        )
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut seen = String::new();
+    for line in BufReader::new(child.stdout.take().unwrap()).lines() {
+        let line = line.unwrap();
+        seen.push_str(&line);
+        seen.push('\n');
+        if line.starts_with("Edit the rules file") {
+            break;
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    // No config/rules.toml here: no rules, the default burst of 20, and a
+    // loop of 23 requests that runs past it.
+    assert!(
+        seen.contains("config/rules.toml not found: no rules"),
+        "{seen}"
+    );
+    assert!(seen.contains("for i in $(seq 23)"), "{seen}");
+}
