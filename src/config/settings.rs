@@ -853,9 +853,14 @@ fn upstream(c: &mut Check, key: &str, raw: &str) -> (String, String) {
             (format!("http://{authority}"), base)
         }
         None => {
+            let tls = if raw.starts_with("https://") {
+                " (https:// upstreams are not supported yet)"
+            } else {
+                ""
+            };
             c.bad(
                 key,
-                format!("expected http://host:port[/base-path], found {raw:?}"),
+                format!("expected http://host:port[/base-path], found {raw:?}{tls}"),
             );
             (String::new(), String::new())
         }

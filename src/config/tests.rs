@@ -399,3 +399,18 @@ fn edit_distance_counts_single_character_edits() {
     assert_eq!(edit_distance("", "abc"), 3);
     assert_eq!(edit_distance("abc", ""), 3);
 }
+
+#[test]
+fn an_https_upstream_is_refused_as_not_supported_yet() {
+    let found = problems(
+        "[[routes]]\nid = \"a\"\npath_prefix = \"/\"\nupstream = \"https://example.com\"\n",
+        &[],
+    );
+    assert_eq!(
+        found,
+        [
+            "routes[0].upstream: expected http://host:port[/base-path], found \"https://example.com\" \
+          (https:// upstreams are not supported yet)"
+        ]
+    );
+}
