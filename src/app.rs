@@ -290,6 +290,10 @@ pub async fn run(
         requests,
         clock: clock.clone(),
         shadow: config.shadow,
+        access: config
+            .log
+            .access_sample_percent
+            .map(proxy::access::AccessLog::new),
     });
     let upstream = config.upstream.clone();
     let client = config.client;

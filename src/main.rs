@@ -137,7 +137,7 @@ fn migrate(url: &str) -> ExitCode {
 }
 
 fn start_logging(config: &Config) {
-    if let Err(e) = telemetry::init_tracing(&config.log.level) {
+    if let Err(e) = telemetry::init_tracing(&config.log) {
         eprintln!("warning: logging not started: {e}");
     }
 }

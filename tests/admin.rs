@@ -53,6 +53,14 @@ async fn live_ready_and_metrics_report_the_gateway() {
         "tollgate_redis_call_duration_seconds_bucket",
         "tollgate_redis_errors_total{kind=\"timeout\"}",
         "tollgate_upstream_duration_seconds_bucket{route=\"api\"",
+        concat!(
+            "tollgate_build_info{version=\"",
+            env!("CARGO_PKG_VERSION"),
+            "\"} 1"
+        ),
+        "tollgate_process_resident_memory_bytes ",
+        "tollgate_process_cpu_seconds ",
+        "tollgate_process_open_fds ",
     ] {
         assert!(text.contains(needle), "missing {needle} in\n{text}");
     }

@@ -206,6 +206,7 @@ fn is_ready(redis: RedisState, warm: Option<&WarmWorkers>) -> bool {
 
 /// Prometheus text exposition.
 async fn metrics(state: web::Data<AdminState>) -> HttpResponse {
+    crate::telemetry::sample_process();
     HttpResponse::Ok()
         .content_type("text/plain; version=0.0.4; charset=utf-8")
         .body(state.prometheus.render())

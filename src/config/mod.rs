@@ -15,7 +15,9 @@
 //! Invariant: a [`Config`] that exists is valid; nothing downstream re-checks it.
 
 mod raw;
+mod routes;
 mod settings;
+mod validate;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -26,10 +28,11 @@ use toml::{Table, Value};
 use raw::{RawConfig, RawRoute};
 pub use settings::{
     AdminSettings, BreakerSettings, ClientSettings, Config, FallbackSettings, InstanceSettings,
-    LeaseSettings, LimitSettings, LogSettings, MetricsSettings, Pace, RebalancerSettings,
-    RedisSettings, RedisTarget, RouteSpec, RuleSource, RulesSettings, ServerSettings,
-    UpstreamSettings, database_url,
+    LeaseSettings, LimitSettings, LogFormat, LogSettings, MetricsSettings, Pace,
+    RebalancerSettings, RedisSettings, RedisTarget, RouteSpec, RuleSource, RulesSettings,
+    ServerSettings, UpstreamSettings,
 };
+pub use validate::database_url;
 
 /// Prefix of environment variables that override config keys.
 pub const ENV_PREFIX: &str = "TOLLGATE__";
@@ -179,7 +182,7 @@ pub fn load(contents: &str, env: &BTreeMap<String, String>) -> Result<Config, Co
             return Err(ConfigError::Invalid(problems));
         }
     };
-    match settings::validate(raw) {
+    match validate::validate(raw) {
         Ok(config) if problems.is_empty() => Ok(config),
         Ok(_) => Err(ConfigError::Invalid(problems)),
         Err(values) => {

@@ -315,17 +315,23 @@ impl Default for RawClient {
     }
 }
 
-/// `[log]`: log verbosity.
+/// `[log]`: log verbosity, format and the access log.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub(crate) struct RawLog {
     pub(crate) level: String,
+    pub(crate) format: String,
+    pub(crate) access: bool,
+    pub(crate) access_sample_percent: i64,
 }
 
 impl Default for RawLog {
     fn default() -> Self {
         Self {
             level: "info".into(),
+            format: "text".into(),
+            access: false,
+            access_sample_percent: 100,
         }
     }
 }

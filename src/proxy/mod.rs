@@ -20,6 +20,7 @@
 //! exactly the key that was limited, whatever the client's `Connection`
 //! header lists.
 
+pub mod access;
 pub mod error;
 pub mod forward;
 pub mod headers;
@@ -45,6 +46,7 @@ use crate::region::shares::SharesHandle;
 use crate::rules::RulesHandle;
 use crate::rules::model::Mode;
 use crate::telemetry::{BodyDirection, Metrics, Outcome, RequestCounters, Unrouted};
+use access::{AccessLog, AccessNote};
 use error::ProxyError;
 use forward::{Forwarder, Target};
 use headers::RateLimitHeaders;
@@ -69,6 +71,8 @@ pub struct ProxyState {
     pub clock: SharedClock,
     /// `[limits] shadow`: every rule in shadow mode.
     pub shadow: bool,
+    /// The access log, when `log.access` is on.
+    pub access: Option<AccessLog>,
 }
 
 /// Keeps a second handle on each new client connection's socket, so that a
@@ -85,13 +89,43 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
     cfg.default_service(web::to(handle));
 }
 
-/// Runs the phases for one request.
+/// Runs the phases for one request, and writes its access line when the
+/// access log is on and keeps this request.
 async fn handle(
     req: HttpRequest,
     payload: web::Payload,
     state: web::Data<ProxyState>,
     limiter: web::Data<Limiter>,
     forwarder: web::Data<Forwarder>,
+) -> HttpResponse {
+    let Some(log) = state.access.as_ref().filter(|log| log.sampled()) else {
+        return phases(req, payload, &state, &limiter, &forwarder, None).await;
+    };
+    let started = state.clock.now_micros();
+    let method = req.method().clone();
+    let mut note = AccessNote::default();
+    let response = phases(req, payload, &state, &limiter, &forwarder, Some(&mut note)).await;
+    let duration = state.clock.now_micros().saturating_sub(started);
+    log.write(
+        &note,
+        &method,
+        response.status(),
+        duration,
+        &state.routes,
+        &state.requests,
+    );
+    response
+}
+
+/// The phases for one request; `note`, when given, collects what the
+/// access line reports.
+async fn phases(
+    req: HttpRequest,
+    payload: web::Payload,
+    state: &ProxyState,
+    limiter: &Limiter,
+    forwarder: &Forwarder,
+    mut note: Option<&mut AccessNote>,
 ) -> HttpResponse {
     if matches!(*req.method(), Method::CONNECT | Method::TRACE) {
         state.metrics.unrouted(Unrouted::BadRequest);
@@ -108,6 +142,9 @@ async fn handle(
         state.metrics.unrouted(Unrouted::NoRoute);
         return ProxyError::NoRoute.response();
     };
+    if let Some(note) = note.as_deref_mut() {
+        note.route = Some(route.index);
+    }
 
     let tenant = match identify(&req) {
         Ok(tenant) => tenant,
@@ -121,6 +158,9 @@ async fn handle(
             return e.response();
         }
     };
+    if let Some(note) = note.as_deref_mut() {
+        note.tenant = Some(tenant.clone());
+    }
     let count = |outcome| {
         state
             .requests
@@ -142,6 +182,9 @@ async fn handle(
     let verdict = limiter
         .check(&tenant, &route.spec.id, limit, share, route.spec.cost)
         .await;
+    if let Some(note) = note.as_deref_mut() {
+        note.source = Some(verdict.source);
+    }
     let refused = !verdict.decision.allowed;
     let shadowed = refused && (state.shadow || limit.mode == Mode::Shadow);
     let headers = RateLimitHeaders::new(route.spec.id.as_str(), &verdict, shadowed);
@@ -164,6 +207,9 @@ async fn handle(
         .await;
     let elapsed = state.clock.now_micros().saturating_sub(started);
     route.metrics.upstream_seconds(elapsed as f64 / 1e6);
+    if let Some(note) = note {
+        note.upstream_us = Some(elapsed);
+    }
     count(match &forwarded {
         Ok(_) if shadowed => Outcome::ShadowRejected,
         Ok(_) => Outcome::Allowed,

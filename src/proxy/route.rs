@@ -41,6 +41,11 @@ impl RouteTable {
         }
     }
 
+    /// The route at `index` (its [`Route::index`]).
+    pub fn get(&self, index: usize) -> Option<&Route> {
+        self.routes.get(index)
+    }
+
     /// The route serving `method` on `path`, if any.
     pub fn find(&self, method: &Method, path: &str) -> Option<&Route> {
         let mut best: Option<&Route> = None;

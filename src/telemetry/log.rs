@@ -7,7 +7,8 @@
 //! `tollgate_malformed_requests_total`, and summarised in at most one
 //! warning per [`NOISE_REPORT_PERIOD_MS`] ([`ClientNoise::report`]).
 //! Logs go to stderr (stdout is left to command output such as the demo's
-//! banner); colour codes are written only to a terminal.
+//! banner), as text (colour codes only on a terminal) or as one JSON
+//! object per line (`log.format`).
 
 use std::io::IsTerminal as _;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -20,6 +21,7 @@ use tracing_subscriber::layer::{Context, SubscriberExt as _};
 use tracing_subscriber::util::SubscriberInitExt as _;
 
 use super::MALFORMED_REQUESTS_TOTAL;
+use crate::config::{LogFormat, LogSettings};
 
 /// Client-caused events seen since start.
 static NOISE: AtomicU64 = AtomicU64::new(0);
@@ -61,26 +63,51 @@ impl<S: Subscriber> Layer<S> for CountNoise {
     }
 }
 
-/// Starts the log subscriber. `RUST_LOG`, when set, wins over `level`.
+/// The target of access-log lines (`log.access`).
+pub const ACCESS_TARGET: &str = "tollgate::access";
+
+/// Starts the log subscriber, in `settings.format`. `RUST_LOG`, when set,
+/// wins over `settings.level`; access lines pass whenever `log.access` is
+/// on.
 ///
 /// # Errors
 /// When a subscriber is already installed or the filter is invalid.
-pub fn init_tracing(level: &str) -> anyhow::Result<()> {
-    let filter = match std::env::var("RUST_LOG") {
+pub fn init_tracing(settings: &LogSettings) -> anyhow::Result<()> {
+    let mut filter = match std::env::var("RUST_LOG") {
         Ok(from_env) if !from_env.is_empty() => tracing_subscriber::EnvFilter::try_new(from_env)?,
-        _ => tracing_subscriber::EnvFilter::try_new(log_filter(level))?,
+        _ => tracing_subscriber::EnvFilter::try_new(log_filter(&settings.level))?,
     };
-    let output = tracing_subscriber::fmt::layer()
-        .with_writer(std::io::stderr)
-        .with_target(false)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_filter(filter_fn(|meta| !is_client_noise(meta)));
-    tracing_subscriber::registry()
-        .with(filter)
-        .with(CountNoise)
-        .with(output)
-        .try_init()
-        .map_err(|e| anyhow::anyhow!(e))
+    if settings.access_sample_percent.is_some() {
+        // Turned on explicitly: access lines pass whatever the level.
+        filter = filter.add_directive(format!("{ACCESS_TARGET}=info").parse()?);
+    }
+    let quiet = || filter_fn(|meta| !is_client_noise(meta));
+    let base = tracing_subscriber::registry().with(filter).with(CountNoise);
+    let installed = match settings.format {
+        LogFormat::Text => base
+            .with(
+                tracing_subscriber::fmt::layer()
+                    .with_writer(std::io::stderr)
+                    .with_target(false)
+                    .with_ansi(std::io::stderr().is_terminal())
+                    .with_filter(quiet()),
+            )
+            .try_init(),
+        // One object per line: timestamp, level, target and the event's
+        // fields (the message among them) at the top level.
+        LogFormat::Json => base
+            .with(
+                tracing_subscriber::fmt::layer()
+                    .json()
+                    .flatten_event(true)
+                    .with_current_span(false)
+                    .with_span_list(false)
+                    .with_writer(std::io::stderr)
+                    .with_filter(quiet()),
+            )
+            .try_init(),
+    };
+    installed.map_err(|e| anyhow::anyhow!(e))
 }
 
 /// Turns the client-noise count into the metric and a rate-limited

@@ -13,6 +13,7 @@
 #![allow(clippy::disallowed_macros)] // The one module that names metrics.
 
 mod log;
+mod process;
 mod requests;
 
 use std::sync::OnceLock;
@@ -62,6 +63,17 @@ pub const CLIENT_TIMEOUTS_TOTAL: &str = "tollgate_client_timeouts_total";
 /// Client mistakes the HTTP layer refused before routing (counter).
 pub const MALFORMED_REQUESTS_TOTAL: &str = "tollgate_malformed_requests_total";
 
+/// `tollgate_build_info{version}`: always 1 (gauge).
+pub const BUILD_INFO: &str = "tollgate_build_info";
+/// Resident set size in bytes (gauge).
+pub const PROCESS_RESIDENT_MEMORY_BYTES: &str = "tollgate_process_resident_memory_bytes";
+/// User and system CPU time since start, in seconds (a gauge that only
+/// grows: the metrics crate's counters hold whole numbers, and a counter
+/// of whole seconds would be too coarse; `rate()` reads it all the same).
+pub const PROCESS_CPU_SECONDS: &str = "tollgate_process_cpu_seconds";
+/// Open file descriptors, sockets included (gauge).
+pub const PROCESS_OPEN_FDS: &str = "tollgate_process_open_fds";
+
 /// Label value for requests that matched no route.
 pub const NO_ROUTE: &str = "_none";
 
@@ -76,7 +88,8 @@ const UPSTREAM_BUCKETS: &[f64] = &[
     0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 ];
 
-pub use log::{ClientNoise, init_tracing, log_filter};
+pub use log::{ACCESS_TARGET, ClientNoise, init_tracing, log_filter};
+pub use process::sample_process;
 pub use requests::{OTHER_TENANTS, Outcome, RequestCounters, RouteMetrics};
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
@@ -114,6 +127,7 @@ pub fn install() -> PrometheusHandle {
                 .install_recorder()
                 .expect("no other metrics recorder is installed");
             describe();
+            process::describe();
             handle
         })
         .clone()

@@ -1122,6 +1122,8 @@ pub struct GatewayProcess {
     pub name: String,
     pub proxy: u16,
     pub admin: u16,
+    /// Where its stderr (the log) goes.
+    pub log: PathBuf,
     child: Child,
 }
 
@@ -1156,6 +1158,7 @@ impl GatewayProcess {
             name: name.to_owned(),
             proxy,
             admin,
+            log: log_path.clone(),
             child,
         };
         let admin_addr: SocketAddr = ([127, 0, 0, 1], admin).into();
@@ -1178,18 +1181,21 @@ impl GatewayProcess {
     }
 }
 
-/// The proxy and admin ports of the `tollgate is serving.` log line.
+/// The proxy and admin ports of the `tollgate is serving.` log line, in
+/// either log format.
 fn serving_ports(log: &str) -> Option<(u16, u16)> {
     let line = log.lines().find(|l| l.contains("tollgate is serving."))?;
+    let json: Option<serde_json::Value> = serde_json::from_str(line).ok();
     let port = |field: &str| -> Option<u16> {
-        line.split_whitespace()
-            .find_map(|w| w.strip_prefix(field))?
-            .rsplit(':')
-            .next()?
-            .parse()
-            .ok()
+        let addr = match &json {
+            Some(object) => object[field].as_str()?,
+            None => line
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix(field)?.strip_prefix('='))?,
+        };
+        addr.rsplit(':').next()?.parse().ok()
     };
-    Some((port("proxy=")?, port("admin=")?))
+    Some((port("proxy")?, port("admin")?))
 }
 
 impl Drop for GatewayProcess {

@@ -1,0 +1,117 @@
+//! Route entries: each `[[routes]]` table checked into a [`RouteSpec`].
+//!
+//! Owns what makes a route usable: a valid, unique id, methods, a path
+//! prefix in normal form, an `http://` upstream and a cost.
+
+use std::collections::HashSet;
+
+use actix_web::http::{Method, Uri};
+
+use super::raw::RawRoute;
+use super::settings::RouteSpec;
+use super::validate::Check;
+use crate::key::RouteId;
+use crate::path::normalize;
+
+/// Validates one route entry; `None` when it is unusable.
+pub(super) fn route(
+    c: &mut Check,
+    i: usize,
+    r: &RawRoute,
+    seen: &mut HashSet<String>,
+) -> Option<RouteSpec> {
+    let at = |key: &str| format!("routes[{i}].{key}");
+    let before = c.problems.len();
+
+    let id = match RouteId::parse(&r.id) {
+        Ok(id) => Some(id),
+        Err(e) => {
+            c.bad(at("id"), format!("{:?} {e}", r.id));
+            None
+        }
+    };
+    if !r.id.is_empty() && !seen.insert(r.id.clone()) {
+        c.bad(at("id"), format!("duplicate route id {:?}", r.id));
+    }
+
+    let methods = r
+        .methods
+        .iter()
+        .filter_map(
+            |m| match Method::from_bytes(m.to_ascii_uppercase().as_bytes()) {
+                Ok(method) => Some(method),
+                Err(_) => {
+                    c.bad(at("methods"), format!("{m:?} is not an HTTP method"));
+                    None
+                }
+            },
+        )
+        .collect();
+
+    if !r.path_prefix.starts_with('/') {
+        c.bad(
+            at("path_prefix"),
+            format!("must start with '/', found {:?}", r.path_prefix),
+        );
+    } else {
+        match normalize(&r.path_prefix) {
+            Ok(normal) if normal == r.path_prefix => {}
+            Ok(normal) => c.bad(
+                at("path_prefix"),
+                format!(
+                    "must be written as requests are matched: {:?}, not {:?}",
+                    normal, r.path_prefix
+                ),
+            ),
+            Err(e) => c.bad(
+                at("path_prefix"),
+                format!("{:?} is refused in requests ({e})", r.path_prefix),
+            ),
+        }
+    }
+    let path_prefix = match r.path_prefix.trim_end_matches('/') {
+        "" => "/".to_owned(),
+        p => p.to_owned(),
+    };
+
+    let (upstream_origin, upstream_base_path) = upstream(c, &at("upstream"), &r.upstream);
+    let cost = c.positive_i32(&at("cost"), r.cost);
+
+    if c.problems.len() != before {
+        return None;
+    }
+    Some(RouteSpec {
+        id: id?,
+        methods,
+        path_prefix,
+        upstream_origin,
+        upstream_base_path,
+        cost,
+    })
+}
+
+/// Splits an upstream URL into origin and base path.
+fn upstream(c: &mut Check, key: &str, raw: &str) -> (String, String) {
+    let parsed = raw.parse::<Uri>().ok().filter(|u| {
+        u.scheme_str() == Some("http") && u.authority().is_some() && u.query().is_none()
+    });
+    match parsed {
+        Some(uri) => {
+            let authority = uri.authority().map(|a| a.as_str()).unwrap_or_default();
+            let base = uri.path().trim_end_matches('/').to_owned();
+            (format!("http://{authority}"), base)
+        }
+        None => {
+            let tls = if raw.starts_with("https://") {
+                " (https:// upstreams are not supported yet)"
+            } else {
+                ""
+            };
+            c.bad(
+                key,
+                format!("expected http://host:port[/base-path], found {raw:?}{tls}"),
+            );
+            (String::new(), String::new())
+        }
+    }
+}
