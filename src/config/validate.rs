@@ -262,13 +262,11 @@ pub(crate) fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
     let percent = |c: &mut Check, key: &str, v: i64, min: i64| {
         c.range(key, v, min, 100).map_or(0.0, |p| p as f64 / 100.0)
     };
-    if r.enabled
-        && !(r.prometheus_url.starts_with("http://") || r.prometheus_url.starts_with("https://"))
-    {
+    if r.enabled && !r.prometheus_url.starts_with("http://") {
         c.bad(
             "rebalancer.prometheus_url",
             format!(
-                "expected http://host:port, found {:?}",
+                "expected http://host:port[/prefix] (https is not supported yet), found {:?}",
                 redact_url(&r.prometheus_url)
             ),
         );

@@ -47,24 +47,35 @@ pub fn demand_query(window: Duration) -> String {
     )
 }
 
-/// A Prometheus server's query API.
+/// A Prometheus server's query API, reached over plain HTTP/1.1 with one
+/// connection per query (a query every few minutes needs no pool).
 #[derive(Clone)]
 pub struct Prometheus {
-    /// Base URL, e.g. `http://127.0.0.1:9090`.
-    base: String,
-    /// HTTP client (single-threaded: lives on the rebalancer's arbiter).
-    client: awc::Client,
+    /// `host:port` of the server.
+    authority: String,
+    /// Path prefix before `/api/v1/query` (`""` or `/prefix`).
+    prefix: String,
 }
 
+/// Longest wait for one query, connection included.
+const QUERY_TIMEOUT: Duration = Duration::from_secs(10);
+/// Largest answer read.
+const MAX_ANSWER_BYTES: usize = 16 * 1024 * 1024;
+
 impl Prometheus {
-    /// A client for the server at `base`.
+    /// A client for the server at `base` (`http://host:port[/prefix]`, as
+    /// the configuration check admits it).
     pub fn new(base: &str) -> Self {
+        let rest = base.strip_prefix("http://").unwrap_or(base);
+        let (authority, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+        let prefix = prefix.trim_end_matches('/');
         Self {
-            base: base.trim_end_matches('/').to_owned(),
-            client: awc::Client::builder()
-                .timeout(Duration::from_secs(10))
-                .disable_redirects()
-                .finish(),
+            authority: authority.to_owned(),
+            prefix: if prefix.is_empty() {
+                String::new()
+            } else {
+                format!("/{prefix}")
+            },
         }
     }
 
@@ -73,25 +84,70 @@ impl Prometheus {
     /// # Errors
     /// [`PromError`] when Prometheus is unreachable or answers oddly.
     pub async fn demand(&self, window: Duration) -> Result<Vec<Demand>, PromError> {
-        let url = format!("{}/api/v1/query", self.base);
-        let mut response = self
-            .client
-            .get(url)
-            .query(&[("query", demand_query(window))])
-            .map_err(|e| PromError::Request(e.to_string()))?
-            .send()
+        let path = format!(
+            "{}/api/v1/query?query={}",
+            self.prefix,
+            encode_query_value(&demand_query(window))
+        );
+        let body = tokio::time::timeout(QUERY_TIMEOUT, self.get(&path))
             .await
-            .map_err(|e| PromError::Request(e.to_string()))?;
-        let body = response
-            .body()
-            .limit(16 * 1024 * 1024)
+            .map_err(|_| PromError::Request(format!("no answer within {QUERY_TIMEOUT:?}")))??;
+        parse(&body)
+    }
+
+    /// `GET path` on a new connection; the body of a 2xx answer.
+    async fn get(&self, path: &str) -> Result<Vec<u8>, PromError> {
+        use hyper::body::Body as _;
+
+        let failed = |e: &dyn std::fmt::Display| PromError::Request(e.to_string());
+        let stream = tokio::net::TcpStream::connect(&self.authority)
             .await
-            .map_err(|e| PromError::Request(e.to_string()))?;
+            .map_err(|e| failed(&e))?;
+        let (mut sender, connection) =
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+                .await
+                .map_err(|e| failed(&e))?;
+        // Driven alongside the request; ends when the answer is read.
+        actix_web::rt::spawn(connection);
+        let request = hyper::Request::get(path)
+            .header(hyper::header::HOST, &self.authority)
+            .body(String::new())
+            .map_err(|e| failed(&e))?;
+        let response = sender.send_request(request).await.map_err(|e| failed(&e))?;
         if !response.status().is_success() {
             return Err(PromError::Request(format!("status {}", response.status())));
         }
-        parse(&body)
+        let mut body = response.into_body();
+        let mut bytes = Vec::new();
+        while let Some(frame) =
+            std::future::poll_fn(|cx| std::pin::Pin::new(&mut body).poll_frame(cx)).await
+        {
+            if let Ok(data) = frame.map_err(|e| failed(&e))?.into_data() {
+                bytes.extend_from_slice(&data);
+                if bytes.len() > MAX_ANSWER_BYTES {
+                    return Err(PromError::Request(format!(
+                        "answer larger than {MAX_ANSWER_BYTES} bytes"
+                    )));
+                }
+            }
+        }
+        Ok(bytes)
     }
+}
+
+/// `value` percent-encoded for a query string: every byte but the
+/// unreserved ones (`A-Z a-z 0-9 - . _ ~`) becomes `%XX`.
+fn encode_query_value(value: &str) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::with_capacity(value.len() * 3);
+    for byte in value.bytes() {
+        if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
+            out.push(char::from(byte));
+        } else {
+            let _ = write!(out, "%{byte:02X}");
+        }
+    }
+    out
 }
 
 /// The query API's answer.
@@ -141,6 +197,24 @@ fn parse(body: &[u8]) -> Result<Vec<Demand>, PromError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn query_values_are_percent_encoded_and_base_urls_split() {
+        assert_eq!(
+            encode_query_value("sum by (a) (rate(x{o=~\"a|b\"}[60s]))"),
+            "sum%20by%20%28a%29%20%28rate%28x%7Bo%3D~%22a%7Cb%22%7D%5B60s%5D%29%29"
+        );
+        let p = Prometheus::new("http://127.0.0.1:9090");
+        assert_eq!(
+            (p.authority.as_str(), p.prefix.as_str()),
+            ("127.0.0.1:9090", "")
+        );
+        let p = Prometheus::new("http://prom:9090/monitoring/");
+        assert_eq!(
+            (p.authority.as_str(), p.prefix.as_str()),
+            ("prom:9090", "/monitoring")
+        );
+    }
 
     #[test]
     fn vector_answers_become_demand() {
