@@ -1285,3 +1285,36 @@ impl Drop for PrometheusServer {
         self.stop();
     }
 }
+
+/// A `RateLimit-Policy` or `RateLimit` value read as an RFC 9651 List:
+/// each member's policy name (a String item) and its parameters, which
+/// must be integers, in order. Panics on anything else.
+pub fn ratelimit_members(value: &str) -> Vec<(String, Vec<(String, i64)>)> {
+    let list: sfv::List = sfv::Parser::new(value)
+        .parse()
+        .unwrap_or_else(|e| panic!("{value:?} is not a structured-field list: {e}"));
+    list.into_iter()
+        .map(|member| {
+            let sfv::ListEntry::Item(item) = member else {
+                panic!("{value:?}: an inner list where an item belongs");
+            };
+            let name = item
+                .bare_item
+                .as_string()
+                .unwrap_or_else(|| panic!("{value:?}: the policy is not a String"))
+                .as_str()
+                .to_owned();
+            let params = item
+                .params
+                .iter()
+                .map(|(key, v)| {
+                    let n = v
+                        .as_integer()
+                        .unwrap_or_else(|| panic!("{value:?}: {} is not an integer", key.as_str()));
+                    (key.as_str().to_owned(), i64::from(n))
+                })
+                .collect();
+            (name, params)
+        })
+        .collect()
+}
