@@ -52,6 +52,23 @@ fn fleet(n: usize) -> Fleet {
     }
 }
 
+/// Whether the database refuses `sql` (a constraint, say).
+fn table_refuses(db: &TestDatabase, sql: &str) -> bool {
+    let out = std::process::Command::new("psql")
+        .args([
+            "-X",
+            "-v",
+            "ON_ERROR_STOP=1",
+            "-d",
+            db.url().as_str(),
+            "-c",
+            sql,
+        ])
+        .output()
+        .unwrap();
+    !out.status.success()
+}
+
 async fn all_reach(fleet: &Fleet, tenant: &str, limit: &str) {
     for (i, gw) in fleet.gateways.iter().enumerate() {
         let waited = wait_for_limit(gw, tenant, limit, Duration::from_secs(1)).await;
@@ -179,20 +196,11 @@ async fn a_rule_name_is_stored_and_labels_the_tenant_on_every_gateway() {
     assert!(!text.as_str().unwrap().contains("sk-named-key"));
 
     // The table refuses a name the gateway would refuse.
-    let refused = std::process::Command::new("psql")
-        .args([
-            "-X",
-            "-v",
-            "ON_ERROR_STOP=1",
-            "-d",
-            fleet.db.url().as_str(),
-            "-c",
-            "UPDATE rate_limit_rule SET name = '_other' WHERE tenant_id = 'sk-named-key'",
-        ])
-        .output()
-        .unwrap();
     assert!(
-        !refused.status.success(),
+        table_refuses(
+            &fleet.db,
+            "UPDATE rate_limit_rule SET name = '_other' WHERE tenant_id = 'sk-named-key'"
+        ),
         "the check constraint refuses '_other'"
     );
     let (_, row) = admin(a, "GET", "/admin/rules/sk-named-key/api", Some(TOKEN), None).await;
@@ -481,19 +489,10 @@ async fn a_rule_put_in_shadow_mode_forwards_refusals_on_every_gateway() {
     assert_eq!(seen[2].1.as_deref(), Some("0"));
 
     // The table refuses a mode the gateway would refuse.
-    let refused = std::process::Command::new("psql")
-        .args([
-            "-X",
-            "-v",
-            "ON_ERROR_STOP=1",
-            "-d",
-            fleet.db.url().as_str(),
-            "-c",
-            "UPDATE rate_limit_rule SET mode = 'dry' WHERE tenant_id = 'dry-run'",
-        ])
-        .output()
-        .unwrap();
-    assert!(!refused.status.success());
+    assert!(table_refuses(
+        &fleet.db,
+        "UPDATE rate_limit_rule SET mode = 'dry' WHERE tenant_id = 'dry-run'"
+    ));
     // Back to enforcing, by plain SQL: the third request is a 429 again.
     fleet.db.sql(
         "UPDATE rate_limit_rule SET mode = 'enforce', capacity = 2 WHERE tenant_id = 'dry-run'",
