@@ -24,7 +24,7 @@
 //! 5. [`app`], [`demo`]
 //!
 //! The binary (`src/main.rs`) only parses the command line and calls
-//! [`app::run`] or [`demo::run`].
+//! [`app::run`], or [`demo::without_rules_file`] then [`demo::run`].
 
 #![forbid(unsafe_code)]
 
