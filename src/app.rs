@@ -98,14 +98,10 @@ pub fn check(config: &Config) -> Result<String, Vec<String>> {
     };
     let rules = match &config.rules.source {
         RuleSource::Database(_) => "rules from PostgreSQL".to_owned(),
-        RuleSource::File(path) => match rules::file::load(path) {
-            Ok(file) => {
-                problems.extend(file.rules.iter().enumerate().filter_map(|(i, rule)| {
-                    let why = config.unknown_route(rule.route.as_str())?;
-                    Some(format!("{}: rule[{i}].route: {why}", path.display()))
-                }));
-                format!("{} rules in {}", file.rules.len(), path.display())
-            }
+        RuleSource::File(path) => match rules::file::load(path).and_then(|file| {
+            rules::file::check_routes(path, &file, &config.rules.routes).map(|()| file)
+        }) {
+            Ok(file) => format!("{} rules in {}", file.rules.len(), path.display()),
             Err(rules::file::RuleFileError::Invalid {
                 path,
                 problems: found,

@@ -155,3 +155,20 @@ async fn rewriting_the_rules_in_force_does_no_work() {
     assert_eq!(rules_field(&s, "reloads").await, 1);
     assert_eq!(rules_field(&s, "failed_reloads").await, 0);
 }
+
+#[actix_web::test]
+async fn a_rules_file_naming_a_route_the_gateway_lacks_is_refused_at_reload() {
+    let s = quick_watch("reload-unknown-route", 5);
+    assert_eq!(limit_of(&s.gw, "acme").await.as_deref(), Some("5"));
+    // A typo in the route: as check-config says, a rule that would never
+    // apply. The whole file is refused and the rules in force stay.
+    std::fs::write(rules_path(&s), rules(9).replace("\"api\"", "\"apl\"")).unwrap();
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            rules_field(&s, "failed_reloads").await == 1
+        })
+        .await,
+        "the file naming route apl was not refused"
+    );
+    assert_eq!(limit_of(&s.gw, "acme").await.as_deref(), Some("5"));
+}

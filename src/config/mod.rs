@@ -26,6 +26,7 @@ use std::path::{Path, PathBuf};
 use toml::{Table, Value};
 
 use raw::{RawConfig, RawRoute};
+pub use settings::unknown_route;
 pub use settings::{
     AdminSettings, BreakerSettings, ClientSettings, Config, FallbackSettings, InstanceSettings,
     LeaseSettings, LimitSettings, LogFormat, LogSettings, MetricsSettings, Pace,

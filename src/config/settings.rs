@@ -54,18 +54,24 @@ pub struct Config {
 }
 
 impl Config {
-    /// Why a rule for `route` would never apply here: `None` when the route
-    /// table has that route, else a message listing the routes it has.
+    /// Why a rule for `route` would never apply here (see
+    /// [`unknown_route`]).
     pub fn unknown_route(&self, route: &str) -> Option<String> {
-        if self.routes.iter().any(|r| r.id.as_str() == route) {
-            return None;
-        }
-        let known: Vec<&str> = self.routes.iter().map(|r| r.id.as_str()).collect();
-        Some(format!(
-            "no route {route:?} in this gateway's configuration (routes: {})",
-            known.join(", ")
-        ))
+        unknown_route(&self.rules.routes, route)
     }
+}
+
+/// Why a rule for `route` would never apply on a gateway with `routes`:
+/// `None` when it has that route, else a message listing the ones it has.
+pub fn unknown_route(routes: &[RouteId], route: &str) -> Option<String> {
+    if routes.iter().any(|r| r.as_str() == route) {
+        return None;
+    }
+    let known: Vec<&str> = routes.iter().map(RouteId::as_str).collect();
+    Some(format!(
+        "no route {route:?} in this gateway's configuration (routes: {})",
+        known.join(", ")
+    ))
 }
 
 /// `[server]`.
@@ -146,6 +152,9 @@ pub struct RulesSettings {
     pub snapshot_file: Option<PathBuf>,
     /// Whether `serve` applies the SQL migrations before loading rules.
     pub migrate_on_start: bool,
+    /// The configured route ids: a rules file naming another route is
+    /// refused, as a rule for it would never apply.
+    pub routes: Vec<RouteId>,
 }
 
 /// A capacity and refill pair, both > 0 and within `i32`.

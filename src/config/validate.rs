@@ -18,8 +18,8 @@ use super::routes::route;
 use super::settings::{
     AdminSettings, BreakerSettings, ClientSettings, Config, FallbackSettings, InstanceSettings,
     LeaseSettings, LimitSettings, LogFormat, LogSettings, MetricsSettings, Pace,
-    RebalancerSettings, RedisSettings, RedisTarget, RuleSource, RulesSettings, ServerSettings,
-    UpstreamSettings,
+    RebalancerSettings, RedisSettings, RedisTarget, RouteSpec, RuleSource, RulesSettings,
+    ServerSettings, UpstreamSettings,
 };
 use crate::key::validate_id;
 
@@ -195,6 +195,7 @@ pub(crate) fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
         snapshot_file: Some(PathBuf::from(&raw.rules.snapshot_file))
             .filter(|p| !p.as_os_str().is_empty()),
         migrate_on_start: raw.rules.migrate_on_start,
+        routes: Vec::new(),
     };
 
     let default_rule = c.limit("default_rule", &raw.default_rule);
@@ -391,12 +392,14 @@ pub(crate) fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
         c.bad("routes", "at least one [[routes]] entry is required");
     }
     let mut seen = HashSet::new();
-    let routes = raw
+    let routes: Vec<RouteSpec> = raw
         .routes
         .iter()
         .enumerate()
         .filter_map(|(i, r)| route(&mut c, i, r, &mut seen))
         .collect();
+    let mut rules = rules;
+    rules.routes = routes.iter().map(|r| r.id.clone()).collect();
 
     if c.problems.is_empty() {
         Ok(Config {

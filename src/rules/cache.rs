@@ -42,6 +42,7 @@ use super::pg::{CHANNEL, Change, RuleStore, RuleStoreError};
 use super::snapshot;
 use crate::clock::{SharedClock, millis, unix_now_seconds};
 use crate::config::{RuleSource, RulesSettings};
+use crate::key::RouteId;
 use crate::telemetry::{Metrics, RequestCounters};
 
 /// Longest a full load from the database may take.
@@ -152,7 +153,9 @@ pub async fn start(
         RuleSource::File(path) => {
             let fingerprint = FileFingerprint::of(path);
             let contents = file::read(path)?;
-            let first = RuleSet::new(file::parse(path, &contents)?.rules, default, origin("file"));
+            let parsed = file::parse(path, &contents)?;
+            file::check_routes(path, &parsed, &settings.routes)?;
+            let first = RuleSet::new(parsed.rules, default, origin("file"));
             reloads.first(first.len());
             tracing::info!(rules = first.len(), file = %path.display(), "Rules loaded.");
             let source = Source::File {
@@ -160,6 +163,7 @@ pub async fn start(
                 watch: FileWatch::new(fingerprint, millis(settings.settle)),
                 applied: Some(digest(&contents)),
                 recheck: false,
+                routes: settings.routes.clone(),
             };
             (source, first, None)
         }
@@ -299,6 +303,8 @@ enum Source {
         applied: Option<u64>,
         /// Whether a look at a settling file is already scheduled.
         recheck: bool,
+        /// The configured route ids; a file naming another is refused.
+        routes: Vec<RouteId>,
     },
     /// The `rate_limit_rule` table.
     Database {
@@ -481,6 +487,7 @@ impl RuleCache {
             path,
             watch,
             applied,
+            routes,
             ..
         } = &mut self.source
         else {
@@ -493,6 +500,7 @@ impl RuleCache {
                 return Ok(None);
             }
             let parsed = file::parse(path, &contents)?;
+            file::check_routes(path, &parsed, routes)?;
             if parsed.rules.is_empty() && !parsed.declares_empty && !self.snapshot.load().is_empty()
             {
                 return Err(RuleFileError::Emptied { path: path.clone() });

@@ -19,6 +19,8 @@ use std::time::SystemTime;
 use serde::Deserialize;
 
 use super::model::{Rule, RuleSpec};
+use crate::config::unknown_route;
+use crate::key::RouteId;
 
 /// Why the rules file could not be used.
 #[derive(Debug, thiserror::Error)]
@@ -97,6 +99,31 @@ struct RawRule {
 
 fn one() -> i64 {
     1
+}
+
+/// Refuses `file` when a rule names a route outside `routes` (the
+/// gateway's configured ids): such a rule would never apply, and is most
+/// likely a typo.
+///
+/// # Errors
+/// [`RuleFileError::Invalid`] listing each such rule as `rule[i].route`.
+pub fn check_routes(path: &Path, file: &RuleFile, routes: &[RouteId]) -> Result<(), RuleFileError> {
+    let problems: Vec<String> = file
+        .rules
+        .iter()
+        .enumerate()
+        .filter_map(|(i, rule)| {
+            unknown_route(routes, rule.route.as_str()).map(|why| format!("rule[{i}].route: {why}"))
+        })
+        .collect();
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(RuleFileError::Invalid {
+            path: path.to_path_buf(),
+            problems,
+        })
+    }
 }
 
 /// Reads the rules file at `path`, unparsed.
