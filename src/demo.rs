@@ -39,35 +39,55 @@ async fn echo(req: HttpRequest, body: web::Bytes) -> HttpResponse {
 
 /// The demo's configuration, compiled in so `tollgate demo` works anywhere.
 pub const DEMO_CONFIG: &str = include_str!("../config/demo.toml");
-/// The rules file written when the configured one is not on disk: no
-/// rule, on purpose (`rule = []`), so every tenant gets the default rule.
-/// The rules are read at run time only: editing them never rebuilds.
+/// The rules file made when the configured one is not on disk: no rule,
+/// on purpose (`rule = []`), so every tenant gets the default rule. The
+/// rules are read at run time only: editing them never rebuilds.
 const NO_RULES: &str = "# tollgate demo: no rules file was found, so every tenant gets \
                         [default_rule].\nrule = []\n";
 
 /// The tenant whose burst the printed loop runs past, and its route.
 const LOOP_TENANT: (&str, &str) = ("shop-b", "create-order");
 
-/// Points the demo at an empty rules file (`rule = []`, in the temporary
-/// directory) when the configured one is not on disk, so that `tollgate
-/// demo` runs from any directory: every tenant then gets the default rule.
+/// Points the demo at a rules file of its own in the temporary directory
+/// when the configured one is not on disk, so that `tollgate demo` runs
+/// from any directory. The file is made empty (`rule = []`: every tenant
+/// gets the default rule) only when it does not exist yet: rules added to
+/// it in an earlier demo stay, and an existing file is never written
+/// through (nor a link planted at its name followed).
 ///
 /// # Errors
-/// When the empty rules file cannot be written.
+/// When the file can neither be created nor found.
 pub fn without_rules_file(config: &mut crate::config::Config) -> std::io::Result<()> {
+    use std::io::Write as _;
+
     use crate::config::RuleSource;
 
     if let RuleSource::File(path) = &config.rules.source
         && !path.exists()
     {
         let fallback = std::env::temp_dir().join("tollgate-demo-rules.toml");
-        std::fs::write(&fallback, NO_RULES)?;
-        println!(
-            "{} not found: no rules, every tenant gets the default rule; \
-             rules added to {} apply within seconds",
-            path.display(),
-            fallback.display()
-        );
+        match std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&fallback)
+        {
+            Ok(mut file) => {
+                file.write_all(NO_RULES.as_bytes())?;
+                println!(
+                    "{} not found: no rules, every tenant gets the default rule; \
+                     rules added to {} apply within seconds",
+                    path.display(),
+                    fallback.display()
+                );
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => println!(
+                "{} not found: using the rules in {}, kept from an earlier demo \
+                 (edits there apply within seconds)",
+                path.display(),
+                fallback.display()
+            ),
+            Err(e) => return Err(e),
+        }
         config.rules.source = RuleSource::File(fallback);
     }
     Ok(())

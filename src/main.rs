@@ -83,7 +83,7 @@ fn main() -> ExitCode {
         Command::Serve { .. } => serve(config),
         Command::Demo => {
             if let Err(e) = demo::without_rules_file(&mut config) {
-                eprintln!("error: cannot write the demo's empty rules file: {e}");
+                eprintln!("error: cannot make the demo's rules file: {e}");
                 return ExitCode::FAILURE;
             }
             if let Err(problems) = app::check(&config) {

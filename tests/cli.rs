@@ -186,22 +186,22 @@ fn check_config_refuses_rules_for_routes_the_gateway_does_not_have() {
     assert!(!stderr.contains("rule[0]"), "{stderr}");
 }
 
-#[test]
-fn demo_runs_from_any_directory_and_sizes_its_loop_to_the_rules() {
+/// Starts `tollgate demo` in `dir` (also its TMPDIR, where the demo keeps
+/// its own rules file when there is no config/rules.toml) and returns its
+/// banner, up to the line that ends it.
+fn demo_banner(dir: &std::path::Path) -> String {
     use std::io::{BufRead, BufReader};
 
-    let dir = common::TempDir::new("demo-anywhere");
-    let port = |p: u16| format!("127.0.0.1:{p}");
+    // Port 0 everywhere: the banner is all this reads, and no port is
+    // taken from under another test.
     let mut child = tollgate()
         .arg("demo")
-        .current_dir(&dir.0)
-        .env("TOLLGATE__SERVER__LISTEN", port(common::free_port()))
-        .env("TOLLGATE__SERVER__ADMIN_LISTEN", port(common::free_port()))
+        .current_dir(dir)
+        .env("TMPDIR", dir)
+        .env("TOLLGATE__SERVER__LISTEN", "127.0.0.1:0")
+        .env("TOLLGATE__SERVER__ADMIN_LISTEN", "127.0.0.1:0")
         .env("TOLLGATE__REDIS__URL", "")
-        .env(
-            "TOLLGATE__ROUTES__0__UPSTREAM",
-            format!("http://{}", port(common::free_port())),
-        )
+        .env("TOLLGATE__ROUTES__0__UPSTREAM", "http://127.0.0.1:0")
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())
         .spawn()
@@ -217,11 +217,28 @@ fn demo_runs_from_any_directory_and_sizes_its_loop_to_the_rules() {
     }
     let _ = child.kill();
     let _ = child.wait();
+    seen
+}
+
+#[test]
+fn demo_runs_from_any_directory_and_sizes_its_loop_to_the_rules() {
+    let dir = common::TempDir::new("demo-anywhere");
     // No config/rules.toml here: no rules, the default burst of 20, and a
     // loop of 23 requests that runs past it.
+    let seen = demo_banner(&dir.0);
     assert!(
         seen.contains("config/rules.toml not found: no rules"),
         "{seen}"
     );
     assert!(seen.contains("for i in $(seq 23)"), "{seen}");
+    // Rules added to the demo's own file survive the next start.
+    let own = dir.0.join("tollgate-demo-rules.toml");
+    std::fs::write(
+        &own,
+        "[[rule]]\ntenant = \"shop-b\"\nroute = \"create-order\"\ncapacity = 5\nrefill_per_second = 1\n",
+    )
+    .unwrap();
+    let seen = demo_banner(&dir.0);
+    assert!(seen.contains("kept from an earlier demo"), "{seen}");
+    assert!(seen.contains("for i in $(seq 8)"), "{seen}");
 }
