@@ -46,6 +46,14 @@ use crate::telemetry::Metrics;
 /// whose client reads slowly holds in memory.
 const UPSTREAM_READ_BUFFER: usize = 64 * 1024;
 
+/// Largest body answered in one piece when it arrived with its head
+/// ([`Arrived`]): no larger than the default initial TCP send buffer
+/// (16 KiB), so the kernel takes it whole even from a client that stops
+/// reading, and nothing stays in actix's buffer unwatched. A larger body
+/// is streamed under the write pace, where the watchdog cuts off a client
+/// that does not take it.
+const WHOLE_BODY_MAX: u64 = 16 * 1024;
+
 /// One upstream origin as seen by one worker.
 struct Upstream {
     /// `host:port` to connect to.
@@ -228,7 +236,10 @@ impl Forwarder {
             content_length(head.headers.get(hy::CONTENT_LENGTH).map(|v| v.as_bytes()))
         };
         let mut first = None;
-        if !bodiless && length.is_some() && req.method() != Method::HEAD {
+        if !bodiless
+            && length.is_some_and(|len| len <= WHOLE_BODY_MAX)
+            && req.method() != Method::HEAD
+        {
             match Arrived::take(&mut body).map_err(upstream_failure)? {
                 Arrived::Whole(data) => {
                     lease.reuse();
