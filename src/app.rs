@@ -98,9 +98,9 @@ pub fn check(config: &Config) -> Result<String, Vec<String>> {
     };
     let rules = match &config.rules.source {
         RuleSource::Database(_) => "rules from PostgreSQL".to_owned(),
-        RuleSource::File(path) => match rules::file::load(path).and_then(|file| {
-            rules::file::check_routes(path, &file, &config.rules.routes).map(|()| file)
-        }) {
+        RuleSource::File(path) => match rules::file::read(path)
+            .and_then(|contents| rules::file::parse_for(path, &contents, &config.rules.routes))
+        {
             Ok(file) => format!("{} rules in {}", file.rules.len(), path.display()),
             Err(rules::file::RuleFileError::Invalid {
                 path,
@@ -353,7 +353,7 @@ pub async fn run(
         shares: shares.clone(),
         token: config.admin.token.clone(),
         read_token: config.admin.read_token.clone(),
-        config: config.clone(),
+        routes: config.rules.routes.clone(),
         warm,
     });
     let admin = HttpServer::new(move || {

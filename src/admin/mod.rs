@@ -21,7 +21,7 @@ use serde_json::json;
 
 use crate::bucket::{LimiterCore, RedisState, WarmWorkers};
 use crate::clock::unix_now_seconds;
-use crate::config::Config;
+use crate::key::RouteId;
 use crate::region::shares::SharesHandle;
 use crate::rules::RulesHandle;
 use error::AdminError;
@@ -46,9 +46,8 @@ pub struct AdminState {
     pub shares: SharesHandle,
     /// Proxy workers whose Redis connection is warm; `None` without Redis.
     pub warm: Option<Arc<WarmWorkers>>,
-    /// The gateway's configuration: a rule written here must name one of
-    /// its routes.
-    pub config: Config,
+    /// The configured route ids: a rule written here must name one.
+    pub routes: Vec<RouteId>,
 }
 
 /// Admits an admin write to `store`: without one, `missing` (a 409 saying

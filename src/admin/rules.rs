@@ -14,6 +14,7 @@ use serde_json::{Value, json};
 
 use super::error::AdminError;
 use super::{AdminState, authorize_read, authorize_write, read_body};
+use crate::config::unknown_route;
 use crate::key::{RouteId, TenantId, tenant_label};
 use crate::rules::model::{Rule, RuleSpec};
 use crate::rules::{RuleStore, StoredRule};
@@ -131,7 +132,7 @@ async fn put(
 ) -> Result<HttpResponse, AdminError> {
     let store = writable(&req, &state)?;
     let rule = parse_rule(&path.0, &path.1, &read_body(body).await?)?;
-    if let Some(why) = state.config.unknown_route(rule.route.as_str()) {
+    if let Some(why) = unknown_route(&state.routes, rule.route.as_str()) {
         return Err(AdminError::invalid("route", why));
     }
     let (row, created) = store.put(&rule).await?;

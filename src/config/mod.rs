@@ -261,10 +261,7 @@ impl Schema {
             ) {
                 (None, _) => problems.push(Problem::new(
                     section,
-                    format!(
-                        "unknown section{}",
-                        did_you_mean(section, self.root.keys().map(String::as_str))
-                    ),
+                    format!("unknown section{}", did_you_mean(section, self.root.keys())),
                 )),
                 (Some(_), None) => {
                     problems.push(Problem::new(section, "must be a [section] table"))
@@ -285,10 +282,7 @@ fn prune_keys(table: &mut Table, schema: &Table, path: &str, problems: &mut Vec<
     table.retain(|key, value| {
         let at = format!("{path}.{key}");
         let problem = match schema.get(key) {
-            None => Some(format!(
-                "unknown key{}",
-                did_you_mean(key, schema.keys().map(String::as_str))
-            )),
+            None => Some(format!("unknown key{}", did_you_mean(key, schema.keys()))),
             Some(expected) => type_mismatch(value, expected),
         };
         match problem {
@@ -304,12 +298,13 @@ fn prune_keys(table: &mut Table, schema: &Table, path: &str, problems: &mut Vec<
 /// `; did you mean "<name>"?` for the candidate closest to `word` when it
 /// is a likely typo (at most two edits away, and fewer edits than `word`
 /// has characters), else nothing.
-fn did_you_mean<'a>(word: &str, candidates: impl Iterator<Item = &'a str>) -> String {
+fn did_you_mean<S: AsRef<str>>(word: &str, candidates: impl IntoIterator<Item = S>) -> String {
     candidates
-        .map(|c| (edit_distance(word, c), c))
-        .filter(|&(d, _)| d <= 2 && d < word.chars().count())
-        .min()
-        .map(|(_, c)| format!("; did you mean {c:?}?"))
+        .into_iter()
+        .map(|c| (edit_distance(word, c.as_ref()), c))
+        .filter(|(d, _)| *d <= 2 && *d < word.chars().count())
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, c)| format!("; did you mean {:?}?", c.as_ref()))
         .unwrap_or_default()
 }
 
@@ -394,10 +389,9 @@ fn apply_env(
             }
         };
         let Some(expected) = schema.default_at(section, key) else {
-            let known = schema.keys_of(section).map(|k| format!("{section}.{k}"));
             let hint = did_you_mean(
                 &format!("{section}.{key}"),
-                known.collect::<Vec<_>>().iter().map(String::as_str),
+                schema.keys_of(section).map(|k| format!("{section}.{k}")),
             );
             problems.push(Problem::new(
                 name,

@@ -53,14 +53,6 @@ pub struct Config {
     pub routes: Vec<RouteSpec>,
 }
 
-impl Config {
-    /// Why a rule for `route` would never apply here (see
-    /// [`unknown_route`]).
-    pub fn unknown_route(&self, route: &str) -> Option<String> {
-        unknown_route(&self.rules.routes, route)
-    }
-}
-
 /// Why a rule for `route` would never apply on a gateway with `routes`:
 /// `None` when it has that route, else a message listing the ones it has.
 pub fn unknown_route(routes: &[RouteId], route: &str) -> Option<String> {

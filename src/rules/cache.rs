@@ -153,8 +153,7 @@ pub async fn start(
         RuleSource::File(path) => {
             let fingerprint = FileFingerprint::of(path);
             let contents = file::read(path)?;
-            let parsed = file::parse(path, &contents)?;
-            file::check_routes(path, &parsed, &settings.routes)?;
+            let parsed = file::parse_for(path, &contents, &settings.routes)?;
             let first = RuleSet::new(parsed.rules, default, origin("file"));
             reloads.first(first.len());
             tracing::info!(rules = first.len(), file = %path.display(), "Rules loaded.");
@@ -499,8 +498,7 @@ impl RuleCache {
             if *applied == Some(digest) {
                 return Ok(None);
             }
-            let parsed = file::parse(path, &contents)?;
-            file::check_routes(path, &parsed, routes)?;
+            let parsed = file::parse_for(path, &contents, routes)?;
             if parsed.rules.is_empty() && !parsed.declares_empty && !self.snapshot.load().is_empty()
             {
                 return Err(RuleFileError::Emptied { path: path.clone() });

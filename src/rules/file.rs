@@ -101,31 +101,6 @@ fn one() -> i64 {
     1
 }
 
-/// Refuses `file` when a rule names a route outside `routes` (the
-/// gateway's configured ids): such a rule would never apply, and is most
-/// likely a typo.
-///
-/// # Errors
-/// [`RuleFileError::Invalid`] listing each such rule as `rule[i].route`.
-pub fn check_routes(path: &Path, file: &RuleFile, routes: &[RouteId]) -> Result<(), RuleFileError> {
-    let problems: Vec<String> = file
-        .rules
-        .iter()
-        .enumerate()
-        .filter_map(|(i, rule)| {
-            unknown_route(routes, rule.route.as_str()).map(|why| format!("rule[{i}].route: {why}"))
-        })
-        .collect();
-    if problems.is_empty() {
-        Ok(())
-    } else {
-        Err(RuleFileError::Invalid {
-            path: path.to_path_buf(),
-            problems,
-        })
-    }
-}
-
 /// Reads the rules file at `path`, unparsed.
 ///
 /// # Errors
@@ -143,6 +118,43 @@ pub fn read(path: &Path) -> Result<String, RuleFileError> {
 /// [`RuleFileError`] when the file is unreadable or any entry is bad.
 pub fn load(path: &Path) -> Result<RuleFile, RuleFileError> {
     parse(path, &read(path)?)
+}
+
+/// Parses rules file `contents` for a gateway whose configured route ids
+/// are `routes`: what every reader of the rules file in force calls.
+///
+/// # Errors
+/// As [`parse`], and [`RuleFileError::Invalid`] listing as
+/// `rule[i].route` each rule that names a route outside `routes`.
+pub fn parse_for(
+    path: &Path,
+    contents: &str,
+    routes: &[RouteId],
+) -> Result<RuleFile, RuleFileError> {
+    let file = parse(path, contents)?;
+    check_routes(path, &file, routes)?;
+    Ok(file)
+}
+
+/// Refuses `file` when a rule names a route outside `routes`: such a rule
+/// would never apply, and is most likely a typo.
+fn check_routes(path: &Path, file: &RuleFile, routes: &[RouteId]) -> Result<(), RuleFileError> {
+    let problems: Vec<String> = file
+        .rules
+        .iter()
+        .enumerate()
+        .filter_map(|(i, rule)| {
+            unknown_route(routes, rule.route.as_str()).map(|why| format!("rule[{i}].route: {why}"))
+        })
+        .collect();
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(RuleFileError::Invalid {
+            path: path.to_path_buf(),
+            problems,
+        })
+    }
 }
 
 /// Parses rules file `contents` (`path` is only used in messages).
