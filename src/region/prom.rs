@@ -95,11 +95,10 @@ impl Prometheus {
         parse(&body)
     }
 
-    /// `GET path` on a new connection; the body of a 2xx answer.
+    /// `GET path` on a new connection; the body of a 2xx answer. The
+    /// connection is driven here, beside the request, so it closes with
+    /// the query, also when the caller's timeout drops it half-way.
     async fn get(&self, path: &str) -> Result<Vec<u8>, PromError> {
-        use hyper::body::Body as _;
-
-        let failed = |e: &dyn std::fmt::Display| PromError::Request(e.to_string());
         let stream = tokio::net::TcpStream::connect(&self.authority)
             .await
             .map_err(|e| failed(&e))?;
@@ -107,32 +106,54 @@ impl Prometheus {
             hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
                 .await
                 .map_err(|e| failed(&e))?;
-        // Driven alongside the request; ends when the answer is read.
-        actix_web::rt::spawn(connection);
         let request = hyper::Request::get(path)
             .header(hyper::header::HOST, &self.authority)
             .body(String::new())
             .map_err(|e| failed(&e))?;
-        let response = sender.send_request(request).await.map_err(|e| failed(&e))?;
-        if !response.status().is_success() {
-            return Err(PromError::Request(format!("status {}", response.status())));
+        let answer = async move {
+            let response = sender.send_request(request).await.map_err(|e| failed(&e))?;
+            if !response.status().is_success() {
+                return Err(PromError::Request(format!("status {}", response.status())));
+            }
+            read_body(response.into_body()).await
+        };
+        tokio::pin!(answer);
+        tokio::select! {
+            biased;
+            read = &mut answer => read,
+            // A connection that ends cleanly (the server closing after its
+            // answer) may leave the answer to finish reading what came.
+            closed = connection => match closed {
+                Ok(()) => answer.await,
+                Err(e) => Err(failed(&e)),
+            },
         }
-        let mut body = response.into_body();
-        let mut bytes = Vec::new();
-        while let Some(frame) =
-            std::future::poll_fn(|cx| std::pin::Pin::new(&mut body).poll_frame(cx)).await
-        {
-            if let Ok(data) = frame.map_err(|e| failed(&e))?.into_data() {
-                bytes.extend_from_slice(&data);
-                if bytes.len() > MAX_ANSWER_BYTES {
-                    return Err(PromError::Request(format!(
-                        "answer larger than {MAX_ANSWER_BYTES} bytes"
-                    )));
-                }
+    }
+}
+
+/// A request failure, with its cause.
+fn failed(e: &dyn std::fmt::Display) -> PromError {
+    PromError::Request(e.to_string())
+}
+
+/// Reads `body` to its end, refusing more than [`MAX_ANSWER_BYTES`].
+async fn read_body(mut body: hyper::body::Incoming) -> Result<Vec<u8>, PromError> {
+    use hyper::body::Body as _;
+
+    let mut bytes = Vec::new();
+    while let Some(frame) =
+        std::future::poll_fn(|cx| std::pin::Pin::new(&mut body).poll_frame(cx)).await
+    {
+        if let Ok(data) = frame.map_err(|e| failed(&e))?.into_data() {
+            bytes.extend_from_slice(&data);
+            if bytes.len() > MAX_ANSWER_BYTES {
+                return Err(PromError::Request(format!(
+                    "answer larger than {MAX_ANSWER_BYTES} bytes"
+                )));
             }
         }
-        Ok(bytes)
     }
+    Ok(bytes)
 }
 
 /// `value` percent-encoded for a query string: every byte but the
@@ -214,6 +235,26 @@ mod tests {
             (p.authority.as_str(), p.prefix.as_str()),
             ("prom:9090", "/monitoring")
         );
+    }
+
+    #[tokio::test]
+    async fn a_query_given_up_on_closes_its_connection() {
+        use std::io::Read as _;
+
+        // A server that accepts and never answers: a paused Prometheus.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let prom = Prometheus::new(&format!("http://{}", listener.local_addr().unwrap()));
+        let query = tokio::time::timeout(Duration::from_millis(200), prom.get("/api/v1/query"));
+        assert!(query.await.is_err(), "the silent server answered");
+        let (mut accepted, _) = listener.accept().unwrap();
+        accepted
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        // The request arrives, then the end of the stream: nothing was
+        // left running to hold the connection open.
+        let mut seen = Vec::new();
+        accepted.read_to_end(&mut seen).unwrap();
+        assert!(seen.starts_with(b"GET /api/v1/query HTTP/1.1"), "{seen:?}");
     }
 
     #[test]
