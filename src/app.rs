@@ -27,7 +27,8 @@ use crate::cluster::{LiveInstances, Membership};
 use crate::config::{self, Config, RedisTarget, RuleSource, ServerSettings};
 use crate::proxy::forward::Forwarder;
 use crate::proxy::route::RouteTable;
-use crate::proxy::{self, ProxyState};
+use crate::proxy::server::{ProxyServer, Serving};
+use crate::proxy::{self, ProxyState, Worker};
 use crate::redis_client::RedisConnector;
 use crate::region;
 use crate::region::model::{RegionSpec, Regions};
@@ -278,7 +279,7 @@ pub async fn run(
 
     let proxy_addr = listeners.proxy_addr()?;
     let admin_addr = listeners.admin_addr()?;
-    let proxy_state = web::Data::new(ProxyState {
+    let proxy_state = Arc::new(ProxyState {
         routes: RouteTable::new(&config.routes),
         rules: rules.clone(),
         shares: shares.clone(),
@@ -303,7 +304,12 @@ pub async fn run(
         .map(|_| Arc::new(WarmWorkers::new(config.server.workers)));
     let warm_workers = warm.clone();
     let core = limiter.clone();
-    let proxy = HttpServer::new(move || {
+    let serving = Serving {
+        workers: config.server.workers,
+        header_timeout: config.client.header_timeout,
+        grace: config.server.shutdown_timeout,
+    };
+    let proxy = ProxyServer::start(listeners.proxy, serving, move || {
         // Per worker: its own upstream pool and Redis connection, warmed
         // (connected, script loaded) before the gateway says it is ready.
         // Its bucket client (an actor on this worker) coalesces the
@@ -323,26 +329,13 @@ pub async fn run(
                 max_keys_per_call,
             )
         });
-        App::new()
-            .app_data(proxy_state.clone())
-            .app_data(web::Data::new(Limiter::new(store, core.clone())))
-            .app_data(web::Data::new(Forwarder::new(
-                &upstream,
-                client,
-                &routes,
-                &clock,
-                metrics.clone(),
-            )))
-            .configure(proxy::configure)
+        Worker {
+            state: proxy_state.clone(),
+            limiter: Limiter::new(store, core.clone()),
+            forwarder: Forwarder::new(&upstream, client, &routes, &clock, metrics.clone()),
+        }
     })
-    .workers(config.server.workers)
-    .on_connect(proxy::on_connect)
-    .tcp_nodelay(true)
-    .client_request_timeout(config.client.header_timeout)
-    .shutdown_timeout(config.server.shutdown_timeout.as_secs())
-    .disable_signals()
-    .listen(listeners.proxy)?
-    .run();
+    .context("cannot start the proxy workers")?;
 
     let admin_state = web::Data::new(AdminState {
         prometheus,
@@ -367,8 +360,7 @@ pub async fn run(
     .listen(listeners.admin)?
     .run();
 
-    let (proxy_handle, admin_handle) = (proxy.handle(), admin.handle());
-    let mut proxy_task = actix_web::rt::spawn(proxy);
+    let admin_handle = admin.handle();
     let admin_task = actix_web::rt::spawn(admin);
     tracing::info!(
         instance = %config.instance.id,
@@ -378,11 +370,9 @@ pub async fn run(
         "tollgate is serving."
     );
 
-    tokio::select! {
-        () = shutdown => tracing::info!("Shutting down: draining in-flight requests."),
-        ended = &mut proxy_task => tracing::error!(result = ?ended, "The proxy listener stopped unexpectedly."),
-    }
-    proxy_handle.stop(true).await;
+    shutdown.await;
+    tracing::info!("Shutting down: draining in-flight requests.");
+    proxy.stop().await;
     admin_handle.stop(true).await;
     let _ = admin_task.await;
     if let Err(e) = scheduler.shutdown().await {

@@ -5,7 +5,7 @@
 
 use std::collections::HashSet;
 
-use actix_web::http::{Method, Uri};
+use hyper::{Method, Uri};
 
 use super::raw::RawRoute;
 use super::settings::RouteSpec;

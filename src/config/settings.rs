@@ -9,7 +9,7 @@ use std::num::NonZeroU32;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use actix_web::http::Method;
+use hyper::Method;
 
 use crate::key::RouteId;
 

@@ -47,7 +47,7 @@ fn defaults_match_the_interface_contract() {
     );
     let route = &config.routes[0];
     assert_eq!(route.id.as_str(), "create-order");
-    assert_eq!(route.methods, vec![actix_web::http::Method::POST]);
+    assert_eq!(route.methods, vec![hyper::Method::POST]);
     assert_eq!(route.upstream_origin, "http://127.0.0.1:9000");
     assert_eq!(route.cost.get(), 1);
 }

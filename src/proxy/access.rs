@@ -9,7 +9,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use actix_web::http::{Method, StatusCode};
+use hyper::{Method, StatusCode};
 
 use super::route::RouteTable;
 use crate::key::{TenantId, fingerprint};

@@ -5,12 +5,12 @@
 //! client's upload as hyper asks for it and fails it when the client falls
 //! behind `client.read_timeout_ms` / `client.min_bytes_per_second`,
 //! recording that the client (not the upstream) was at fault;
-//! [`ResponseBody`] streams the upstream's answer to actix, holding the
+//! [`ResponseBody`] streams the upstream's answer to the client, holding the
 //! upstream connection and the tenant's slot until the body ends, and is
 //! watched so that a client that stops reading loses both (see
 //! [`super::stall`]). An answer whose body had wholly arrived with its
 //! head ([`Arrived`]) skips the stream: the exchange with the upstream is
-//! already over, and actix writes head and body together.
+//! already over, and head and body are written together ([`ProxyBody`]).
 
 use std::cell::Cell;
 use std::io;
@@ -19,10 +19,10 @@ use std::rc::Rc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use actix_web::web;
-use futures_util::Stream;
 use hyper::body::{Body, Bytes, Frame, Incoming, SizeHint};
+use tokio::sync::Notify;
 
+use super::forward::Lease;
 use super::stall::{Cut, Progress, Watch};
 use crate::clock::SharedClock;
 use crate::config::Pace;
@@ -56,13 +56,13 @@ impl Upload {
     }
 }
 
-/// A request body for hyper: the client's payload, read as hyper asks
-/// for it (back-pressure both ways), under the read pace.
+/// A request body for hyper: the client's upload, read as hyper asks for
+/// it (back-pressure both ways), under the read pace.
 pub(super) struct RequestBody {
-    /// The client's payload; `None` for a request without a body.
-    payload: Option<web::Payload>,
-    /// The declared length, when known.
-    length: Option<u64>,
+    /// The client's upload; `None` once it has ended or failed.
+    payload: Option<Incoming>,
+    /// The upload's size as the client framed it.
+    length: SizeHint,
     /// Shared with the forwarder.
     upload: Rc<Upload>,
     /// Fires when the client's credit runs out during a wait.
@@ -72,21 +72,15 @@ pub(super) struct RequestBody {
 }
 
 impl RequestBody {
-    /// The body of a request framed as `length` (`None` without a body,
-    /// `Some(None)` for chunked), read from `payload` at `pace`.
-    pub(super) fn new(
-        payload: web::Payload,
-        length: Option<Option<u64>>,
-        pace: Pace,
-        clock: SharedClock,
-    ) -> (Self, Rc<Upload>) {
+    /// The body of a request, read from `payload` at `pace`.
+    pub(super) fn new(payload: Incoming, pace: Pace, clock: SharedClock) -> (Self, Rc<Upload>) {
         let upload = Rc::new(Upload {
             progress: Cell::new(Progress::new(pace)),
             fault: Cell::new(None),
         });
         let body = Self {
-            length: length.map_or(Some(0), |declared| declared),
-            payload: length.map(|_| payload),
+            length: payload.size_hint(),
+            payload: (!payload.is_end_stream()).then_some(payload),
             upload: upload.clone(),
             timer: None,
             clock,
@@ -121,11 +115,19 @@ impl Body for RequestBody {
         };
         let now = this.clock.now_ms();
         let mut progress = this.upload.progress.get();
-        let polled = Pin::new(payload).poll_next(cx);
+        let polled = Pin::new(payload).poll_frame(cx);
         let result = match polled {
-            Poll::Ready(Some(Ok(chunk))) => {
-                progress.moved(now, chunk.len());
-                Poll::Ready(Some(Ok(Frame::data(chunk))))
+            Poll::Ready(Some(Ok(frame))) => {
+                let moved = frame.data_ref().map_or(0, Bytes::len);
+                progress.moved(now, moved);
+                // The client's trailers are hop-level here: dropped.
+                match frame.into_data() {
+                    Ok(chunk) => Poll::Ready(Some(Ok(Frame::data(chunk)))),
+                    Err(_) => {
+                        this.payload = None;
+                        Poll::Ready(None)
+                    }
+                }
             }
             Poll::Ready(None) => {
                 progress.moved(now, 0);
@@ -170,27 +172,25 @@ impl Body for RequestBody {
 
     fn size_hint(&self) -> SizeHint {
         self.length
-            .map_or_else(SizeHint::default, SizeHint::with_exact)
     }
 }
 
 /// What a response holds while it streams: the upstream's body, the
-/// connection (with its permit and slot) it arrives on, and a handle on
-/// the client's socket.
+/// connection (with its permit and slot) it arrives on, and a way to end
+/// the client's connection.
 pub(super) struct Held<L> {
     /// hyper's body: data frames, possibly trailers (dropped).
     pub(super) body: Incoming,
     /// Returned to its upstream when the body ends, dropped otherwise.
     pub(super) lease: L,
-    /// The client's connection, when known.
-    pub(super) client: Option<ClientSocket>,
+    /// Ends the client's connection.
+    pub(super) client: ClientCut,
 }
 
 impl<L> Cut for Held<L> {
     /// Drops the upstream side (the body unread, so the connection closes)
-    /// and shuts the client's socket down: the client's connection, stuck
-    /// behind full buffers, ends at once instead of when the client reads
-    /// again or leaves.
+    /// and ends the client's connection: stuck behind full buffers, it
+    /// closes at once instead of when the client reads again or leaves.
     fn cut(self) {
         let Self {
             body,
@@ -198,34 +198,25 @@ impl<L> Cut for Held<L> {
             client,
         } = self;
         drop((body, lease));
-        if let Some(client) = client {
-            client.shut_down();
-        }
+        client.cut();
     }
 }
 
-/// A second handle on a client connection's socket (a duplicated file
-/// descriptor, taken once per connection and kept with it), so that a
-/// response can end the connection from outside actix's dispatcher.
-#[derive(Clone)]
-pub(crate) struct ClientSocket(Rc<std::net::TcpStream>);
+/// A way to end one client connection from outside the task serving it
+/// (the watchdog's sweep), shared by that connection's requests.
+#[derive(Clone, Default)]
+pub(super) struct ClientCut(Rc<Notify>);
 
-impl ClientSocket {
-    /// The handle of `conn`, the connection actix is about to serve, when it
-    /// is a TCP socket that can be duplicated.
-    pub(crate) fn of(conn: &dyn std::any::Any) -> Option<Self> {
-        use std::os::fd::AsFd as _;
-        let tcp = conn.downcast_ref::<actix_web::rt::net::TcpStream>()?;
-        let fd = tcp.as_fd().try_clone_to_owned().ok()?;
-        Some(Self(Rc::new(std::net::TcpStream::from(fd))))
+impl ClientCut {
+    /// Resolves once the connection has been cut off; its task then drops
+    /// the connection, which closes the socket.
+    pub(super) async fn requested(&self) {
+        self.0.notified().await;
     }
 
-    /// Shuts both directions down; the dispatcher's next write fails and it
-    /// drops the connection.
-    fn shut_down(&self) {
-        if let Err(e) = self.0.shutdown(std::net::Shutdown::Both) {
-            tracing::debug!(error = %e, "Could not shut down a stalled client's connection.");
-        }
+    /// Cuts the connection off.
+    fn cut(&self) {
+        self.0.notify_one();
     }
 }
 
@@ -270,15 +261,18 @@ impl Arrived {
     }
 }
 
-/// The upstream's response body as a byte stream for actix, under the
-/// write pace: the worker's watchdog releases what it holds if the client
-/// stops taking it.
+/// The upstream's response body, streamed to the client under the write
+/// pace: the worker's watchdog releases what it holds if the client stops
+/// taking it.
 pub(super) struct ResponseBody<L: Reuse> {
     /// The watched body and connection.
     watch: Watch<Held<L>>,
     /// What had arrived before streaming began, handed over first.
     first: Option<Bytes>,
-    /// Bytes handed to actix by the last poll, not yet known taken.
+    /// The body's length, when the upstream declared it.
+    length: Option<u64>,
+    /// Bytes handed to the connection by the last poll, not yet known
+    /// taken.
     handed: Option<usize>,
     /// Whether the body has been read to the end.
     done: bool,
@@ -287,11 +281,18 @@ pub(super) struct ResponseBody<L: Reuse> {
 }
 
 impl<L: Reuse> ResponseBody<L> {
-    /// Streams `first`, then what `watch` holds.
-    pub(super) fn new(watch: Watch<Held<L>>, first: Option<Bytes>, clock: SharedClock) -> Self {
+    /// Streams `first`, then what `watch` holds: `length` bytes in all,
+    /// when known.
+    pub(super) fn new(
+        watch: Watch<Held<L>>,
+        first: Option<Bytes>,
+        length: Option<u64>,
+        clock: SharedClock,
+    ) -> Self {
         Self {
             watch,
             first,
+            length,
             handed: None,
             done: false,
             clock,
@@ -299,10 +300,14 @@ impl<L: Reuse> ResponseBody<L> {
     }
 }
 
-impl<L: Reuse> Stream for ResponseBody<L> {
-    type Item = Result<Bytes, io::Error>;
+impl<L: Reuse> Body for ResponseBody<L> {
+    type Data = Bytes;
+    type Error = io::Error;
 
-    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
         let this = self.get_mut();
         let now = this.clock.now_ms();
         let mut progress = this.watch.progress();
@@ -313,7 +318,7 @@ impl<L: Reuse> Stream for ResponseBody<L> {
         let result = if let Some(data) = this.first.take() {
             this.handed = Some(data.len());
             progress.wait(now);
-            Poll::Ready(Some(Ok(data)))
+            Poll::Ready(Some(Ok(Frame::data(data))))
         } else {
             let mut held = this.watch.held();
             let Some(held) = held.as_mut() else {
@@ -328,7 +333,7 @@ impl<L: Reuse> Stream for ResponseBody<L> {
                         Ok(data) => {
                             this.handed = Some(data.len());
                             progress.wait(now);
-                            Poll::Ready(Some(Ok(data)))
+                            Poll::Ready(Some(Ok(Frame::data(data))))
                         }
                         // Trailers are hop-level here: skip them.
                         Err(_) => continue,
@@ -345,6 +350,15 @@ impl<L: Reuse> Stream for ResponseBody<L> {
         this.watch.set_progress(progress);
         result
     }
+
+    fn is_end_stream(&self) -> bool {
+        self.done
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.length
+            .map_or_else(SizeHint::default, SizeHint::with_exact)
+    }
 }
 
 impl<L: Reuse> Drop for ResponseBody<L> {
@@ -353,6 +367,52 @@ impl<L: Reuse> Drop for ResponseBody<L> {
             && (self.done || held.body.is_end_stream())
         {
             held.lease.reuse();
+        }
+    }
+}
+
+/// What the proxy answers with: a body in one piece (the gateway's own
+/// answers, and upstream answers that arrived whole), or an upstream's
+/// body streamed as it comes.
+pub(super) enum ProxyBody {
+    /// The whole body; `None` once handed over (or for no body).
+    Whole(Option<Bytes>),
+    /// The upstream's body, as it arrives.
+    Streamed(ResponseBody<Lease>),
+}
+
+impl ProxyBody {
+    /// A body of `data`, in one piece.
+    pub(super) fn whole(data: Bytes) -> Self {
+        Self::Whole((!data.is_empty()).then_some(data))
+    }
+}
+
+impl Body for ProxyBody {
+    type Data = Bytes;
+    type Error = io::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
+        match self.get_mut() {
+            Self::Whole(data) => Poll::Ready(data.take().map(|data| Ok(Frame::data(data)))),
+            Self::Streamed(body) => Pin::new(body).poll_frame(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            Self::Whole(data) => data.is_none(),
+            Self::Streamed(body) => body.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            Self::Whole(data) => SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64)),
+            Self::Streamed(body) => body.size_hint(),
         }
     }
 }

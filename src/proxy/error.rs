@@ -4,10 +4,10 @@
 //! a fixed human message in a small JSON body. Internal error text (Redis,
 //! socket or parser messages) is logged, never sent to clients.
 
-use actix_web::http::StatusCode;
-use actix_web::http::header::{ALLOW, CACHE_CONTROL, CONTENT_TYPE, HeaderValue, RETRY_AFTER};
-use actix_web::{HttpResponse, HttpResponseBuilder};
+use hyper::header::{ALLOW, CACHE_CONTROL, CONTENT_TYPE, HeaderValue, RETRY_AFTER};
+use hyper::{Response, StatusCode};
 
+use super::body::ProxyBody;
 use crate::key::IdError;
 use crate::path::PathError;
 
@@ -135,37 +135,29 @@ impl ProxyError {
         }
     }
 
-    /// A response builder with this error's status and JSON body headers;
-    /// add further headers, then call [`ProxyError::finish`].
-    pub fn builder(&self) -> HttpResponseBuilder {
-        let mut builder = HttpResponse::build(self.status());
-        builder
-            .insert_header((CONTENT_TYPE, HeaderValue::from_static("application/json")))
-            .insert_header((CACHE_CONTROL, HeaderValue::from_static("no-store")));
-        match self {
-            Self::MethodNotAllowed => {
-                builder.insert_header((ALLOW, HeaderValue::from_static(PROXIED_METHODS)));
-            }
-            Self::TooManyInFlight => {
-                builder.insert_header((RETRY_AFTER, HeaderValue::from_static("1")));
-            }
-            _ => {}
-        }
-        builder
-    }
-
-    /// Completes `builder` with this error's JSON body.
-    pub fn finish(&self, mut builder: HttpResponseBuilder) -> HttpResponse {
-        builder.body(format!(
+    /// The complete response for this error: its status, a small JSON
+    /// body, and `Allow` or `Retry-After` where the error calls for one.
+    pub(super) fn response(&self) -> Response<ProxyBody> {
+        let body = format!(
             "{{\"error\":\"{}\",\"message\":\"{}\"}}\n",
             self.code(),
             self.message()
-        ))
-    }
-
-    /// The complete response for this error.
-    pub fn response(&self) -> HttpResponse {
-        self.finish(self.builder())
+        );
+        let mut response = Response::new(ProxyBody::whole(body.into()));
+        *response.status_mut() = self.status();
+        let headers = response.headers_mut();
+        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
+        match self {
+            Self::MethodNotAllowed => {
+                headers.insert(ALLOW, HeaderValue::from_static(PROXIED_METHODS));
+            }
+            Self::TooManyInFlight => {
+                headers.insert(RETRY_AFTER, HeaderValue::from_static("1"));
+            }
+            _ => {}
+        }
+        response
     }
 }
 
@@ -173,8 +165,8 @@ impl ProxyError {
 mod tests {
     use super::*;
 
-    #[actix_web::test]
-    async fn bodies_are_json_with_a_stable_code_and_no_internal_text() {
+    #[test]
+    fn bodies_are_json_with_a_stable_code_and_no_internal_text() {
         for err in [
             ProxyError::MethodNotAllowed,
             ProxyError::BadPath(PathError::EncodedSlash),
@@ -189,7 +181,9 @@ mod tests {
         ] {
             let res = err.response();
             assert_eq!(res.status(), err.status());
-            let body = actix_web::body::to_bytes(res.into_body()).await.unwrap();
+            let ProxyBody::Whole(Some(body)) = res.into_body() else {
+                panic!("{err:?} answers with a body in one piece");
+            };
             let parsed: serde_json::Value = serde_json::from_slice(&body).unwrap();
             assert_eq!(parsed["error"], err.code());
             assert_eq!(parsed["message"], err.message());

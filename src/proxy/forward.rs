@@ -17,24 +17,23 @@ use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Duration;
 
-use actix_web::body::SizedStream;
-use actix_web::http::header as ax;
-use actix_web::http::{Method, StatusCode};
-use actix_web::{HttpRequest, HttpResponse, HttpResponseBuilder, web};
-use hyper::body::Incoming;
+use hyper::body::{Body as _, Incoming};
 use hyper::client::conn::http1::{self, SendRequest};
 use hyper::header as hy;
+use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::body::{
-    Arrived, ClientFault, ClientSocket, Held, RequestBody, ResponseBody, Reuse, Upload,
+    Arrived, ClientFault, Held, ProxyBody, RequestBody, ResponseBody, Reuse, Upload,
 };
 use super::error::ProxyError;
+use super::headers::RateLimitHeaders;
 use super::hop;
 use super::pool::IdleList;
 use super::route::Route;
+use super::server::Client;
 use super::slots::{Slot, Slots};
 use super::stall::Watchdog;
 use crate::clock::{SharedClock, millis};
@@ -49,7 +48,7 @@ const UPSTREAM_READ_BUFFER: usize = 64 * 1024;
 /// Largest body answered in one piece when it arrived with its head
 /// ([`Arrived`]): no larger than the default initial TCP send buffer
 /// (16 KiB), so the kernel takes it whole even from a client that stops
-/// reading, and nothing stays in actix's buffer unwatched. A larger body
+/// reading, and nothing stays in the connection's buffer unwatched. A larger body
 /// is streamed under the write pace, where the watchdog cuts off a client
 /// that does not take it.
 const WHOLE_BODY_MAX: u64 = 16 * 1024;
@@ -105,15 +104,45 @@ impl Upstream {
     }
 }
 
-/// What one request is sent as: its route, its normalised path and the
+/// What one request is sent as: its route, its upstream target and the
 /// tenant it was limited as.
 pub(super) struct Target<'a> {
     /// The matched route.
-    pub(super) route: &'a Route,
-    /// The normalised path (the query is taken from the request as sent).
-    pub(super) path: &'a str,
+    route: &'a Route,
+    /// The route's base path, the normalised path and the query as sent.
+    uri: hyper::Uri,
     /// The identity the upstream receives in `X-Api-Key`.
-    pub(super) tenant: &'a TenantId,
+    tenant: &'a TenantId,
+}
+
+impl<'a> Target<'a> {
+    /// The target of a request for `path` (normalised) with `query` on
+    /// `route`, limited as `tenant`.
+    ///
+    /// # Errors
+    /// [`ProxyError::UpstreamUnreachable`] when the joined target is not
+    /// a valid URI.
+    pub(super) fn new(
+        route: &'a Route,
+        path: &str,
+        query: Option<&str>,
+        tenant: &'a TenantId,
+    ) -> Result<Self, ProxyError> {
+        let base = &route.spec.upstream_base_path;
+        let mut uri =
+            String::with_capacity(base.len() + path.len() + query.map_or(0, |q| q.len() + 1));
+        uri.push_str(base);
+        uri.push_str(path);
+        if let Some(query) = query {
+            uri.push('?');
+            uri.push_str(query);
+        }
+        Ok(Self {
+            route,
+            uri: hyper::Uri::try_from(uri).map_err(upstream_failure)?,
+            tenant,
+        })
+    }
 }
 
 /// One worker's upstream connections.
@@ -181,9 +210,9 @@ impl Forwarder {
         self.slots.acquire(tenant, has_rule)
     }
 
-    /// Sends `req` with its streamed `payload` to `target`'s upstream and
-    /// streams the answer back, holding `slot` until the answer ends;
-    /// `decorate` adds gateway headers.
+    /// Sends `req`, its body streamed, from `client` to `target`'s
+    /// upstream and streams the answer back, holding `slot` until the
+    /// answer ends; the answer carries `limits`.
     ///
     /// # Errors
     /// [`ProxyError::UpstreamUnreachable`] or [`ProxyError::UpstreamTimeout`]
@@ -191,14 +220,15 @@ impl Forwarder {
     /// [`ProxyError::ClientAborted`] when the client failed its upload.
     pub(super) async fn forward(
         &self,
-        req: &HttpRequest,
+        req: Request<Incoming>,
+        client: &Client,
         target: Target<'_>,
-        payload: web::Payload,
         slot: Slot,
-        decorate: impl FnOnce(&mut HttpResponseBuilder),
-    ) -> Result<HttpResponse, ProxyError> {
+        limits: &RateLimitHeaders,
+    ) -> Result<Response<ProxyBody>, ProxyError> {
         let upstream = Rc::clone(&self.upstreams[target.route.index]);
-        let (request, upload) = self.upstream_request(req, &target, payload, &upstream)?;
+        let head = req.method() == Method::HEAD;
+        let (request, upload) = self.upstream_request(req, client, target, &upstream);
         let exchange = async {
             let permit = Arc::clone(&self.connections)
                 .acquire_owned()
@@ -217,53 +247,50 @@ impl Forwarder {
         };
         let (lease, response) = self.bounded(exchange, &upload).await?;
 
-        let (head, mut body) = response.into_parts();
-        let status = StatusCode::from_u16(head.status.as_u16()).map_err(upstream_failure)?;
-        let mut builder = HttpResponse::build(status);
-        hop::copy_response_headers(&head.headers, |name, value| {
-            builder.append_header((name, value));
-        });
-        decorate(&mut builder);
+        let (mut parts, mut body) = response.into_parts();
+        let status = parts.status;
+        // A chunked answer has no length; a declared one is what the body
+        // carries. A HEAD answer keeps the upstream's Content-Length and has
+        // no body.
+        let length = if parts.headers.contains_key(hy::TRANSFER_ENCODING) {
+            None
+        } else {
+            content_length(parts.headers.get(hy::CONTENT_LENGTH))
+        };
+        hop::strip_response_headers(&mut parts.headers);
+        limits.apply(&mut parts.headers);
         let bodiless = status.is_informational()
             || status == StatusCode::NO_CONTENT
             || status == StatusCode::NOT_MODIFIED;
-        // A chunked answer has no length. A HEAD answer keeps the
-        // upstream's Content-Length; actix writes no body for HEAD, and the
-        // upstream sent none.
-        let length = if head.headers.contains_key(hy::TRANSFER_ENCODING) {
-            None
-        } else {
-            content_length(head.headers.get(hy::CONTENT_LENGTH).map(|v| v.as_bytes()))
-        };
+        if head || bodiless {
+            if let (true, Some(len)) = (head, length) {
+                parts
+                    .headers
+                    .insert(hy::CONTENT_LENGTH, hy::HeaderValue::from(len));
+            }
+            lease.reuse_when_done(body);
+            return Ok(Response::from_parts(parts, ProxyBody::Whole(None)));
+        }
         let mut first = None;
-        if !bodiless
-            && length.is_some_and(|len| len <= WHOLE_BODY_MAX)
-            && req.method() != Method::HEAD
-        {
+        if length.is_some_and(|len| len <= WHOLE_BODY_MAX) {
             match Arrived::take(&mut body).map_err(upstream_failure)? {
                 Arrived::Whole(data) => {
                     lease.reuse();
-                    return Ok(builder.body(data));
+                    return Ok(Response::from_parts(parts, ProxyBody::whole(data)));
                 }
                 Arrived::Part(data) => first = data,
             }
         }
-        let client = req.conn_data::<ClientSocket>().cloned();
         let watch = self.watchdog.watch(
             Held {
                 body,
                 lease,
-                client,
+                client: client.cut.clone(),
             },
             self.client.write,
         );
-        let stream = ResponseBody::new(watch, first, self.clock.clone());
-        Ok(match length {
-            _ if bodiless => builder.finish(),
-            Some(len) => builder.body(SizedStream::new(len, stream)),
-            None if req.method() == Method::HEAD => builder.finish(),
-            None => builder.streaming(stream),
-        })
+        let stream = ResponseBody::new(watch, first, length, self.clock.clone());
+        Ok(Response::from_parts(parts, ProxyBody::Streamed(stream)))
     }
 
     /// Runs `exchange` under `upstream.timeout_ms`, not counting the time
@@ -345,7 +372,7 @@ impl Forwarder {
             .handshake(TokioIo::new(stream))
             .await
             .map_err(upstream_failure)?;
-        actix_web::rt::spawn(async move {
+        tokio::task::spawn_local(async move {
             if let Err(e) = connection.await {
                 tracing::debug!(error = %e, "Upstream connection ended with an error.");
             }
@@ -356,45 +383,21 @@ impl Forwarder {
     /// The upstream request for `req`: same method; the route's base path
     /// followed by the normalised path and the query as sent; the
     /// upstream's `Host`, the end-to-end headers, the limited `X-Api-Key`
-    /// and `X-Forwarded-*`; the body read from `payload` at the client
-    /// read pace.
+    /// and `X-Forwarded-*`; the body read at the client read pace.
     fn upstream_request(
         &self,
-        req: &HttpRequest,
-        target: &Target<'_>,
-        payload: web::Payload,
+        req: Request<Incoming>,
+        client: &Client,
+        target: Target<'_>,
         upstream: &Upstream,
-    ) -> Result<(hyper::Request<RequestBody>, Rc<Upload>), ProxyError> {
-        let base = &target.route.spec.upstream_base_path;
-        let query = req.uri().query();
-        let mut uri = String::with_capacity(
-            base.len() + target.path.len() + query.map_or(0, |q| q.len() + 1),
-        );
-        uri.push_str(base);
-        uri.push_str(target.path);
-        if let Some(query) = query {
-            uri.push('?');
-            uri.push_str(query);
-        }
-        let uri = hyper::Uri::try_from(uri).map_err(upstream_failure)?;
-        let method = hyper::Method::from_bytes(req.method().as_str().as_bytes())
-            .map_err(upstream_failure)?;
-
-        let (body, upload) = RequestBody::new(
-            payload,
-            request_body_length(req.headers()),
-            self.client.read,
-            self.clock.clone(),
-        );
-        let mut request = hyper::Request::new(body);
-        *request.method_mut() = method;
-        *request.uri_mut() = uri;
-        let headers = request.headers_mut();
-        headers.reserve(req.headers().len() + 4);
-        headers.insert(hy::HOST, upstream.host.clone());
-        hop::copy_request_headers(req.headers(), target.tenant, headers);
-        hop::add_forwarded(req, headers);
-        Ok((request, upload))
+    ) -> (Request<RequestBody>, Rc<Upload>) {
+        let (mut parts, payload) = req.into_parts();
+        parts.uri = target.uri;
+        parts.version = hyper::Version::HTTP_11;
+        hop::forwarded_headers(&mut parts.headers, client.peer.ip(), target.tenant);
+        parts.headers.insert(hy::HOST, upstream.host.clone());
+        let (body, upload) = RequestBody::new(payload, self.client.read, self.clock.clone());
+        (Request::from_parts(parts, body), upload)
     }
 }
 
@@ -417,23 +420,23 @@ impl Reuse for Lease {
     }
 }
 
+impl Lease {
+    /// Keeps the connection for a later request when `body`, which the
+    /// client does not get (a HEAD answer, a 204 or 304), has ended.
+    fn reuse_when_done(self, body: Incoming) {
+        if body.is_end_stream() {
+            self.reuse();
+        }
+    }
+}
+
 /// Maps a connection-level failure to 502.
 fn upstream_failure(e: impl StdError + Send + Sync + 'static) -> ProxyError {
     tracing::debug!(error = %e, "Upstream request failed.");
     ProxyError::UpstreamUnreachable(Box::new(e))
 }
 
-/// How the client framed its request body: `None` without a body,
-/// `Some(None)` for chunked transfer encoding (length unknown),
-/// `Some(Some(n))` for `Content-Length: n`.
-fn request_body_length(headers: &ax::HeaderMap) -> Option<Option<u64>> {
-    if headers.contains_key(ax::TRANSFER_ENCODING) {
-        Some(None)
-    } else {
-        content_length(headers.get(ax::CONTENT_LENGTH).map(|v| v.as_bytes())).map(Some)
-    }
-}
-
-fn content_length(value: Option<&[u8]>) -> Option<u64> {
-    std::str::from_utf8(value?).ok()?.trim().parse().ok()
+/// The value of a `Content-Length` header, when it is one number.
+fn content_length(value: Option<&hy::HeaderValue>) -> Option<u64> {
+    value?.to_str().ok()?.trim().parse().ok()
 }

@@ -7,8 +7,7 @@
 //! up from the real wait, and a rejection never says less than 1 second and
 //! always says 0 remaining.
 
-use actix_web::HttpResponseBuilder;
-use actix_web::http::header::{HeaderName, HeaderValue, RETRY_AFTER};
+use hyper::header::{HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
 
 use crate::bucket::Verdict;
 
@@ -67,13 +66,14 @@ impl RateLimitHeaders {
         }
     }
 
-    /// Adds the headers to a response being built.
-    pub fn apply(&self, builder: &mut HttpResponseBuilder) {
+    /// Sets the headers on a response's `headers`, replacing any of the
+    /// same names.
+    pub fn apply(&self, headers: &mut HeaderMap) {
         for (name, value) in &self.pairs {
-            builder.insert_header((name.clone(), value.clone()));
+            headers.insert(name.clone(), value.clone());
         }
         if let Some(value) = &self.retry_after {
-            builder.insert_header((RETRY_AFTER, value.clone()));
+            headers.insert(RETRY_AFTER, value.clone());
         }
     }
 }

@@ -5,140 +5,94 @@
 //! `X-Forwarded-*`, and the identity the upstream receives: `X-Api-Key` is
 //! always exactly the key that was limited, set by the gateway, so no
 //! `Connection` header can remove it and no second spelling can ride
-//! along.
-//!
-//! actix-web speaks `http` 0.2 types and hyper `http` 1.x ones, so names
-//! and values cross over as bytes.
+//! along. Headers are edited in place: a request's travel on with it, a
+//! response's come back with it.
 
 use std::fmt::Write as _;
 use std::net::IpAddr;
 
-use actix_web::HttpRequest;
-use actix_web::http::header as ax;
-use hyper::header as hy;
+use hyper::header::{self as hy, HeaderMap, HeaderName, HeaderValue};
 
 use crate::key::TenantId;
 
 /// Headers that describe one hop and are never forwarded (lower case, as
-/// both header libraries store names).
-const HOP_BY_HOP: [&str; 9] = [
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
+/// header names are stored).
+const HOP_BY_HOP: [HeaderName; 9] = [
+    hy::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    hy::PROXY_AUTHENTICATE,
+    hy::PROXY_AUTHORIZATION,
+    hy::TE,
+    hy::TRAILER,
+    hy::TRANSFER_ENCODING,
+    hy::UPGRADE,
 ];
 
-/// `X-Forwarded-For` as the client sent it (looked up by name, not by a
-/// string, which actix-web would turn into a new header name every time).
-const CLIENT_X_FORWARDED_FOR: ax::HeaderName = ax::HeaderName::from_static("x-forwarded-for");
 /// `X-Forwarded-For`.
-const X_FORWARDED_FOR: hy::HeaderName = hy::HeaderName::from_static("x-forwarded-for");
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 /// `X-Forwarded-Proto`.
-const X_FORWARDED_PROTO: hy::HeaderName = hy::HeaderName::from_static("x-forwarded-proto");
+const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 /// `X-Forwarded-Host`.
-const X_FORWARDED_HOST: hy::HeaderName = hy::HeaderName::from_static("x-forwarded-host");
-/// `X-Api-Key`, as sent upstream.
-const UPSTREAM_API_KEY: hy::HeaderName = hy::HeaderName::from_static("x-api-key");
+const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 
-/// The header names a message's `Connection` header lists (hop-by-hop for
-/// that message), read once per message from its `Connection` values.
-fn connection_tokens<'a, V>(values: impl Iterator<Item = &'a V>) -> Vec<&'a str>
-where
-    V: AsRef<[u8]> + 'a,
-{
-    values
-        .filter_map(|v| std::str::from_utf8(v.as_ref()).ok())
-        .flat_map(|list| list.split(','))
-        .map(str::trim)
-        .filter(|t| !t.is_empty())
-        .collect()
-}
-
-/// Whether the (lower-case) header `name` travels end to end: neither a
-/// fixed hop-by-hop header nor one of the message's `listed`
-/// [`connection_tokens`].
-fn is_end_to_end(name: &str, listed: &[&str]) -> bool {
-    !HOP_BY_HOP.contains(&name) && !listed.iter().any(|t| t.eq_ignore_ascii_case(name))
-}
-
-/// Copies the client's end-to-end headers and sets `X-Api-Key` to
-/// `tenant`. `Host` is left to the caller (the upstream's authority),
-/// `Content-Length` to the body, and the client's own `X-Api-Key` is
-/// replaced, never copied.
-pub(super) fn copy_request_headers(
-    from: &ax::HeaderMap,
-    tenant: &TenantId,
-    to: &mut hy::HeaderMap,
-) {
-    let listed = connection_tokens(from.get_all(ax::CONNECTION));
-    for (name, value) in from {
-        if is_end_to_end(name.as_str(), &listed)
-            && name != ax::HOST
-            && name != ax::CONTENT_LENGTH
-            && name != super::API_KEY
-            && let (Ok(name), Ok(value)) = (
-                hy::HeaderName::from_bytes(name.as_str().as_bytes()),
-                hy::HeaderValue::from_bytes(value.as_bytes()),
-            )
-        {
-            to.append(name, value);
-        }
-    }
-    // A validated tenant id is a valid header value.
-    if let Ok(key) = hy::HeaderValue::from_str(tenant.as_str()) {
-        to.insert(UPSTREAM_API_KEY, key);
-    }
-}
-
-/// Copies the upstream's end-to-end response headers (without
-/// `Content-Length`, which the body carries) with `add`.
-pub(super) fn copy_response_headers(
-    from: &hy::HeaderMap,
-    mut add: impl FnMut(ax::HeaderName, ax::HeaderValue),
-) {
-    let listed = connection_tokens(from.get_all(hy::CONNECTION).iter());
-    for (name, value) in from {
-        if is_end_to_end(name.as_str(), &listed)
-            && name != hy::CONTENT_LENGTH
-            && let (Ok(name), Ok(value)) = (
-                ax::HeaderName::from_bytes(name.as_str().as_bytes()),
-                ax::HeaderValue::from_bytes(value.as_bytes()),
-            )
-        {
-            add(name, value);
-        }
-    }
-}
-
-/// Adds `X-Forwarded-For` (appending the peer), `-Proto` and `-Host`.
-pub(super) fn add_forwarded(req: &HttpRequest, to: &mut hy::HeaderMap) {
-    if let Some(peer) = req.peer_addr() {
-        // Every earlier hop, from however many header lines, then the peer.
-        let mut chain = String::with_capacity(48);
-        for earlier in req
-            .headers()
-            .get_all(&CLIENT_X_FORWARDED_FOR)
+/// Removes what describes one hop: the fixed hop-by-hop headers, the ones
+/// the message's `Connection` header lists, and `Content-Length` (the body
+/// carries its own length).
+fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    if headers.contains_key(hy::CONNECTION) {
+        let listed: Vec<HeaderName> = headers
+            .get_all(hy::CONNECTION)
+            .iter()
             .filter_map(|v| v.to_str().ok())
-        {
-            chain.push_str(earlier);
-            chain.push_str(", ");
-        }
-        push_ip(&mut chain, peer.ip());
-        if let Ok(value) = hy::HeaderValue::try_from(chain) {
-            to.insert(X_FORWARDED_FOR, value);
+            .flat_map(|list| list.split(','))
+            .filter_map(|token| HeaderName::from_bytes(token.trim().as_bytes()).ok())
+            .collect();
+        for name in listed {
+            headers.remove(name);
         }
     }
-    to.insert(X_FORWARDED_PROTO, hy::HeaderValue::from_static("http"));
-    if let Some(host) = req.headers().get(ax::HOST)
-        && let Ok(host) = hy::HeaderValue::from_bytes(host.as_bytes())
+    for name in HOP_BY_HOP {
+        headers.remove(name);
+    }
+    headers.remove(hy::CONTENT_LENGTH);
+}
+
+/// Turns a client's request headers into the upstream's: hop-level ones
+/// go, `X-Api-Key` becomes exactly `tenant`, `X-Forwarded-For` gains the
+/// `peer`, `X-Forwarded-Host` takes the client's `Host` (which goes: the
+/// caller sets the upstream's) and `X-Forwarded-Proto` is `http`.
+pub(super) fn forwarded_headers(headers: &mut HeaderMap, peer: IpAddr, tenant: &TenantId) {
+    strip_hop_by_hop(headers);
+    // Every earlier hop, from however many header lines, then the peer.
+    let mut chain = String::with_capacity(48);
+    for earlier in headers
+        .get_all(&X_FORWARDED_FOR)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
     {
-        to.insert(X_FORWARDED_HOST, host);
+        chain.push_str(earlier);
+        chain.push_str(", ");
     }
+    push_ip(&mut chain, peer);
+    if let Ok(value) = HeaderValue::try_from(chain) {
+        headers.insert(X_FORWARDED_FOR, value);
+    }
+    headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
+    match headers.remove(hy::HOST) {
+        Some(host) => headers.insert(X_FORWARDED_HOST, host),
+        None => headers.remove(X_FORWARDED_HOST),
+    };
+    // A validated tenant id is a valid header value.
+    if let Ok(key) = HeaderValue::from_str(tenant.as_str()) {
+        headers.insert(super::API_KEY, key);
+    }
+}
+
+/// Turns an upstream's response headers into the client's: hop-level ones
+/// go.
+pub(super) fn strip_response_headers(headers: &mut HeaderMap) {
+    strip_hop_by_hop(headers);
 }
 
 /// Appends `ip` in its usual text form (IPv4 without the formatter, which
@@ -163,62 +117,94 @@ fn push_ip(out: &mut String, ip: IpAddr) {
 
 #[cfg(test)]
 mod tests {
+    use std::net::Ipv4Addr;
+
     use super::*;
 
-    fn client_headers(pairs: &[(&'static str, &'static str)]) -> ax::HeaderMap {
-        let mut from = ax::HeaderMap::new();
+    fn client_headers(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
+        let mut from = HeaderMap::new();
         for (name, value) in pairs {
             from.append(
-                ax::HeaderName::from_static(name),
-                ax::HeaderValue::from_static(value),
+                HeaderName::from_static(name),
+                HeaderValue::from_static(value),
             );
         }
         from
     }
 
-    fn forwarded(from: &ax::HeaderMap, tenant: &str) -> hy::HeaderMap {
-        let mut to = hy::HeaderMap::new();
-        copy_request_headers(from, &TenantId::parse(tenant).unwrap(), &mut to);
-        to
+    fn forwarded(pairs: &[(&'static str, &'static str)], tenant: &str) -> HeaderMap {
+        let mut headers = client_headers(pairs);
+        let peer = IpAddr::V4(Ipv4Addr::new(10, 0, 0, 7));
+        forwarded_headers(&mut headers, peer, &TenantId::parse(tenant).unwrap());
+        headers
     }
 
     #[test]
     fn hop_by_hop_headers_and_connection_listed_ones_are_dropped() {
-        let from = client_headers(&[
-            ("connection", "keep-alive, x-secret"),
-            ("x-secret", "1"),
-            ("transfer-encoding", "chunked"),
-            ("host", "gateway"),
-            ("x-api-key", "t"),
-            ("accept", "*/*"),
-        ]);
-        let to = forwarded(&from, "t");
+        let to = forwarded(
+            &[
+                ("connection", "keep-alive, x-secret"),
+                ("x-secret", "1"),
+                ("transfer-encoding", "chunked"),
+                ("content-length", "3"),
+                ("host", "gateway"),
+                ("x-api-key", "t"),
+                ("accept", "*/*"),
+            ],
+            "t",
+        );
         let mut names: Vec<_> = to.keys().map(|k| k.as_str().to_owned()).collect();
         names.sort();
-        assert_eq!(names, vec!["accept", "x-api-key"]);
+        assert_eq!(
+            names,
+            vec![
+                "accept",
+                "x-api-key",
+                "x-forwarded-for",
+                "x-forwarded-host",
+                "x-forwarded-proto"
+            ]
+        );
+        assert_eq!(to["x-forwarded-host"], "gateway");
     }
 
     #[test]
     fn the_upstream_gets_exactly_the_limited_key_whatever_connection_lists() {
-        let from = client_headers(&[
-            ("connection", "x-api-key"),
-            ("x-api-key", "alice"),
-            ("x-api-key", "bob"),
-        ]);
-        let to = forwarded(&from, "alice");
+        let to = forwarded(
+            &[
+                ("connection", "x-api-key"),
+                ("x-api-key", "alice"),
+                ("x-api-key", "bob"),
+            ],
+            "alice",
+        );
         let keys: Vec<_> = to.get_all("x-api-key").iter().collect();
         assert_eq!(keys, vec!["alice"]);
     }
 
     #[test]
+    fn the_peer_is_appended_to_every_earlier_hop() {
+        let to = forwarded(
+            &[
+                ("x-forwarded-for", "1.1.1.1"),
+                ("x-forwarded-for", "2.2.2.2, 3.3.3.3"),
+                ("x-forwarded-host", "spoofed"),
+            ],
+            "t",
+        );
+        assert_eq!(to["x-forwarded-for"], "1.1.1.1, 2.2.2.2, 3.3.3.3, 10.0.0.7");
+        assert!(!to.contains_key("x-forwarded-host"), "no Host, no claim");
+    }
+
+    #[test]
     fn response_headers_lose_hop_by_hop_ones_and_content_length() {
-        let mut from = hy::HeaderMap::new();
-        from.insert(hy::CONNECTION, hy::HeaderValue::from_static("x-hop"));
-        from.insert("x-hop", hy::HeaderValue::from_static("1"));
-        from.insert(hy::CONTENT_LENGTH, hy::HeaderValue::from_static("3"));
-        from.insert(hy::CONTENT_TYPE, hy::HeaderValue::from_static("text/plain"));
-        let mut names = Vec::new();
-        copy_response_headers(&from, |name, _| names.push(name.as_str().to_owned()));
+        let mut from = HeaderMap::new();
+        from.insert(hy::CONNECTION, HeaderValue::from_static("x-hop"));
+        from.insert("x-hop", HeaderValue::from_static("1"));
+        from.insert(hy::CONTENT_LENGTH, HeaderValue::from_static("3"));
+        from.insert(hy::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+        strip_response_headers(&mut from);
+        let names: Vec<_> = from.keys().map(|k| k.as_str().to_owned()).collect();
         assert_eq!(names, vec!["content-type"]);
     }
 }

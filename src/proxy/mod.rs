@@ -18,7 +18,7 @@
 //! The phases run inline in one handler: no per-request actor message and
 //! no lock beyond the local limiter's short shard lock. The upstream gets
 //! exactly the key that was limited, whatever the client's `Connection`
-//! header lists.
+//! header lists. Connections, workers and shutdown are [`server`]'s.
 
 pub mod access;
 pub mod error;
@@ -29,14 +29,15 @@ mod body;
 mod hop;
 mod pool;
 pub mod route;
+pub mod server;
 mod slots;
 mod stall;
 
 use std::sync::Arc;
 
-use actix_web::http::Method;
-use actix_web::http::header::HeaderName;
-use actix_web::{HttpRequest, HttpResponse, web};
+use hyper::body::Incoming;
+use hyper::header::{HeaderMap, HeaderName};
+use hyper::{Method, Request, Response};
 
 use crate::bucket::Limiter;
 use crate::clock::SharedClock;
@@ -47,10 +48,12 @@ use crate::rules::RulesHandle;
 use crate::rules::model::Mode;
 use crate::telemetry::{BodyDirection, Metrics, Outcome, RequestCounters, Unrouted};
 use access::{AccessLog, AccessNote};
+use body::ProxyBody;
 use error::ProxyError;
 use forward::{Forwarder, Target};
 use headers::RateLimitHeaders;
 use route::RouteTable;
+use server::Client;
 
 /// The header that identifies the tenant.
 pub const API_KEY: HeaderName = HeaderName::from_static("x-api-key");
@@ -75,36 +78,28 @@ pub struct ProxyState {
     pub access: Option<AccessLog>,
 }
 
-/// Keeps a second handle on each new client connection's socket, so that a
-/// client cut off for not reading can be disconnected; give it to
-/// `HttpServer::on_connect`.
-pub fn on_connect(conn: &dyn std::any::Any, data: &mut actix_web::dev::Extensions) {
-    if let Some(socket) = body::ClientSocket::of(conn) {
-        data.insert(socket);
-    }
+/// One proxy worker: the state every worker shares, and the worker's own
+/// limiter (its bucket client) and upstream connections.
+pub struct Worker {
+    /// Shared by every worker.
+    pub state: Arc<ProxyState>,
+    /// Decides, through this worker's bucket client.
+    pub limiter: Limiter,
+    /// This worker's upstream connections.
+    pub forwarder: Forwarder,
 }
 
-/// Adds the proxy handler for every method and path to an actix `App`.
-pub fn configure(cfg: &mut web::ServiceConfig) {
-    cfg.default_service(web::to(handle));
-}
-
-/// Runs the phases for one request, and writes its access line when the
-/// access log is on and keeps this request.
-async fn handle(
-    req: HttpRequest,
-    payload: web::Payload,
-    state: web::Data<ProxyState>,
-    limiter: web::Data<Limiter>,
-    forwarder: web::Data<Forwarder>,
-) -> HttpResponse {
+/// Runs the phases for one request from `client`, and writes its access
+/// line when the access log is on and keeps this request.
+async fn handle(req: Request<Incoming>, client: &Client, worker: &Worker) -> Response<ProxyBody> {
+    let state = &*worker.state;
     let Some(log) = state.access.as_ref().filter(|log| log.sampled()) else {
-        return phases(req, payload, &state, &limiter, &forwarder, None).await;
+        return phases(req, client, worker, None).await;
     };
     let started = state.clock.now_micros();
     let method = req.method().clone();
     let mut note = AccessNote::default();
-    let response = phases(req, payload, &state, &limiter, &forwarder, Some(&mut note)).await;
+    let response = phases(req, client, worker, Some(&mut note)).await;
     let duration = state.clock.now_micros().saturating_sub(started);
     log.write(
         &note,
@@ -120,18 +115,21 @@ async fn handle(
 /// The phases for one request; `note`, when given, collects what the
 /// access line reports.
 async fn phases(
-    req: HttpRequest,
-    payload: web::Payload,
-    state: &ProxyState,
-    limiter: &Limiter,
-    forwarder: &Forwarder,
+    req: Request<Incoming>,
+    client: &Client,
+    worker: &Worker,
     mut note: Option<&mut AccessNote>,
-) -> HttpResponse {
+) -> Response<ProxyBody> {
+    let Worker {
+        state,
+        limiter,
+        forwarder,
+    } = worker;
     if matches!(*req.method(), Method::CONNECT | Method::TRACE) {
         state.metrics.unrouted(Unrouted::BadRequest);
         return ProxyError::MethodNotAllowed.response();
     }
-    let path = match path::normalize(req.path()) {
+    let path = match path::normalize(req.uri().path()) {
         Ok(path) => path,
         Err(e) => {
             state.metrics.unrouted(Unrouted::BadRequest);
@@ -146,7 +144,7 @@ async fn phases(
         note.route = Some(route.index);
     }
 
-    let tenant = match identify(&req) {
+    let tenant = match identify(req.headers()) {
         Ok(tenant) => tenant,
         Err(e) => {
             let outcome = if matches!(e, ProxyError::MissingKey) {
@@ -190,21 +188,16 @@ async fn phases(
     let headers = RateLimitHeaders::new(route.spec.id.as_str(), &verdict, shadowed);
     if refused && !shadowed {
         count(Outcome::Rejected);
-        let rejected = ProxyError::RateLimited;
-        let mut builder = rejected.builder();
-        headers.apply(&mut builder);
-        return rejected.finish(builder);
+        let mut rejected = ProxyError::RateLimited.response();
+        headers.apply(rejected.headers_mut());
+        return rejected;
     }
 
     let started = state.clock.now_micros();
-    let target = Target {
-        route,
-        path: &path,
-        tenant: &tenant,
+    let forwarded = match Target::new(route, &path, req.uri().query(), &tenant) {
+        Ok(target) => forwarder.forward(req, client, target, slot, &headers).await,
+        Err(e) => Err(e),
     };
-    let forwarded = forwarder
-        .forward(&req, target, payload, slot, |b| headers.apply(b))
-        .await;
     let elapsed = state.clock.now_micros().saturating_sub(started);
     route.metrics.upstream_seconds(elapsed as f64 / 1e6);
     if let Some(note) = note {
@@ -224,9 +217,9 @@ async fn phases(
     match forwarded {
         Ok(response) => response,
         Err(e) => {
-            let mut builder = e.builder();
-            headers.apply(&mut builder);
-            e.finish(builder)
+            let mut response = e.response();
+            headers.apply(response.headers_mut());
+            response
         }
     }
 }
@@ -234,11 +227,11 @@ async fn phases(
 /// Reads and validates the tenant: exactly one `X-Api-Key` header holding
 /// one key, and no other spelling of the header name (`X_Api_Key`, which
 /// CGI-style servers read as the same header).
-fn identify(req: &HttpRequest) -> Result<TenantId, ProxyError> {
-    if req.headers().keys().any(|name| is_key_alias(name.as_str())) {
+fn identify(headers: &HeaderMap) -> Result<TenantId, ProxyError> {
+    if headers.keys().any(|name| is_key_alias(name.as_str())) {
         return Err(ProxyError::SeveralKeys);
     }
-    let mut keys = req.headers().get_all(API_KEY);
+    let mut keys = headers.get_all(API_KEY).iter();
     let raw = keys.next().ok_or(ProxyError::MissingKey)?;
     if keys.next().is_some() {
         return Err(ProxyError::SeveralKeys);

@@ -4,7 +4,7 @@
 //! segments), ties going to the route declared first; a route with no
 //! methods accepts any method.
 
-use actix_web::http::Method;
+use hyper::Method;
 
 use crate::config::RouteSpec;
 use crate::telemetry::RouteMetrics;

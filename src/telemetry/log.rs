@@ -41,8 +41,10 @@ pub fn log_filter(level: &str) -> String {
     }
 }
 
-/// Whether an event is one the HTTP layer logs per connection over a
-/// client's doing (warnings and errors of actix-http's HTTP/1 code).
+/// Whether an event is one the admin listener's HTTP layer logs per
+/// connection over a client's doing (warnings and errors of actix-http's
+/// HTTP/1 code). The proxy listener counts its own with
+/// [`count_client_noise`].
 fn is_client_noise(meta: &Metadata<'_>) -> bool {
     meta.is_event() && is_noise_source(meta.target(), *meta.level())
 }
@@ -50,6 +52,12 @@ fn is_client_noise(meta: &Metadata<'_>) -> bool {
 /// Whether `target` logs at `level` only over a client's doing.
 fn is_noise_source(target: &str, level: Level) -> bool {
     level <= Level::WARN && target.starts_with("actix_http::h1")
+}
+
+/// Counts one client connection that ended in an error (a malformed
+/// request, a stream broken off), for the summary.
+pub fn count_client_noise() {
+    NOISE.fetch_add(1, Ordering::Relaxed);
 }
 
 /// Counts client-noise events (the output layer filters them out).
@@ -151,7 +159,7 @@ impl ClientNoise {
             tracing::warn!(
                 connections = self.unreported,
                 "Clients sent malformed requests, broke off, or were cut off for being too slow \
-                 (counted in tollgate_malformed_requests_total; RUST_LOG=actix_http=trace shows each)."
+                 (counted in tollgate_malformed_requests_total; RUST_LOG=tollgate=debug shows each)."
             );
             self.unreported = 0;
             self.last_warning_ms = Some(now_ms);

@@ -88,7 +88,7 @@ const UPSTREAM_BUCKETS: &[f64] = &[
     0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 ];
 
-pub use log::{ACCESS_TARGET, ClientNoise, init_tracing, log_filter};
+pub use log::{ACCESS_TARGET, ClientNoise, count_client_noise, init_tracing, log_filter};
 pub use process::sample_process;
 pub use requests::{OTHER_TENANTS, Outcome, RequestCounters, RouteMetrics};
 

@@ -714,6 +714,14 @@ impl Gateway {
         format!("http://{}{path}", self.addr)
     }
 
+    /// Sends the shutdown signal without waiting for the gateway to stop
+    /// (dropping it waits).
+    pub fn begin_stop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+
     pub fn admin_url(&self, path: &str) -> String {
         format!("http://{}{path}", self.admin)
     }

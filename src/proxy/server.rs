@@ -1,0 +1,293 @@
+//! The proxy listener: worker threads, client connections and shutdown.
+//!
+//! Owns serving. Each worker is an actix arbiter (one thread running one
+//! single-threaded runtime), so that the worker's bucket-client actor, its
+//! upstream connections and its client connections share a thread and
+//! their messages never cross one. Every worker accepts from the one
+//! listening socket and serves each connection as HTTP/1.1 (hyper), with:
+//! - a header deadline (`client.header_timeout_ms`): a request's line and
+//!   headers, and on a kept-alive connection the next request, must arrive
+//!   within it, or the connection is closed;
+//! - a cut-off from outside: the watchdog ends the connection of a client
+//!   that stopped reading its response ([`ClientCut`]);
+//! - graceful shutdown: [`ProxyServer::stop`] stops accepting, closes idle
+//!   connections, lets requests in flight finish within the grace period,
+//!   then drops what is left.
+//!
+//! A connection that ends in an error (a malformed request, a client gone
+//! mid-request) is client noise: counted, and logged one by one only at
+//! `debug`.
+
+use std::cell::Cell;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::pin::pin;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::Arbiter;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Notify, oneshot, watch};
+
+use super::Worker;
+use super::body::ClientCut;
+use crate::telemetry;
+
+/// Largest read and write buffer of one client connection: bounds a
+/// request's head (a larger one is answered 431) and what a response whose
+/// client reads slowly holds in memory.
+const CLIENT_BUFFER: usize = 64 * 1024;
+
+/// Pause after a failed accept (out of file descriptors, say) before the
+/// next attempt.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+
+/// How the proxy listener serves.
+#[derive(Debug, Clone, Copy)]
+pub struct Serving {
+    /// Worker threads (at least one).
+    pub workers: usize,
+    /// Longest wait for a request's line and headers.
+    pub header_timeout: Duration,
+    /// How long requests in flight may take to finish on shutdown.
+    pub grace: Duration,
+}
+
+/// A client connection, as its requests see it.
+pub(super) struct Client {
+    /// The client's address (`X-Forwarded-For`).
+    pub(super) peer: SocketAddr,
+    /// Ends the connection from outside its task.
+    pub(super) cut: ClientCut,
+}
+
+/// A running proxy listener.
+pub struct ProxyServer {
+    /// Turns `true` to stop.
+    stop: watch::Sender<bool>,
+    /// One per worker: resolves when it has no connection left.
+    drained: Vec<oneshot::Receiver<()>>,
+    /// The worker threads.
+    arbiters: Vec<Arbiter>,
+    /// Grace period for requests in flight on shutdown.
+    grace: Duration,
+}
+
+impl ProxyServer {
+    /// Serves `listener` on `serving.workers` threads; each builds its
+    /// [`Worker`] with `make_worker`, on its own thread.
+    ///
+    /// # Errors
+    /// When the listening socket cannot be shared with the workers or a
+    /// worker thread cannot start.
+    pub fn start<F>(
+        listener: std::net::TcpListener,
+        serving: Serving,
+        make_worker: F,
+    ) -> std::io::Result<Self>
+    where
+        F: Fn() -> Worker + Send + Sync + 'static,
+    {
+        listener.set_nonblocking(true)?;
+        let make_worker = Arc::new(make_worker);
+        let (stop, _) = watch::channel(false);
+        let mut drained = Vec::new();
+        let mut arbiters = Vec::new();
+        for _ in 0..serving.workers.max(1) {
+            let socket = listener.try_clone()?;
+            let (done, worker_drained) = oneshot::channel();
+            let (make_worker, stop) = (make_worker.clone(), stop.subscribe());
+            let arbiter = Arbiter::new();
+            let started = arbiter.spawn_fn(move || {
+                // On the worker's thread: what it builds stays there.
+                tokio::task::spawn_local(async move {
+                    let worker = Rc::new(make_worker());
+                    match TcpListener::from_std(socket) {
+                        Ok(listener) => {
+                            accept(listener, worker, serving.header_timeout, stop).await;
+                        }
+                        Err(e) => tracing::error!(
+                            error = %e,
+                            "A proxy worker cannot use the listening socket."
+                        ),
+                    }
+                    let _ = done.send(());
+                });
+            });
+            if !started {
+                return Err(std::io::Error::other("a proxy worker thread did not start"));
+            }
+            drained.push(worker_drained);
+            arbiters.push(arbiter);
+        }
+        Ok(Self {
+            stop,
+            drained,
+            arbiters,
+            grace: serving.grace,
+        })
+    }
+
+    /// Stops accepting, closes idle connections, waits up to the grace
+    /// period for requests in flight to finish, then stops the workers
+    /// (dropping any connection left).
+    pub async fn stop(self) {
+        let _ = self.stop.send(true);
+        let drained = async {
+            for worker in self.drained {
+                let _ = worker.await;
+            }
+        };
+        if tokio::time::timeout(self.grace, drained).await.is_err() {
+            tracing::warn!(
+                grace_seconds = self.grace.as_secs(),
+                "Requests still in flight at the end of the grace period were dropped."
+            );
+        }
+        for arbiter in self.arbiters {
+            arbiter.stop();
+        }
+    }
+}
+
+/// One worker's accept loop, until `stop`; then waits for its connections
+/// to end.
+async fn accept(
+    listener: TcpListener,
+    worker: Rc<Worker>,
+    header_timeout: Duration,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut http = http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(header_timeout)
+        .max_buf_size(CLIENT_BUFFER);
+    let http = Rc::new(http);
+    let open = Rc::new(Open::default());
+    loop {
+        let accepted = tokio::select! {
+            biased;
+            _ = stop.wait_for(|stopping| *stopping) => break,
+            accepted = listener.accept() => accepted,
+        };
+        match accepted {
+            Ok((stream, peer)) => {
+                let connection = Connection {
+                    worker: worker.clone(),
+                    http: http.clone(),
+                    stop: stop.clone(),
+                    _open: Open::enter(&open),
+                };
+                tokio::task::spawn_local(connection.serve(stream, peer));
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "Accepting a client connection failed.");
+                tokio::time::sleep(ACCEPT_BACKOFF).await;
+            }
+        }
+    }
+    drop(listener);
+    open.drained().await;
+}
+
+/// What one client connection's task needs.
+struct Connection {
+    /// Handles its requests.
+    worker: Rc<Worker>,
+    /// HTTP/1.1 settings.
+    http: Rc<http1::Builder>,
+    /// Turns `true` on shutdown.
+    stop: watch::Receiver<bool>,
+    /// Counts the connection as open until it ends.
+    _open: OpenGuard,
+}
+
+impl Connection {
+    /// Serves `stream` from `peer` until the client or the server ends it,
+    /// the watchdog cuts it off, or shutdown has let its last request
+    /// finish.
+    async fn serve(mut self, stream: TcpStream, peer: SocketAddr) {
+        if let Err(e) = stream.set_nodelay(true) {
+            tracing::debug!(error = %e, "Cannot set TCP_NODELAY on a client connection.");
+        }
+        let cut = ClientCut::default();
+        let client = Rc::new(Client {
+            peer,
+            cut: cut.clone(),
+        });
+        let worker = self.worker;
+        let service = service_fn(move |req| {
+            let (client, worker) = (client.clone(), worker.clone());
+            async move { Ok::<_, Infallible>(super::handle(req, &client, &worker).await) }
+        });
+        let mut conn = pin!(self.http.serve_connection(TokioIo::new(stream), service));
+        let mut stopping = false;
+        loop {
+            tokio::select! {
+                biased;
+                served = conn.as_mut() => {
+                    if let Err(e) = served {
+                        ended_in_error(&e, peer);
+                    }
+                    return;
+                }
+                () = cut.requested() => return,
+                _ = self.stop.wait_for(|stopping| *stopping), if !stopping => {
+                    stopping = true;
+                    conn.as_mut().graceful_shutdown();
+                }
+            }
+        }
+    }
+}
+
+/// Records a connection that ended in `error`. A header deadline that ran
+/// out is not noise: it is also how an idle kept-alive connection ends.
+fn ended_in_error(error: &hyper::Error, peer: SocketAddr) {
+    if error.is_timeout() {
+        return;
+    }
+    telemetry::count_client_noise();
+    tracing::debug!(error = %error, %peer, "A client connection ended in an error.");
+}
+
+/// One worker's open connections.
+#[derive(Default)]
+struct Open {
+    /// How many.
+    count: Cell<usize>,
+    /// Woken when the count falls to zero.
+    none_left: Notify,
+}
+
+impl Open {
+    /// Counts one more open connection until the guard drops.
+    fn enter(this: &Rc<Self>) -> OpenGuard {
+        this.count.set(this.count.get() + 1);
+        OpenGuard(this.clone())
+    }
+
+    /// Resolves once no connection is open.
+    async fn drained(&self) {
+        while self.count.get() > 0 {
+            self.none_left.notified().await;
+        }
+    }
+}
+
+/// One open connection, counted in its worker's [`Open`].
+struct OpenGuard(Rc<Open>);
+
+impl Drop for OpenGuard {
+    fn drop(&mut self) {
+        let left = self.0.count.get().saturating_sub(1);
+        self.0.count.set(left);
+        if left == 0 {
+            self.0.none_left.notify_waiters();
+        }
+    }
+}

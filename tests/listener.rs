@@ -1,0 +1,130 @@
+//! The proxy listener itself: what a connection may take (the header
+//! deadline, a malformed request), answers without a body (HEAD), and
+//! graceful shutdown. Clients are raw sockets.
+
+#![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
+
+mod common;
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::TcpStream;
+use std::thread;
+use std::time::Duration;
+
+use tollgate::clock::{Clock, SystemClock};
+
+use common::{Stack, raw_http, wait_until};
+
+/// Reads from `stream` until the gateway closes it; returns what arrived.
+fn read_until_closed(stream: &mut TcpStream) -> Vec<u8> {
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut got = Vec::new();
+    match stream.read_to_end(&mut got) {
+        Ok(_) => {}
+        Err(e) if e.kind() == ErrorKind::ConnectionReset => {}
+        Err(e) => panic!("the gateway kept the connection open: {e}"),
+    }
+    got
+}
+
+#[test]
+fn a_request_head_that_does_not_arrive_in_time_loses_its_connection() {
+    let s = Stack::start("header-deadline", "", |c, _| {
+        c.extra.push_str("[client]\nheader_timeout_ms = 300\n");
+    });
+    // Half a request line and a header, then nothing.
+    let mut slow = TcpStream::connect(s.gw.addr).unwrap();
+    let clock = SystemClock::new();
+    let started = clock.now_ms();
+    slow.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n").unwrap();
+    let got = read_until_closed(&mut slow);
+    let waited_ms = clock.now_ms() - started;
+    assert!(got.is_empty(), "{:?}", String::from_utf8_lossy(&got));
+    assert!(waited_ms >= 250, "closed after {waited_ms} ms");
+    assert!(waited_ms < 3000, "closed after {waited_ms} ms");
+
+    // A kept-alive connection gets the same deadline for its next request.
+    let mut idle = TcpStream::connect(s.gw.addr).unwrap();
+    idle.write_all(b"GET /x HTTP/1.1\r\nHost: x\r\nX-Api-Key: acme\r\n\r\n")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&read_until_closed(&mut idle)).into_owned();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+
+    // The gateway still serves.
+    assert_eq!(
+        raw_http(s.gw.addr, "GET /x HTTP/1.1\r\nX-Api-Key: acme\r\n").status,
+        200
+    );
+}
+
+#[test]
+fn a_malformed_request_is_answered_400_and_costs_nothing() {
+    let s = Stack::start("malformed", "", |_, _| {});
+    let mut bad = TcpStream::connect(s.gw.addr).unwrap();
+    bad.write_all(b"GET / HTTP/1.1\r\nX-Api-Key: acme\r\nno colon here\r\n\r\n")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&read_until_closed(&mut bad)).into_owned();
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    // The default rule holds 2 tokens: both are still there.
+    for _ in 0..2 {
+        let ok = raw_http(s.gw.addr, "GET /x HTTP/1.1\r\nX-Api-Key: acme\r\n");
+        assert_eq!(ok.status, 200);
+    }
+}
+
+#[test]
+fn a_head_answer_keeps_the_upstreams_length_and_has_no_body() {
+    let s = Stack::start("head", "", |c, _| {
+        c.extra = "[default_rule]\ncapacity = 10\nrefill_per_second = 10\n".into();
+    });
+    let get = raw_http(s.gw.addr, "GET /thing HTTP/1.1\r\nX-Api-Key: acme\r\n");
+    let head = raw_http(s.gw.addr, "HEAD /thing HTTP/1.1\r\nX-Api-Key: acme\r\n");
+    assert_eq!(head.status, 200);
+    assert_eq!(head.body, "", "a HEAD answer has no body");
+    let length: usize = head.header("content-length").unwrap().parse().unwrap();
+    assert!(length > 0);
+    // The mock's JSON echoes the method, one letter shorter for GET.
+    assert_eq!(length, get.body.len() + 1);
+    assert_eq!(head.header("x-ratelimit-limit"), Some("10"));
+}
+
+#[test]
+fn shutdown_lets_a_request_in_flight_finish_and_accepts_no_more() {
+    let mut s = Stack::start("drain", "", |_, _| {});
+    let addr = s.gw.addr;
+    // Idle on a kept-alive connection when shutdown begins.
+    let mut idle = TcpStream::connect(addr).unwrap();
+    idle.write_all(b"GET /x HTTP/1.1\r\nHost: x\r\nX-Api-Key: idle\r\n\r\n")
+        .unwrap();
+    let mut first = [0u8; 12];
+    idle.read_exact(&mut first).unwrap();
+    assert_eq!(&first[9..12], b"200");
+
+    let in_flight =
+        thread::spawn(move || raw_http(addr, "GET /slow?ms=700 HTTP/1.1\r\nX-Api-Key: busy\r\n"));
+    thread::sleep(Duration::from_millis(150));
+    s.gw.begin_stop();
+    let clock = SystemClock::new();
+    let stopping = clock.now_ms();
+
+    assert!(
+        wait_until(Duration::from_secs(1), || TcpStream::connect(addr).is_err()),
+        "the listener still accepts after shutdown began"
+    );
+    let rest = read_until_closed(&mut idle);
+    assert!(
+        !rest.is_empty(),
+        "the idle connection got its whole answer first"
+    );
+    // Well before the 5 s header deadline would have closed it.
+    let closed_ms = clock.now_ms() - stopping;
+    assert!(
+        closed_ms < 2000,
+        "idle connection closed after {closed_ms} ms"
+    );
+    let answer = in_flight.join().unwrap();
+    assert_eq!(answer.status, 200);
+    assert_eq!(answer.body, "slow");
+}
