@@ -6,7 +6,8 @@
 # REDIS_PID), start_upstream PORT (nginx answering "ok"; sets UPSTREAM_PID),
 # write_bench_config …, start_tollgate NAME CONFIG [ENV=VALUE...] (sets
 # TOLLGATE_PID), run_oha OUT URL ARGS..., run_wrk OUT URL ARGS...,
-# latency_ms FILE (p50 p99 p99.9 in ms), cpu_ticks PID..., pin CPU PID...,
+# latency_ms FILE (p50 p99 p99.9 in ms), cpu_ticks PID... (all, kernel),
+# pin CPU PID...,
 # script_usec PORT... .
 #
 # Load generators run under ${LOAD_PREFIX[@]} (for example taskset -c 1).
@@ -150,11 +151,13 @@ latency_ms() {
 
 # cpu_ticks PID...: user plus system CPU time, in clock ticks (getconf
 # CLK_TCK per second), of these processes (all their threads) and their
-# children (nginx's workers).
+# children (nginx's workers); then, after a space, the system (kernel)
+# part alone.
 cpu_ticks() {
   local pid all=()
   for pid in "$@"; do all+=("$pid" $(pgrep -P "$pid" || true)); done
-  for pid in "${all[@]}"; do cat "/proc/$pid/stat"; done | awk '{n += $14 + $15} END {print n + 0}'
+  for pid in "${all[@]}"; do cat "/proc/$pid/stat"; done |
+    awk '{n += $14 + $15; k += $15} END {print n + 0, k + 0}'
 }
 
 # pin CPU PID...: binds these processes, every thread and their children to

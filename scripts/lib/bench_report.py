@@ -68,6 +68,7 @@ for t in targets:
         c, n = load("cpu", t, r), load("max", t, r)["summary"]["total"]
         per_round.append({
             "proxy": c["proxy"] * TICK_US / n,
+            "kernel": c["proxy_kernel"] * TICK_US / n,
             "redis": c["redis"] * TICK_US / n,
             "upstream": c["upstream"] * TICK_US / n,
             "script": c["script_usec"] / n,
@@ -96,13 +97,13 @@ for t in targets:
     print(f"{t:<16}{rps[t]:>12.0f}")
 print()
 print("CPU per request over the maximum-throughput runs (/proc; median of rounds), us")
-print(f"{'target':<16}{'proxy':>9}{'redis':>9}{'upstream':>10}{'total':>9}"
+print(f"{'target':<16}{'proxy':>9}{'(kernel)':>10}{'redis':>9}{'upstream':>10}{'total':>9}"
       f"{'script us/decision':>20}{'calls/decision':>16}")
 for t in targets:
     c = cpu[t]
     script = f"{c['script']:.2f}" if c["calls"] else "-"
     calls = f"{c['calls']:.3f}" if c["calls"] else "-"
-    print(f"{t:<16}{c['proxy']:>9.1f}{c['redis']:>9.1f}{c['upstream']:>10.1f}"
+    print(f"{t:<16}{c['proxy']:>9.1f}{c['kernel']:>10.1f}{c['redis']:>9.1f}{c['upstream']:>10.1f}"
           f"{c['proxy'] + c['redis'] + c['upstream']:>9.1f}{script:>20}{calls:>16}")
 print()
 print("Ratios against nginx proxy_pass, from the medians")
