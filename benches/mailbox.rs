@@ -19,6 +19,7 @@ use std::time::Duration;
 
 use tokio::sync::oneshot;
 
+use tollgate::bucket::decision::GroupLimit;
 use tollgate::bucket::store::BatchStore;
 use tollgate::bucket::{Ask, BucketClient, BucketSpec, Decision, Grant, SharedStore};
 use tollgate::clock::{Clock, SystemClock};
@@ -42,16 +43,27 @@ impl BatchStore for Instant {
             .iter()
             .map(|(_, _, ask)| Grant {
                 granted: ask.want,
-                decision: Decision {
-                    allowed: true,
-                    remaining: 1,
-                    retry_after_ms: 0,
-                },
+                decision: ADMITTED,
                 block_ms: 0,
             })
             .collect())
     }
+
+    async fn take_group(
+        &self,
+        group: &[(String, GroupLimit)],
+        _cost: u32,
+    ) -> Result<Vec<Decision>, RedisCallError> {
+        Ok(vec![ADMITTED; group.len()])
+    }
 }
+
+/// What `Instant` answers.
+const ADMITTED: Decision = Decision {
+    allowed: true,
+    remaining: 1,
+    retry_after_ms: 0,
+};
 
 const N: u64 = 200_000;
 

@@ -21,8 +21,21 @@
 --                arguments per key whatever the ask: every argument costs
 --                Redis a Lua string per call.
 --
--- Returns, per key in key order, three integers for a plain ask and five
--- for a lease ask:
+-- Groups: an ask "cost*n" starts a group of n keys (this one and the n-1
+-- after it, whose asks are "-"): the limits of one request, all of which
+-- must admit it. The cost is taken from every one of them, or from none
+-- when one refuses. A group's key is a bucket as above, or a quota: then
+-- ARGV[3i-2] is the quota (requests per window) and ARGV[3i-1] the window
+-- instead of a rate: "m", "h", "d" (calendar minute, hour, day, UTC), "M"
+-- (calendar month, UTC) or "s<seconds>" (fixed windows counted from the
+-- epoch). A quota's key holds the requests counted in the current window
+-- and expires when the window ends (SET ... PXAT): a new window starts
+-- from zero.
+--
+-- Returns, per key in key order, three integers for a plain or group ask
+-- and five for a lease ask (in a group, allowed is the group's verdict and
+-- remaining and retry_after_ms are that key's; a quota's retry_after_ms is
+-- the time until its window ends):
 --   allowed         1 when the request's tokens were taken, else 0
 --   remaining       tokens left after this call, floored
 --   retry_after_ms  ms until need tokens exist, rounded up: for a rejection
@@ -62,71 +75,185 @@ local time = redis.call('TIME')
 local now = time[1] * 1000000 + time[2]
 local reply = {}
 local n = 0
+
 -- The rule of the previous key: its argument strings and their values.
 local rule_capacity, rule_rate, capacity, rate, expire_ms
 
 for i = 1, #KEYS do
   local at = i * 3
-  if ARGV[at - 2] ~= rule_capacity or ARGV[at - 1] ~= rule_rate then
-    rule_capacity, rule_rate = ARGV[at - 2], ARGV[at - 1]
-    capacity, rate = tonumber(rule_capacity), tonumber(rule_rate)
-    expire_ms = string.format('%d', ceil(2000 * capacity / rate))
-  end
   local ask = ARGV[at] or '1'
   local want = tonumber(ask)
   local min, need, lease = want, want, false
+  local grouped = false
   if not want then
     local w, m, k = string.match(ask, '^(%d+):(%d+):(%d+)$')
-    if not k then
-      return redis.error_reply('tollgate: bad ask ' .. ask)
-    end
-    want, min, need, lease = tonumber(w), tonumber(m), tonumber(k), true
-  end
-  if want > capacity then want = capacity end
-  if min > want then min = want end
-  if need > min then need = min end
+    if k then
+      want, min, need, lease = tonumber(w), tonumber(m), tonumber(k), true
+    elseif ask == '-' then
+      -- A later key of a group: decided with the group's first key.
+      grouped = true
+    else
+      local cost, count = string.match(ask, '^(%d+)%*(%d+)$')
+      count = tonumber(count)
+      if not count or count < 1 or i + count - 1 > #KEYS then
+        return redis.error_reply('tollgate: bad ask ' .. ask)
+      end
+      -- Decides the group of count keys starting at first, each taking cost.
+      -- Defined here, not at the top: a script's functions are created
+      -- afresh on every call, and most calls hold no group.
+      local function group(first, count, cost)
+        local now_ms = floor(now / 1000)
 
-  local tokens = capacity
-  local tat = tonumber(redis.call('GET', KEYS[i]))
-  if tat and tat > now then
-    tokens = capacity - (tat - now) * rate / 1000000
-    if tokens < 0 then
-      tokens = 0
-    end
-    -- Whole token counts survive the trip through the TAT despite rounding.
-    local whole = floor(tokens + 0.5)
-    if tokens - whole < 1e-9 and whole - tokens < 1e-9 then
-      tokens = whole
+        -- Tokens in the bucket at key, as the single-key path computes them.
+        local function bucket_tokens(key, capacity, rate)
+          local tat = tonumber(redis.call('GET', key))
+          if not tat or tat <= now then
+            return capacity
+          end
+          local tokens = capacity - (tat - now) * rate / 1000000
+          if tokens < 0 then
+            return 0
+          end
+          local whole = floor(tokens + 0.5)
+          if tokens - whole < 1e-9 and whole - tokens < 1e-9 then
+            return whole
+          end
+          return tokens
+        end
+
+        -- Days since 1970-01-01 of the first day of month m (1-12) of year y.
+        local function days_from_civil(y, m)
+          if m <= 2 then y = y - 1 end
+          local era = floor(y / 400)
+          local yoe = y - era * 400
+          local mp = m > 2 and m - 3 or m + 9
+          local doe = yoe * 365 + floor(yoe / 4) - floor(yoe / 100) + floor((153 * mp + 2) / 5)
+          return era * 146097 + doe - 719468
+        end
+
+        -- When the window named code that holds now ends, in ms since the epoch.
+        local function window_end(code)
+          local len
+          if code == 'm' then len = 60000
+          elseif code == 'h' then len = 3600000
+          elseif code == 'd' then len = 86400000
+          elseif code == 'M' then
+            local z = floor(now_ms / 86400000) + 719468
+            local era = floor(z / 146097)
+            local doe = z - era * 146097
+            local yoe = floor((doe - floor(doe / 1460) + floor(doe / 36524) - floor(doe / 146096)) / 365)
+            local doy = doe - (365 * yoe + floor(yoe / 4) - floor(yoe / 100))
+            local mp = floor((5 * doy + 2) / 153)
+            local m = mp < 10 and mp + 3 or mp - 9
+            local y = yoe + era * 400 + (m <= 2 and 1 or 0)
+            if m == 12 then y, m = y + 1, 1 else m = m + 1 end
+            return days_from_civil(y, m) * 86400000
+          else
+            len = tonumber(string.sub(code, 2)) * 1000
+          end
+          return (floor(now_ms / len) + 1) * len
+        end
+
+        local state = {}
+        local ok = true
+        for j = first, first + count - 1 do
+          local at = j * 3
+          local capacity = tonumber(ARGV[at - 2])
+          local rate = tonumber(ARGV[at - 1])
+          local need = cost
+          if need > capacity then need = capacity end
+          local s = {capacity = capacity, rate = rate, need = need}
+          if rate then
+            s.tokens = bucket_tokens(KEYS[j], capacity, rate)
+          else
+            s.ends = window_end(ARGV[at - 1])
+            s.used = tonumber(redis.call('GET', KEYS[j])) or 0
+            s.tokens = capacity - s.used
+          end
+          if s.tokens < need then ok = false end
+          state[j] = s
+        end
+        for j = first, first + count - 1 do
+          local s = state[j]
+          local tokens = s.tokens
+          if ok then
+            tokens = tokens - s.need
+            if s.rate then
+              redis.call('SET', KEYS[j], now + (s.capacity - tokens) * 1000000 / s.rate,
+                'PX', string.format('%d', ceil(2000 * s.capacity / s.rate)))
+            else
+              redis.call('SET', KEYS[j], s.used + s.need, 'PXAT', s.ends)
+            end
+          end
+          reply[n + 1] = ok and 1 or 0
+          reply[n + 2] = floor(tokens)
+          if tokens >= s.need then
+            reply[n + 3] = 0
+          elseif s.rate then
+            reply[n + 3] = wait(s.need, tokens, s.rate)
+          else
+            reply[n + 3] = s.ends - now_ms
+          end
+          n = n + 3
+        end
+      end
+      group(i, count, tonumber(cost))
+      grouped = true
     end
   end
+  if not grouped then
+    if ARGV[at - 2] ~= rule_capacity or ARGV[at - 1] ~= rule_rate then
+      rule_capacity, rule_rate = ARGV[at - 2], ARGV[at - 1]
+      capacity, rate = tonumber(rule_capacity), tonumber(rule_rate)
+      expire_ms = string.format('%d', ceil(2000 * capacity / rate))
+    end
+    if want > capacity then want = capacity end
+    if min > want then min = want end
+    if need > min then need = min end
 
-  if tokens < need then
-    -- tokens < need <= min, so both waits are at least 1 ms.
-    reply[n + 1] = 0
-    reply[n + 2] = floor(tokens)
-    reply[n + 3] = wait(need, tokens, rate)
-    n = n + 3
-    if lease then
+    -- The group path's bucket_tokens, inline: this path runs per key.
+    local tokens = capacity
+    local tat = tonumber(redis.call('GET', KEYS[i]))
+    if tat and tat > now then
+      tokens = capacity - (tat - now) * rate / 1000000
+      if tokens < 0 then
+        tokens = 0
+      end
+      -- Whole token counts survive the trip through the TAT despite rounding.
+      local whole = floor(tokens + 0.5)
+      if tokens - whole < 1e-9 and whole - tokens < 1e-9 then
+        tokens = whole
+      end
+    end
+
+    if tokens < need then
+      -- tokens < need <= min, so both waits are at least 1 ms.
       reply[n + 1] = 0
-      reply[n + 2] = wait(min, tokens, rate)
-      n = n + 2
-    end
-  else
-    local granted = need
-    if tokens >= min then
-      granted = floor(tokens)
-      if granted > want then granted = want end
-    end
-    tokens = tokens - granted
-    redis.call('SET', KEYS[i], now + (capacity - tokens) * 1000000 / rate, 'PX', expire_ms)
-    reply[n + 1] = 1
-    reply[n + 2] = floor(tokens)
-    reply[n + 3] = wait(need, tokens, rate)
-    n = n + 3
-    if lease then
-      reply[n + 1] = granted
-      reply[n + 2] = wait(min, tokens, rate)
-      n = n + 2
+      reply[n + 2] = floor(tokens)
+      reply[n + 3] = wait(need, tokens, rate)
+      n = n + 3
+      if lease then
+        reply[n + 1] = 0
+        reply[n + 2] = wait(min, tokens, rate)
+        n = n + 2
+      end
+    else
+      local granted = need
+      if tokens >= min then
+        granted = floor(tokens)
+        if granted > want then granted = want end
+      end
+      tokens = tokens - granted
+      redis.call('SET', KEYS[i], now + (capacity - tokens) * 1000000 / rate, 'PX', expire_ms)
+      reply[n + 1] = 1
+      reply[n + 2] = floor(tokens)
+      reply[n + 3] = wait(need, tokens, rate)
+      n = n + 3
+      if lease then
+        reply[n + 1] = granted
+        reply[n + 2] = wait(min, tokens, rate)
+        n = n + 2
+      end
     end
   end
 end

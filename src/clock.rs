@@ -21,6 +21,12 @@ pub trait Clock: Send + Sync + 'static {
     fn now_ms(&self) -> u64 {
         self.now_micros() / 1000
     }
+
+    /// Milliseconds since the Unix epoch, for calendar windows (UTC days,
+    /// months). A test clock's origin is the epoch.
+    fn unix_ms(&self) -> u64 {
+        self.now_ms()
+    }
 }
 
 /// Shared clock handle used across the gateway.
@@ -31,14 +37,20 @@ pub type SharedClock = Arc<dyn Clock>;
 pub struct SystemClock {
     /// Origin of the millisecond count.
     origin: Instant,
+    /// The origin in milliseconds since the Unix epoch.
+    origin_unix_ms: u64,
 }
 
 impl SystemClock {
     /// A clock whose origin is now.
     #[allow(clippy::disallowed_methods)] // The one place that reads the system clock.
     pub fn new() -> Self {
+        let since_epoch = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
         Self {
             origin: Instant::now(),
+            origin_unix_ms: u64::try_from(since_epoch.as_millis()).unwrap_or(0),
         }
     }
 
@@ -57,6 +69,13 @@ impl Default for SystemClock {
 impl Clock for SystemClock {
     fn now_micros(&self) -> u64 {
         u64::try_from(self.origin.elapsed().as_micros()).unwrap_or(u64::MAX)
+    }
+
+    /// The wall clock at the origin plus the monotonic time since: it never
+    /// goes backwards, and drifts from the wall clock only as far as the
+    /// system clock is stepped while the gateway runs.
+    fn unix_ms(&self) -> u64 {
+        self.origin_unix_ms.saturating_add(self.now_ms())
     }
 }
 

@@ -119,6 +119,22 @@ id_type!(
     validate_route_id
 );
 
+/// How a tenant-wide rule names its scope: every route of the tenant.
+pub const ALL_ROUTES: &str = "*";
+
+impl RouteId {
+    /// The scope of a tenant-wide rule (`*`, which no route id can be):
+    /// its limits count every route's requests.
+    pub fn all() -> Self {
+        Self(Arc::from(ALL_ROUTES))
+    }
+
+    /// Whether this is the tenant-wide scope, [`RouteId::all`].
+    pub fn is_all(&self) -> bool {
+        &*self.0 == ALL_ROUTES
+    }
+}
+
 id_type!(
     /// A tenant's display name (from its rule), shown in logs and metric
     /// labels instead of its key.
@@ -251,9 +267,27 @@ impl BucketKey {
         Self(key)
     }
 
+    /// The key of a rule's further limit `index` (1 and up; 0 is the
+    /// rule's first bucket, [`BucketKey::new`]): `rl2:{<tenant>}:<route>#<index>`,
+    /// followed by `tag` (a quota's window, so that a changed window starts
+    /// a fresh count). It shares the tenant's hash tag, so one call holds
+    /// every limit of a request.
+    pub fn further(tenant: &TenantId, route: &RouteId, index: usize, tag: &str) -> Self {
+        let mut key = Self::new(tenant, route).0;
+        key.push('#');
+        key.push_str(itoa::Buffer::new().format(index));
+        key.push_str(tag);
+        Self(key)
+    }
+
     /// The key as text.
     pub fn as_str(&self) -> &str {
         &self.0
+    }
+
+    /// The key as an owned string.
+    pub fn into_string(self) -> String {
+        self.0
     }
 }
 

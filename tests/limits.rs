@@ -246,3 +246,89 @@ async fn limits_shadow_puts_every_rule_in_shadow_mode() {
         2.0
     );
 }
+
+/// Two routes, each with the catch-all mock upstream behind it.
+fn two_routes(c: &mut GatewayConfig, up: &str) {
+    c.routes = format!(
+        "[[routes]]\nid = \"search\"\npath_prefix = \"/search\"\nupstream = \"{up}\"\n\
+         [[routes]]\nid = \"orders\"\npath_prefix = \"/orders\"\nupstream = \"{up}\"\n"
+    );
+    c.extra = "[default_rule]\ncapacity = 100\nrefill_per_second = 100\n".into();
+}
+
+#[actix_web::test]
+async fn a_quota_beside_the_bucket_refuses_until_its_window_ends() {
+    let rules = "[[rule]]\ntenant = \"acme\"\nroute = \"search\"\ncapacity = 50\nrefill_per_second = 50\n\
+                 [[rule.limit]]\nquota = 3\nwindow = \"day\"\n";
+    let s = Stack::start("quota", rules, two_routes);
+    let c = client();
+    let send = || {
+        c.get(s.gw.url("/search"))
+            .insert_header(("x-api-key", "acme"))
+            .send()
+    };
+    for left in ["2", "1", "0"] {
+        let ok = send().await.unwrap();
+        assert_eq!(ok.status(), 200);
+        // The quota has fewer requests left than the bucket: it is reported.
+        assert_eq!(header(&ok, "x-ratelimit-remaining").as_deref(), Some(left));
+        assert_eq!(header(&ok, "x-ratelimit-limit").as_deref(), Some("3"));
+    }
+    let refused = send().await.unwrap();
+    assert_eq!(refused.status(), 429);
+    let policies = ratelimit_members(&header(&refused, "ratelimit-policy").unwrap());
+    let names: Vec<&str> = policies.iter().map(|(name, _)| name.as_str()).collect();
+    assert_eq!(names, ["search", "search.1"]);
+    assert_eq!(
+        policies[1].1,
+        [("q".to_owned(), 3), ("w".to_owned(), 86_400)]
+    );
+    // Until the next UTC midnight, as Redis's clock tells it.
+    let time = s.redis.cmd(&["TIME"]);
+    // The first number of the reply: Unix seconds.
+    let now: u64 = time
+        .split(|c: char| !c.is_ascii_digit())
+        .find(|n| n.len() >= 9)
+        .unwrap_or_else(|| panic!("TIME said {time:?}"))
+        .parse()
+        .unwrap();
+    let to_midnight = 86_400 - now % 86_400;
+    let retry: u64 = header(&refused, "retry-after").unwrap().parse().unwrap();
+    assert!(
+        retry.abs_diff(to_midnight) <= 2,
+        "{retry} against {to_midnight}"
+    );
+    let current = ratelimit_members(&header(&refused, "ratelimit").unwrap());
+    assert_eq!(current[0].0, "search.1");
+    // Another route of the tenant is not held by this rule's quota.
+    let other = c
+        .get(s.gw.url("/orders"))
+        .insert_header(("x-api-key", "acme"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(other.status(), 200);
+}
+
+#[actix_web::test]
+async fn a_tenant_wide_rule_counts_every_route() {
+    let rules = "[[rule]]\ntenant = \"acme\"\nroute = \"*\"\ncapacity = 3\nrefill_per_second = 1\n";
+    let s = Stack::start("tenant-wide", rules, two_routes);
+    let mut statuses = Vec::new();
+    for path in ["/search", "/orders", "/search", "/orders"] {
+        statuses.push(get(&s.gw.url(path), Some("acme")).await.0);
+    }
+    assert_eq!(statuses, [200, 200, 200, 429]);
+    // Another tenant has only the default rule.
+    assert_eq!(get(&s.gw.url("/orders"), Some("globex")).await.0, 200);
+    let refused = client()
+        .get(s.gw.url("/search"))
+        .insert_header(("x-api-key", "acme"))
+        .send()
+        .await
+        .unwrap();
+    let policies = ratelimit_members(&header(&refused, "ratelimit-policy").unwrap());
+    let names: Vec<&str> = policies.iter().map(|(name, _)| name.as_str()).collect();
+    assert_eq!(names, ["search", "*"]);
+    assert_eq!(header(&refused, "x-ratelimit-limit").as_deref(), Some("3"));
+}

@@ -11,10 +11,12 @@ use std::time::Duration;
 
 use common::{RedisServer, wait_until};
 use redis::AsyncCommands;
+use tollgate::bucket::decision::GroupLimit;
 use tollgate::bucket::{Ask, BucketSpec, RedisBucket};
 use tollgate::clock::{Clock, SystemClock};
 use tollgate::config::{RedisSettings, RedisTarget};
 use tollgate::redis_client::{RedisCallError, RedisConnector};
+use tollgate::rules::Window;
 use tollgate::telemetry::{self, Metrics};
 
 fn bucket(redis: &RedisServer, timeout: Duration) -> RedisBucket {
@@ -384,4 +386,74 @@ async fn a_bare_call_replies_allowed_remaining_and_retry_after_first() {
     assert_eq!(rejected.len(), 3, "{rejected:?}");
     assert_eq!(rejected[..2], [0, 0]);
     assert!((1..=1_000).contains(&rejected[2]), "{rejected:?}");
+}
+
+/// A rule's limits as one group: a bucket of `capacity` and a quota of
+/// `quota` per `window_s` seconds.
+fn bucket_and_quota(capacity: u32, quota: u32, window_s: u32) -> Vec<(String, GroupLimit)> {
+    vec![
+        (
+            "rl2:{g}:r".to_owned(),
+            GroupLimit::Bucket(spec(capacity, 1)),
+        ),
+        (
+            "rl2:{g}:r#1s".to_owned(),
+            GroupLimit::Quota {
+                quota: NonZeroU32::new(quota).unwrap(),
+                window: Window::Seconds(NonZeroU32::new(window_s).unwrap()),
+            },
+        ),
+    ]
+}
+
+#[actix_web::test]
+async fn a_group_takes_from_every_limit_or_from_none() {
+    let redis = RedisServer::start();
+    let b = bucket(&redis, Duration::from_secs(2));
+    let mut conn = redis.conn().await;
+    // The quota (2 per hour-long window) runs out before the bucket (5).
+    let group = bucket_and_quota(5, 2, 3600);
+    for left in [1, 0] {
+        let d = b.take_group(&group, 1).await.unwrap();
+        assert!(d.iter().all(|d| d.allowed), "{d:?}");
+        assert_eq!(d[1].remaining, left);
+    }
+    let tat_before: f64 = conn.get("rl2:{g}:r").await.unwrap();
+    let refused = b.take_group(&group, 1).await.unwrap();
+    assert!(refused.iter().all(|d| !d.allowed), "{refused:?}");
+    // The bucket had room: it says so, and keeps its tokens.
+    assert_eq!((refused[0].remaining, refused[0].retry_after_ms), (3, 0));
+    let tat_after: f64 = conn.get("rl2:{g}:r").await.unwrap();
+    assert_eq!(tat_before, tat_after, "a refused group writes nothing");
+    // The quota waits for its window's end, at most an hour away.
+    assert!(refused[1].retry_after_ms > 0 && refused[1].retry_after_ms <= 3_600_000);
+    let counted: u32 = conn.get("rl2:{g}:r#1s").await.unwrap();
+    assert_eq!(counted, 2);
+    let expires_at: i64 = redis::cmd("PEXPIRETIME")
+        .arg("rl2:{g}:r#1s")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(expires_at % 3_600_000, 0, "the count ends with its window");
+}
+
+#[actix_web::test]
+async fn a_quota_starts_again_when_its_window_ends() {
+    let redis = RedisServer::start();
+    let b = bucket(&redis, Duration::from_secs(2));
+    let group = bucket_and_quota(100, 1, 1);
+    let clock = SystemClock::new();
+    let started = clock.now_ms();
+    let mut admitted = 0;
+    // One per one-second window: in a bit over two seconds, 2 or 3.
+    while clock.now_ms() - started < 2_100 {
+        let d = b.take_group(&group, 1).await.unwrap();
+        if d[0].allowed {
+            admitted += 1;
+        } else {
+            assert!(d[1].retry_after_ms <= 1_000, "{d:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!((2..=3).contains(&admitted), "{admitted} admitted");
 }

@@ -245,8 +245,9 @@ fn parse_rule(tenant: &str, route: &str, body: &[u8]) -> Result<Rule, AdminError
     RuleSpec {
         tenant: tenant.to_owned(),
         route: route.to_owned(),
-        capacity: number("capacity", None)?,
-        refill_per_second: number("refill_per_second", None)?,
+        capacity: Some(number("capacity", None)?),
+        refill_per_second: Some(number("refill_per_second", None)?),
+        limits: Vec::new(),
         shards: number("shards", Some(1))?,
         exact,
         mode: text("mode")?,

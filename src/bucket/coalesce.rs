@@ -12,6 +12,10 @@
 //! hash tag; sub-bucket keys have their own): each slot has at most one
 //! call in flight and its own queue.
 //!
+//! The limits of a request with several ([`TakeGroup`]) go out in a call
+//! of their own, at once: they are rare beside single decisions, and must
+//! stay together in one call.
+//!
 //! Each call is bounded by `redis.timeout_ms` and reported to the breaker
 //! once, success or failure; when it fails every decision in it hears
 //! [`RedisCallError::CallFailed`] and is decided locally. A decision waits
@@ -28,7 +32,7 @@ use actix::{Actor, Addr, AsyncContext, Context, Handler, Message};
 use redis::cluster_routing::Slot;
 use tokio::sync::oneshot;
 
-use super::decision::{Ask, BucketSpec, Grant};
+use super::decision::{Ask, BucketSpec, Decision, Grant, GroupLimit};
 use super::redis::RedisBucket;
 use super::store::{BatchStore, SharedStore};
 use crate::breaker::BreakerGate;
@@ -61,6 +65,22 @@ pub struct Take {
     /// Where the grant goes; a decision that gave up has dropped the
     /// other end, and is then not sent.
     pub reply: Reply,
+}
+
+/// The answer to one group decision.
+type GroupReply = oneshot::Sender<Result<Vec<Decision>, RedisCallError>>;
+
+/// Take `cost` from every limit of one request, or from none, and answer
+/// on `reply`.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct TakeGroup {
+    /// Each limit's key, and the limit in force.
+    pub limits: Vec<(String, GroupLimit)>,
+    /// What the request costs.
+    pub cost: u32,
+    /// Where the decisions go.
+    pub reply: GroupReply,
 }
 
 /// The decisions of one group, and whether its call is in flight.
@@ -138,6 +158,23 @@ impl<B: BatchStore> BucketClient<B> {
         self.send(ctx, group, batch);
     }
 
+    /// Reports a call's outcome to the breaker and the error counter.
+    fn report(&self, result: Result<(), &RedisCallError>) {
+        match result {
+            Ok(()) => {
+                if let Some(gate) = &self.gate {
+                    gate.success();
+                }
+            }
+            Err(e) => {
+                if let Some(gate) = &self.gate {
+                    gate.failure();
+                }
+                self.metrics.redis_error(e.kind());
+            }
+        }
+    }
+
     /// One script call for `batch`; its answers go to their decisions.
     fn send(&mut self, ctx: &mut Context<Self>, group: Group, batch: Vec<Take>) {
         let redis = self.redis.clone();
@@ -152,21 +189,15 @@ impl<B: BatchStore> BucketClient<B> {
             (result, batch)
         };
         ctx.spawn(call.into_actor(self).map(move |(result, batch), client, ctx| {
+            client.report(result.as_ref().map(|_| ()));
             match result {
                 Ok(grants) => {
-                    if let Some(gate) = &client.gate {
-                        gate.success();
-                    }
                     for (take, grant) in batch.into_iter().zip(grants) {
                         // A decision that gave up has no one to tell.
                         let _ = take.reply.send(Ok(grant));
                     }
                 }
                 Err(e) => {
-                    if let Some(gate) = &client.gate {
-                        gate.failure();
-                    }
-                    client.metrics.redis_error(e.kind());
                     tracing::debug!(error = %e, keys = batch.len(), "Redis call failed; its decisions are made locally.");
                     for take in batch {
                         let _ = take.reply.send(Err(RedisCallError::CallFailed(e.kind())));
@@ -212,6 +243,25 @@ impl<B: BatchStore> Handler<Take> for BucketClient<B> {
     }
 }
 
+impl<B: BatchStore> Handler<TakeGroup> for BucketClient<B> {
+    type Result = ();
+
+    fn handle(&mut self, take: TakeGroup, ctx: &mut Context<Self>) {
+        let redis = self.redis.clone();
+        self.metrics.redis_keys_per_call(take.limits.len());
+        let call = async move {
+            let result = redis.take_group(&take.limits, take.cost).await;
+            (result, take.reply)
+        };
+        ctx.spawn(call.into_actor(self).map(|(result, reply), client, _| {
+            client.report(result.as_ref().map(|_| ()));
+            let result = result.map_err(|e| RedisCallError::CallFailed(e.kind()));
+            // A decision that gave up has no one to tell.
+            let _ = reply.send(result);
+        }));
+    }
+}
+
 /// The shared store as a worker's limiter sees it: its [`BucketClient`].
 pub struct Coalesced<B: BatchStore = RedisBucket> {
     /// The worker's bucket client.
@@ -245,11 +295,36 @@ impl<B: BatchStore> SharedStore for Coalesced<B> {
         if self.addr.try_send(take).is_err() {
             return Err(RedisCallError::CallFailed("queue full"));
         }
-        match tokio::time::timeout(2 * self.timeout, answer).await {
-            Ok(Ok(result)) => result,
-            Ok(Err(_)) => Err(RedisCallError::CallFailed("connection")),
-            Err(_) => Err(RedisCallError::CallFailed("timeout")),
+        answered(answer, 2 * self.timeout).await
+    }
+
+    async fn take_group(
+        &self,
+        group: &[(String, GroupLimit)],
+        cost: u32,
+    ) -> Result<Vec<Decision>, RedisCallError> {
+        let (reply, answer) = oneshot::channel();
+        let take = TakeGroup {
+            limits: group.to_vec(),
+            cost,
+            reply,
+        };
+        if self.addr.try_send(take).is_err() {
+            return Err(RedisCallError::CallFailed("queue full"));
         }
+        answered(answer, self.timeout).await
+    }
+}
+
+/// What the bucket client answered on `answer`, waiting at most `limit`.
+async fn answered<T>(
+    answer: oneshot::Receiver<Result<T, RedisCallError>>,
+    limit: Duration,
+) -> Result<T, RedisCallError> {
+    match tokio::time::timeout(limit, answer).await {
+        Ok(Ok(result)) => result,
+        Ok(Err(_)) => Err(RedisCallError::CallFailed("connection")),
+        Err(_) => Err(RedisCallError::CallFailed("timeout")),
     }
 }
 

@@ -11,6 +11,8 @@
 
 use std::num::NonZeroU32;
 
+use crate::rules::Window;
+
 /// The token bucket in force for one decision: the rule's limit after any
 /// regional share or fallback division.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -59,6 +61,57 @@ impl BucketSpec {
     pub fn window_seconds(&self) -> u64 {
         // Saturating float-to-int cast; the value is finite and positive.
         (f64::from(self.capacity.get()) / self.refill_per_second).ceil() as u64
+    }
+}
+
+/// One limit of a group decision (the several limits in force for one
+/// request), after any regional share or fallback division.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum GroupLimit {
+    /// A token bucket.
+    Bucket(BucketSpec),
+    /// At most `quota` requests per window.
+    Quota {
+        /// Requests per window.
+        quota: NonZeroU32,
+        /// The window.
+        window: Window,
+    },
+}
+
+impl GroupLimit {
+    /// This limit's `share` (0 < share ≤ 1): a bucket as
+    /// [`BucketSpec::scaled`], a quota × share (floored, at least 1).
+    pub fn scaled(&self, share: f64) -> Self {
+        match *self {
+            Self::Bucket(spec) => Self::Bucket(spec.scaled(share)),
+            Self::Quota { quota, window } if share > 0.0 && share < 1.0 => {
+                // Saturating float-to-int cast of a finite, non-negative value.
+                let scaled = (f64::from(quota.get()) * share).floor() as u32;
+                Self::Quota {
+                    quota: NonZeroU32::new(scaled).unwrap_or(NonZeroU32::MIN),
+                    window,
+                }
+            }
+            quota @ Self::Quota { .. } => quota,
+        }
+    }
+
+    /// Requests the limit admits at most at once (`q` of
+    /// `RateLimit-Policy`): the capacity or the quota.
+    pub fn size(&self) -> u64 {
+        match self {
+            Self::Bucket(spec) => u64::from(spec.capacity.get()),
+            Self::Quota { quota, .. } => u64::from(quota.get()),
+        }
+    }
+
+    /// Its window in seconds (`w` of `RateLimit-Policy`).
+    pub fn window_seconds(&self) -> u64 {
+        match self {
+            Self::Bucket(spec) => spec.window_seconds(),
+            Self::Quota { window, .. } => window.nominal_seconds(),
+        }
     }
 }
 

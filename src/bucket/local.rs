@@ -1,10 +1,12 @@
 //! In-process buckets: local-only mode and the fallback when Redis fails.
 //!
-//! Owns a bounded [`KeyMap`] of [`TokenState`]s. A bucket that has refilled
-//! completely is idle: forgetting it loses nothing, since it comes back
+//! Owns a bounded [`KeyMap`] of [`TokenState`]s, and one of quota counts
+//! for requests with several limits ([`LocalBuckets::take_group`]). A
+//! bucket that has refilled completely is idle, and so is a quota whose
+//! window has ended: forgetting either loses nothing, since it comes back
 //! full.
 
-use super::decision::{BucketSpec, Decision};
+use super::decision::{BucketSpec, Decision, GroupLimit};
 use super::keymap::{Idle, KeyMap};
 use super::tokens::TokenState;
 use crate::clock::SharedClock;
@@ -31,10 +33,33 @@ impl Idle for Entry {
     }
 }
 
-/// Keyed in-process token buckets.
+/// One tracked quota: its window's count.
+#[derive(Debug, Clone, Copy)]
+struct Counted {
+    /// When the counted window ends (Unix milliseconds).
+    ends_ms: u64,
+    /// Requests counted in it.
+    used: u64,
+    /// When the window ends by the map's own (monotonic) clock.
+    idle_at_ms: u64,
+}
+
+impl Idle for Counted {
+    fn is_idle(&self, now_ms: u64) -> bool {
+        now_ms >= self.idle_at_ms
+    }
+
+    fn last_used_ms(&self) -> u64 {
+        self.idle_at_ms
+    }
+}
+
+/// Keyed in-process token buckets and quota counts.
 pub struct LocalBuckets {
     /// Key → bucket.
     buckets: KeyMap<Entry>,
+    /// Key → quota count.
+    quotas: KeyMap<Counted>,
     /// Time source for refills.
     clock: SharedClock,
 }
@@ -44,6 +69,7 @@ impl LocalBuckets {
     pub fn new(max_keys: usize, clock: SharedClock) -> Self {
         Self {
             buckets: KeyMap::new(max_keys),
+            quotas: KeyMap::new(max_keys),
             clock,
         }
     }
@@ -63,9 +89,97 @@ impl LocalBuckets {
         })
     }
 
-    /// Drops every bucket that is full again; returns how many remain.
+    /// Takes `cost` from every limit of `group`, or from none when one
+    /// refuses, with the script's arithmetic: a quota counts the requests
+    /// of its current window. Each limit is checked, then each taken, not
+    /// under one lock: two requests racing for the last tokens of
+    /// different limits may both pass, which the fallback's 1/N shares
+    /// make small.
+    pub fn take_group(&self, group: &[(String, GroupLimit)], cost: u32) -> Vec<Decision> {
+        let now = self.clock.now_ms();
+        // Windows end on the calendar: their arithmetic takes Unix time.
+        let unix = self.clock.unix_ms();
+        // What each limit holds now, and what the request needs of it.
+        let held: Vec<(f64, u32)> = group
+            .iter()
+            .map(|(key, limit)| match limit {
+                GroupLimit::Bucket(spec) => (
+                    self.buckets
+                        .get(key, |e| e.state.available(spec, now))
+                        .unwrap_or(f64::from(spec.capacity.get())),
+                    cost.min(spec.capacity.get()),
+                ),
+                GroupLimit::Quota { quota, window } => {
+                    let ends_ms = window.end_ms(unix);
+                    let used = self
+                        .quotas
+                        .get(key, |c| if c.ends_ms == ends_ms { c.used } else { 0 })
+                        .unwrap_or(0);
+                    (f64::from(quota.get()) - used as f64, cost.min(quota.get()))
+                }
+            })
+            .collect();
+        let allowed = held
+            .iter()
+            .all(|(tokens, need)| *tokens >= f64::from(*need));
+        group
+            .iter()
+            .zip(held)
+            .map(|((key, limit), (tokens, need))| {
+                let enough = tokens >= f64::from(need);
+                match limit {
+                    // Takes, or refuses changing nothing.
+                    GroupLimit::Bucket(spec) if allowed || !enough => self.take(key, spec, need),
+                    GroupLimit::Bucket(_) => Decision {
+                        allowed: false,
+                        // Saturating float-to-int cast of a finite value.
+                        remaining: tokens.floor() as u64,
+                        retry_after_ms: 0,
+                    },
+                    GroupLimit::Quota { window, .. } => {
+                        let ends_ms = window.end_ms(unix);
+                        let left = if allowed {
+                            let fresh = || Counted {
+                                ends_ms,
+                                used: 0,
+                                idle_at_ms: now + (ends_ms - unix),
+                            };
+                            self.quotas.with(key, now, fresh, |c| {
+                                if c.ends_ms != ends_ms {
+                                    *c = fresh();
+                                }
+                                c.used += u64::from(need);
+                            });
+                            tokens - f64::from(need)
+                        } else {
+                            tokens
+                        };
+                        Decision {
+                            allowed,
+                            // Saturating float-to-int cast of a finite value.
+                            remaining: left.max(0.0) as u64,
+                            retry_after_ms: if left >= f64::from(need) {
+                                0
+                            } else {
+                                ends_ms - unix
+                            },
+                        }
+                    }
+                }
+            })
+            .map(|decision| Decision {
+                allowed,
+                ..decision
+            })
+            .collect()
+    }
+
+    /// Drops every bucket that is full again and every quota whose window
+    /// ended; returns how many buckets remain.
     pub fn sweep(&self) -> usize {
-        self.buckets.sweep(self.clock.now_ms())
+        let now = self.clock.now_ms();
+        self.quotas.sweep(now);
+        self.buckets.sweep(now)
     }
 }
 

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use redis::Script;
 
-use super::decision::{Ask, BucketSpec, Decision, Grant};
+use super::decision::{Ask, BucketSpec, Decision, Grant, GroupLimit};
 use crate::clock::SharedClock;
 use crate::redis_client::{RedisCallError, RedisConn};
 use crate::telemetry::Metrics;
@@ -121,6 +121,65 @@ impl RedisBucket {
         grants.pop().ok_or(RedisCallError::BadReply)
     }
 
+    /// Takes `cost` from every limit of `group`, or from none when one
+    /// refuses, in one script call; the decisions come in the same order.
+    /// Every key must live in one slot (one tenant's hash tag).
+    ///
+    /// # Errors
+    /// [`RedisCallError`] on timeout, connection or server failure, or a
+    /// reply of the wrong shape; then no decision is known.
+    pub async fn take_group(
+        &self,
+        group: &[(String, GroupLimit)],
+        cost: u32,
+    ) -> Result<Vec<Decision>, RedisCallError> {
+        let mut invocation = TOKEN_BUCKET.prepare_invoke();
+        for (i, (key, limit)) in group.iter().enumerate() {
+            invocation.key(key.as_str());
+            match limit {
+                GroupLimit::Bucket(spec) => {
+                    invocation
+                        .arg(spec.capacity.get())
+                        .arg(spec.refill_per_second);
+                }
+                GroupLimit::Quota { quota, window } => {
+                    invocation.arg(quota.get()).arg(window.script_code());
+                }
+            }
+            if i == 0 {
+                invocation.arg(format!("{cost}*{}", group.len()));
+            } else {
+                invocation.arg("-");
+            }
+        }
+        let reply = self.call(&invocation).await?;
+        let decisions: Vec<Decision> = reply
+            .chunks_exact(3)
+            .map(|r| Decision {
+                allowed: r[0] == 1,
+                remaining: u64::try_from(r[1]).unwrap_or(0),
+                retry_after_ms: u64::try_from(r[2]).unwrap_or(0),
+            })
+            .collect();
+        if reply.len() == 3 * group.len() {
+            Ok(decisions)
+        } else {
+            Err(RedisCallError::BadReply)
+        }
+    }
+
+    /// Runs one script invocation under the timeout, timing it.
+    async fn call(
+        &self,
+        invocation: &redis::ScriptInvocation<'_>,
+    ) -> Result<Vec<i64>, RedisCallError> {
+        let started = self.clock.now_micros();
+        let reply = self.conn.invoke(invocation, self.timeout).await?;
+        let elapsed = self.clock.now_micros().saturating_sub(started);
+        self.metrics.redis_call(elapsed as f64 / 1e6);
+        Ok(reply)
+    }
+
     /// Takes tokens from several buckets in one script call (one reading
     /// of Redis's clock), each as its `Ask` says; the grants come in the
     /// same order. Every key must live on one node (on a Cluster: one slot).
@@ -144,10 +203,7 @@ impl RedisBucket {
                 invocation.arg(format!("{}:{}:{}", ask.want, ask.min, ask.need));
             }
         }
-        let started = self.clock.now_micros();
-        let reply: Vec<i64> = self.conn.invoke(&invocation, self.timeout).await?;
-        let elapsed = self.clock.now_micros().saturating_sub(started);
-        self.metrics.redis_call(elapsed as f64 / 1e6);
+        let reply = self.call(&invocation).await?;
         let mut rest = reply.as_slice();
         let mut grants = Vec::with_capacity(batch.len());
         for (_, spec, ask) in batch {

@@ -13,7 +13,7 @@
 
 use std::time::Duration;
 
-use super::decision::{Ask, BucketSpec, Grant};
+use super::decision::{Ask, BucketSpec, Decision, Grant, GroupLimit};
 use super::redis::RedisBucket;
 use crate::redis_client::RedisCallError;
 
@@ -35,6 +35,18 @@ pub trait SharedStore: Clone + 'static {
         spec: &BucketSpec,
         ask: Ask,
     ) -> impl Future<Output = Result<Grant, RedisCallError>>;
+
+    /// Takes `cost` from every limit of `group` (one request's limits, all
+    /// keys of one tenant), or from none when one refuses, atomically; the
+    /// decisions come in the same order and agree on `allowed`.
+    ///
+    /// # Errors
+    /// As [`SharedStore::take`].
+    fn take_group(
+        &self,
+        group: &[(String, GroupLimit)],
+        cost: u32,
+    ) -> impl Future<Output = Result<Vec<Decision>, RedisCallError>>;
 }
 
 /// What the coalescer needs below it: several takes in one atomic call.
@@ -52,6 +64,16 @@ pub trait BatchStore: Clone + Unpin + 'static {
         &self,
         batch: &[(&str, BucketSpec, Ask)],
     ) -> impl Future<Output = Result<Vec<Grant>, RedisCallError>>;
+
+    /// As [`SharedStore::take_group`], one call of its own.
+    ///
+    /// # Errors
+    /// [`RedisCallError`] when the call failed; no decision is known then.
+    fn take_group(
+        &self,
+        group: &[(String, GroupLimit)],
+        cost: u32,
+    ) -> impl Future<Output = Result<Vec<Decision>, RedisCallError>>;
 }
 
 impl BatchStore for RedisBucket {
@@ -64,6 +86,14 @@ impl BatchStore for RedisBucket {
         batch: &[(&str, BucketSpec, Ask)],
     ) -> impl Future<Output = Result<Vec<Grant>, RedisCallError>> {
         RedisBucket::take_many(self, batch)
+    }
+
+    fn take_group(
+        &self,
+        group: &[(String, GroupLimit)],
+        cost: u32,
+    ) -> impl Future<Output = Result<Vec<Decision>, RedisCallError>> {
+        RedisBucket::take_group(self, group, cost)
     }
 }
 
@@ -79,7 +109,8 @@ pub(crate) mod fake {
 
     use super::{BatchStore, SharedStore};
     use crate::breaker::BreakerGate;
-    use crate::bucket::decision::{Ask, BucketSpec, Grant};
+    use crate::bucket::decision::{Ask, BucketSpec, Decision, Grant, GroupLimit};
+    use crate::bucket::local::LocalBuckets;
     use crate::bucket::tokens::TokenState;
     use crate::clock::SharedClock;
     use crate::redis_client::RedisCallError;
@@ -112,6 +143,8 @@ pub(crate) mod fake {
     #[derive(Clone)]
     pub(crate) struct FakeStore {
         inner: Arc<Mutex<Inner>>,
+        /// Group decisions' limits.
+        groups: Arc<LocalBuckets>,
         clock: SharedClock,
         timeout: Duration,
         gate: Arc<BreakerGate>,
@@ -121,6 +154,7 @@ pub(crate) mod fake {
         /// An empty store whose calls are bounded by `timeout`.
         pub(crate) fn new(clock: SharedClock, timeout: Duration, gate: Arc<BreakerGate>) -> Self {
             Self {
+                groups: Arc::new(LocalBuckets::new(1024, clock.clone())),
                 inner: Arc::new(Mutex::new(Inner {
                     buckets: HashMap::new(),
                     faults: VecDeque::new(),
@@ -197,6 +231,19 @@ pub(crate) mod fake {
             }
             result.and_then(|mut grants| grants.pop().ok_or(RedisCallError::BadReply))
         }
+
+        async fn take_group(
+            &self,
+            group: &[(String, GroupLimit)],
+            cost: u32,
+        ) -> Result<Vec<Decision>, RedisCallError> {
+            let result = BatchStore::take_group(self, group, cost).await;
+            match &result {
+                Ok(_) => self.gate.success(),
+                Err(_) => self.gate.failure(),
+            }
+            result
+        }
     }
 
     impl BatchStore for FakeStore {
@@ -209,6 +256,24 @@ pub(crate) mod fake {
             batch: &[(&str, BucketSpec, Ask)],
         ) -> Result<Vec<Grant>, RedisCallError> {
             self.call(batch).await
+        }
+
+        async fn take_group(
+            &self,
+            group: &[(String, GroupLimit)],
+            cost: u32,
+        ) -> Result<Vec<Decision>, RedisCallError> {
+            let fault = {
+                let mut inner = self.lock();
+                let keys = group.iter().map(|(k, _)| (k.clone(), Ask::single(cost)));
+                inner.batches.push(keys.collect());
+                inner.faults.pop_front()
+            };
+            match fault {
+                // The script's group arithmetic is the local limiter's.
+                None => Ok(self.groups.take_group(group, cost)),
+                Some(_) => Err(dropped()),
+            }
         }
     }
 

@@ -5,11 +5,15 @@
 //! draft-ietf-httpapi-ratelimit-headers pair `RateLimit-Policy` and
 //! `RateLimit`, and `Retry-After` on rejections. Seconds are always rounded
 //! up from the real wait, and a rejection never says less than 1 second and
-//! always says 0 remaining.
+//! always says 0 remaining. Under several limits, `RateLimit-Policy` lists
+//! each (named after its rule: the route id, or `*` for the tenant-wide
+//! rule, with `.<i>` for the rule's further limits) and the other fields
+//! report the most restrictive one: the refusing limit with the longest
+//! wait, or else the one with the fewest requests left.
 
 use hyper::header::{HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
 
-use crate::bucket::Verdict;
+use crate::bucket::{GroupVerdict, LimitVerdict, Verdict};
 
 /// `X-RateLimit-Limit`: the capacity in force for this request.
 pub const X_RATELIMIT_LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");
@@ -66,6 +70,58 @@ impl RateLimitHeaders {
         }
     }
 
+    /// Headers for a decision under several limits, on route `route`; a
+    /// `shadowed` refusal carries no `Retry-After`.
+    pub fn for_group(route: &str, verdict: &GroupVerdict, shadowed: bool) -> Self {
+        let name = |l: &LimitVerdict| {
+            let scope = if l.tenant_wide { "*" } else { route };
+            match l.index {
+                0 => scope.to_owned(),
+                i => format!("{scope}.{i}"),
+            }
+        };
+        let mut policies = String::with_capacity(32 * verdict.limits.len());
+        for (i, l) in verdict.limits.iter().enumerate() {
+            if i > 0 {
+                policies.push_str(", ");
+            }
+            push_member(
+                &mut policies,
+                &name(l),
+                [("q", l.limit.size()), ("w", l.limit.window_seconds())],
+            );
+        }
+        let binding = if verdict.allowed {
+            verdict.limits.iter().min_by_key(|l| l.decision.remaining)
+        } else {
+            verdict
+                .limits
+                .iter()
+                .max_by_key(|l| l.decision.retry_after_ms)
+        };
+        let (size, remaining, wait, policy) = match binding {
+            Some(l) if verdict.allowed => (l.limit.size(), l.decision.remaining, 0, name(l)),
+            Some(l) => (
+                l.limit.size(),
+                0,
+                retry_after_seconds(l.decision.retry_after_ms),
+                name(l),
+            ),
+            None => (0, 0, 0, route.to_owned()),
+        };
+        let mut current = String::with_capacity(policy.len() + 32);
+        push_member(&mut current, &policy, [("r", remaining), ("t", wait)]);
+        Self {
+            pairs: [
+                (X_RATELIMIT_LIMIT, HeaderValue::from(size)),
+                (X_RATELIMIT_REMAINING, HeaderValue::from(remaining)),
+                (RATELIMIT_POLICY, header_value(policies)),
+                (RATELIMIT, header_value(current)),
+            ],
+            retry_after: (!verdict.allowed && !shadowed).then(|| HeaderValue::from(wait)),
+        }
+    }
+
     /// Sets the headers on a response's `headers`, replacing any of the
     /// same names.
     pub fn apply(&self, headers: &mut HeaderMap) {
@@ -81,6 +137,12 @@ impl RateLimitHeaders {
 /// `"<policy>";<k>=<v>;<k>=<v>`, a structured-field item with parameters.
 fn structured(policy: &str, params: [(&str, u64); 2]) -> HeaderValue {
     let mut text = String::with_capacity(policy.len() + 32);
+    push_member(&mut text, policy, params);
+    header_value(text)
+}
+
+/// Appends `"<policy>";<k>=<v>;<k>=<v>` to `text`.
+fn push_member(text: &mut String, policy: &str, params: [(&str, u64); 2]) {
     text.push('"');
     text.push_str(policy);
     text.push('"');
@@ -91,14 +153,19 @@ fn structured(policy: &str, params: [(&str, u64); 2]) -> HeaderValue {
         text.push('=');
         text.push_str(digits.format(value));
     }
+}
+
+/// `text` as a header value.
+fn header_value(text: String) -> HeaderValue {
     // unwrap-free: ids are restricted to `A-Za-z0-9._-` and the rest is
-    // digits and punctuation, all valid in a header value.
+    // digits, `*` and punctuation, all valid in a header value.
     HeaderValue::try_from(text).unwrap_or_else(|_| HeaderValue::from_static(""))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::bucket::decision::GroupLimit;
     use crate::bucket::{BucketSpec, Decision};
     use crate::telemetry::DecisionSource;
     use std::num::NonZeroU32;
@@ -162,6 +229,72 @@ mod tests {
         );
         let h = RateLimitHeaders::new("p", &verdict(false, 0, 2_500), false);
         assert_eq!(get(&h, &RETRY_AFTER).as_deref(), Some("3"));
+    }
+
+    fn part(tenant_wide: bool, index: usize, limit: GroupLimit, d: Decision) -> LimitVerdict {
+        LimitVerdict {
+            limit,
+            decision: d,
+            tenant_wide,
+            index,
+            mode: crate::rules::model::Mode::Enforce,
+        }
+    }
+
+    fn group(allowed: bool) -> GroupVerdict {
+        let bucket = GroupLimit::Bucket(BucketSpec::of(
+            NonZeroU32::new(20).unwrap(),
+            NonZeroU32::new(10).unwrap(),
+        ));
+        let day = GroupLimit::Quota {
+            quota: NonZeroU32::new(1000).unwrap(),
+            window: crate::rules::Window::Day,
+        };
+        let d = |remaining, retry_after_ms| Decision {
+            allowed,
+            remaining,
+            retry_after_ms,
+        };
+        GroupVerdict {
+            allowed,
+            limits: vec![
+                part(false, 0, bucket, d(15, 0)),
+                part(
+                    false,
+                    1,
+                    day,
+                    if allowed { d(3, 0) } else { d(0, 7_200_500) },
+                ),
+                part(true, 0, bucket, if allowed { d(9, 0) } else { d(0, 300) }),
+            ],
+            source: DecisionSource::Redis,
+        }
+    }
+
+    #[test]
+    fn every_policy_is_listed_and_the_most_restrictive_reported() {
+        let h = RateLimitHeaders::for_group("search", &group(true), false);
+        assert_eq!(
+            get(&h, &RATELIMIT_POLICY).as_deref(),
+            Some("\"search\";q=20;w=2, \"search.1\";q=1000;w=86400, \"*\";q=20;w=2")
+        );
+        assert_eq!(get(&h, &RATELIMIT).as_deref(), Some("\"search.1\";r=3;t=0"));
+        assert_eq!(get(&h, &X_RATELIMIT_LIMIT).as_deref(), Some("1000"));
+        assert_eq!(get(&h, &X_RATELIMIT_REMAINING).as_deref(), Some("3"));
+        assert_eq!(get(&h, &RETRY_AFTER), None);
+    }
+
+    #[test]
+    fn a_refusal_waits_for_the_longest_of_the_refusing_limits() {
+        let h = RateLimitHeaders::for_group("search", &group(false), false);
+        assert_eq!(get(&h, &RETRY_AFTER).as_deref(), Some("7201"));
+        assert_eq!(
+            get(&h, &RATELIMIT).as_deref(),
+            Some("\"search.1\";r=0;t=7201")
+        );
+        assert_eq!(get(&h, &X_RATELIMIT_REMAINING).as_deref(), Some("0"));
+        let shadowed = RateLimitHeaders::for_group("search", &group(false), true);
+        assert_eq!(get(&shadowed, &RETRY_AFTER), None);
     }
 
     #[test]

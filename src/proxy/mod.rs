@@ -166,26 +166,37 @@ async fn phases(
     };
 
     let rules = state.rules.snapshot();
-    let rule = rules.rule_for(tenant.as_str(), route.spec.id.as_str());
-    let Some(slot) = forwarder.slot(&tenant, rule.is_some()) else {
+    let in_force = rules.in_force(tenant.as_str(), route.spec.id.as_str());
+    let Some(slot) = forwarder.slot(&tenant, in_force.has_rule) else {
         count(Outcome::InFlightLimited);
         return ProxyError::TooManyInFlight.response();
     };
-    let limit = rule.unwrap_or(rules.default_limit());
     drop(rules);
     let share = state
         .shares
         .snapshot()
         .share_for(tenant.as_str(), route.spec.id.as_str());
-    let verdict = limiter
-        .check(&tenant, &route.spec.id, limit, share, route.spec.cost)
-        .await;
+    let (id, cost) = (&route.spec.id, route.spec.cost);
+    let (refused, shadowed, source, headers) = if in_force.is_single() {
+        let verdict = limiter
+            .check(&tenant, id, in_force.limit, share, cost)
+            .await;
+        let refused = !verdict.decision.allowed;
+        let shadowed = refused && (state.shadow || in_force.limit.mode == Mode::Shadow);
+        let headers = RateLimitHeaders::new(id.as_str(), &verdict, shadowed);
+        (refused, shadowed, verdict.source, headers)
+    } else {
+        let verdict = limiter
+            .check_group(&tenant, id, &in_force, share, cost)
+            .await;
+        let refused = !verdict.allowed;
+        let shadowed = refused && (state.shadow || verdict.refused_in_shadow_only());
+        let headers = RateLimitHeaders::for_group(id.as_str(), &verdict, shadowed);
+        (refused, shadowed, verdict.source, headers)
+    };
     if let Some(note) = note.as_deref_mut() {
-        note.source = Some(verdict.source);
+        note.source = Some(source);
     }
-    let refused = !verdict.decision.allowed;
-    let shadowed = refused && (state.shadow || limit.mode == Mode::Shadow);
-    let headers = RateLimitHeaders::new(route.spec.id.as_str(), &verdict, shadowed);
     if refused && !shadowed {
         count(Outcome::Rejected);
         let mut rejected = ProxyError::RateLimited.response();

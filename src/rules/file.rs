@@ -18,7 +18,8 @@ use std::time::SystemTime;
 
 use serde::Deserialize;
 
-use super::model::{Rule, RuleSpec};
+use super::limits::MAX_LIMITS;
+use super::model::{LimitSpec, Rule, RuleSpec};
 use crate::config::unknown_route;
 use crate::key::RouteId;
 
@@ -85,8 +86,13 @@ pub struct RuleFile {
 struct RawRule {
     tenant: String,
     route: String,
-    capacity: i64,
-    refill_per_second: i64,
+    #[serde(default)]
+    capacity: Option<i64>,
+    #[serde(default)]
+    refill_per_second: Option<i64>,
+    /// `[[rule.limit]]` tables.
+    #[serde(default)]
+    limit: Vec<LimitSpec>,
     #[serde(default = "one")]
     shards: i64,
     #[serde(default)]
@@ -143,6 +149,7 @@ fn check_routes(path: &Path, file: &RuleFile, routes: &[RouteId]) -> Result<(), 
         .rules
         .iter()
         .enumerate()
+        .filter(|(_, rule)| !rule.route.is_all())
         .filter_map(|(i, rule)| {
             unknown_route(routes, rule.route.as_str()).map(|why| format!("rule[{i}].route: {why}"))
         })
@@ -183,6 +190,7 @@ pub fn parse(path: &Path, contents: &str) -> Result<RuleFile, RuleFileError> {
             route: raw.route,
             capacity: raw.capacity,
             refill_per_second: raw.refill_per_second,
+            limits: raw.limit,
             shards: raw.shards,
             exact: raw.exact,
             mode: raw.mode,
@@ -193,6 +201,7 @@ pub fn parse(path: &Path, contents: &str) -> Result<RuleFile, RuleFileError> {
             Err(found) => problems.extend(found.iter().map(|p| format!("rule[{i}].{p}"))),
         }
     }
+    problems.extend(too_many_in_force(&rules));
     if problems.is_empty() {
         Ok(RuleFile {
             rules,
@@ -204,6 +213,30 @@ pub fn parse(path: &Path, contents: &str) -> Result<RuleFile, RuleFileError> {
             problems,
         })
     }
+}
+
+/// One line per route rule that, with its tenant's tenant-wide rule, would
+/// put more than [`MAX_LIMITS`] limits in force for a request.
+fn too_many_in_force(rules: &[Rule]) -> Vec<String> {
+    let wide: std::collections::HashMap<&str, usize> = rules
+        .iter()
+        .filter(|r| r.route.is_all())
+        .map(|r| (r.tenant.as_str(), r.limits().count()))
+        .collect();
+    rules
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| !r.route.is_all())
+        .filter_map(|(i, r)| {
+            let total = r.limits().count() + wide.get(r.tenant.as_str())?;
+            (total > MAX_LIMITS).then(|| {
+                format!(
+                    "rule[{i}].limits: with the tenant-wide rule of {}, {total} limits would be in force (at most {MAX_LIMITS})",
+                    r.tenant
+                )
+            })
+        })
+        .collect()
 }
 
 /// What identifies one version of a file without reading it.
@@ -357,6 +390,57 @@ refill_per_second = 100
         assert_eq!(rules.len(), 1);
         assert_eq!(rules[0].tenant.as_str(), "shop-a");
         assert_eq!(rules[0].limit.capacity.get(), 200);
+    }
+
+    #[test]
+    fn limit_tables_and_tenant_wide_rules_parse() {
+        let routes = [RouteId::parse("search").unwrap()];
+        let file = parse_for(
+            Path::new("r.toml"),
+            r#"
+[[rule]]
+tenant = "acme"
+route = "search"
+capacity = 20
+refill_per_second = 10
+[[rule.limit]]
+quota = 10000
+window = "day"
+
+[[rule]]
+tenant = "acme"
+route = "*"
+[[rule.limit]]
+capacity = 100
+refill_per_second = 50
+[[rule.limit]]
+quota = 30
+window_seconds = 30
+"#,
+            &routes,
+        )
+        .unwrap();
+        assert_eq!(file.rules[0].limits().count(), 2);
+        assert!(file.rules[1].route.is_all());
+        assert_eq!(file.rules[1].limit.capacity.get(), 100);
+        assert_eq!(file.rules[1].limits().count(), 2);
+    }
+
+    #[test]
+    fn more_than_eight_limits_in_force_together_are_refused() {
+        let limits = |n: usize| "[[rule.limit]]\ncapacity = 5\nrefill_per_second = 1\n".repeat(n);
+        let text = format!(
+            "[[rule]]\ntenant='a'\nroute='*'\n{}[[rule]]\ntenant='a'\nroute='b'\n{}",
+            limits(4),
+            limits(5)
+        );
+        let RuleFileError::Invalid { problems, .. } =
+            parse(Path::new("r.toml"), &text).unwrap_err()
+        else {
+            panic!("expected Invalid");
+        };
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert!(problems[0].starts_with("rule[1].limits: "), "{problems:?}");
     }
 
     #[test]

@@ -7,10 +7,12 @@
 pub mod cache;
 pub mod feed;
 pub mod file;
+pub mod limits;
 pub mod model;
 pub mod pg;
 pub mod snapshot;
 
 pub use cache::{RulesError, RulesHandle};
-pub use model::{Limit, Rule, RuleSet};
+pub use limits::{LimitKind, MAX_LIMITS, Window};
+pub use model::{InForce, Limit, Rule, RuleSet};
 pub use pg::{RuleStore, RuleStoreError, StoredRule};

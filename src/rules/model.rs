@@ -2,7 +2,10 @@
 //!
 //! Owns [`Limit`], [`Rule`], [`RuleSet`] and [`RuleSpec`], the one
 //! validation of a rule, whatever it came from: the rules file, a database
-//! row or change event, the saved snapshot or an admin request. A `RuleSet`
+//! row or change event, the saved snapshot or an admin request. A rule's
+//! first limit is a token bucket ([`Limit`], with the rule's options);
+//! further limits ([`LimitKind`]: buckets or quotas) ride beside it, and a
+//! rule for route `*` holds for every route of its tenant ([`InForce`]). A `RuleSet`
 //! is built per load and never changed once published; the cache swaps
 //! whole snapshots, so a lookup is one hash probe with no lock and no
 //! allocation (the composite key is assembled in a stack buffer).
@@ -14,8 +17,11 @@ use std::collections::HashMap;
 use std::num::NonZeroU32;
 use std::sync::Arc;
 
+use serde::{Deserialize, Serialize};
+
+use super::limits::{LimitKind, MAX_LIMITS, Window};
 use crate::config::LimitSettings;
-use crate::key::{PAIR_KEY_BUF, PAIR_SEP, RouteId, TenantId, TenantName, pair_key};
+use crate::key::{ALL_ROUTES, PAIR_KEY_BUF, PAIR_SEP, RouteId, TenantId, TenantName, pair_key};
 
 /// Most sub-buckets one rule may be split into.
 pub const MAX_SHARDS: u32 = 64;
@@ -102,17 +108,88 @@ impl From<LimitSettings> for Limit {
     }
 }
 
-/// The limit of one (tenant, route) pair.
+/// Limits beside a rule's first bucket; `None` when there are none.
+pub type More = Option<Arc<[LimitKind]>>;
+
+/// The limits of one (tenant, route) pair, or of a tenant on every route
+/// (route [`RouteId::all`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Rule {
     /// The tenant (API key).
     pub tenant: TenantId,
-    /// The route id.
+    /// The route id, or [`RouteId::all`].
     pub route: RouteId,
-    /// Its limit.
+    /// Its first limit, a token bucket, with the rule's options.
     pub limit: Limit,
+    /// Its further limits (at most [`MAX_LIMITS`] in all).
+    pub more: More,
     /// The tenant's display name in logs and metric labels.
     pub name: Option<TenantName>,
+}
+
+impl Rule {
+    /// Every limit of the rule, its first bucket first.
+    pub fn limits(&self) -> impl Iterator<Item = LimitKind> + '_ {
+        limits_of(self.limit, &self.more)
+    }
+}
+
+/// Every limit of a rule whose first bucket is `first`: that bucket, then
+/// `more`.
+pub fn limits_of(first: Limit, more: &More) -> impl Iterator<Item = LimitKind> + '_ {
+    let bucket = LimitKind::Bucket {
+        capacity: first.capacity,
+        refill_per_second: first.refill_per_second,
+    };
+    std::iter::once(bucket).chain(more.iter().flat_map(|m| m.iter().copied()))
+}
+
+/// One `[[rule.limit]]` (or one entry of an admin request's `limits`) as
+/// written: a bucket (`capacity` and `refill_per_second`) or a quota
+/// (`quota` with `window` or `window_seconds`).
+/// The same shape in every source that states one (TOML, JSON).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitSpec {
+    /// Burst size, for a bucket.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity: Option<i64>,
+    /// Tokens per second, for a bucket.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refill_per_second: Option<i64>,
+    /// Requests per window, for a quota.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quota: Option<i64>,
+    /// `minute`, `hour`, `day` or `month`, for a quota.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window: Option<String>,
+    /// A fixed window's length in seconds, for a quota.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window_seconds: Option<i64>,
+}
+
+impl From<LimitKind> for LimitSpec {
+    fn from(kind: LimitKind) -> Self {
+        match kind {
+            LimitKind::Bucket {
+                capacity,
+                refill_per_second,
+            } => Self {
+                capacity: Some(i64::from(capacity.get())),
+                refill_per_second: Some(i64::from(refill_per_second.get())),
+                ..Self::default()
+            },
+            LimitKind::Quota { quota, window } => Self {
+                quota: Some(i64::from(quota.get())),
+                window: window.name().map(str::to_owned),
+                window_seconds: match window {
+                    Window::Seconds(s) => Some(i64::from(s.get())),
+                    _ => None,
+                },
+                ..Self::default()
+            },
+        }
+    }
 }
 
 /// A rule as a source states it, not yet checked: every source (file,
@@ -124,10 +201,13 @@ pub struct RuleSpec {
     pub tenant: String,
     /// Route id as written.
     pub route: String,
-    /// Burst size as written.
-    pub capacity: i64,
-    /// Tokens per second as written.
-    pub refill_per_second: i64,
+    /// Burst size as written; `None` when the first of `limits` is the
+    /// rule's bucket.
+    pub capacity: Option<i64>,
+    /// Tokens per second as written (with `capacity`).
+    pub refill_per_second: Option<i64>,
+    /// Further limits as written (`[[rule.limit]]`, or `limits`).
+    pub limits: Vec<LimitSpec>,
     /// Sub-buckets as written (1 when the source does not say).
     pub shards: i64,
     /// Exact mode.
@@ -163,8 +243,9 @@ impl RuleSpec {
         Self {
             tenant: tenant.to_owned(),
             route: route.to_owned(),
-            capacity,
-            refill_per_second,
+            capacity: Some(capacity),
+            refill_per_second: Some(refill_per_second),
+            limits: Vec::new(),
             shards: 1,
             exact: false,
             mode: None,
@@ -176,31 +257,86 @@ impl RuleSpec {
     ///
     /// # Errors
     /// Every invalid field, in the order tenant, route, capacity,
-    /// refill_per_second, shards, mode, name.
+    /// refill_per_second, limits, shards, mode, name.
     pub fn validate(self) -> Result<Rule, Vec<FieldProblem>> {
         let mut problems = Vec::new();
         let mut bad = |field, message: String| problems.push(FieldProblem { field, message });
         let tenant = TenantId::parse(&self.tenant)
             .map_err(|e| bad("tenant", format!("{:?} {e}", self.tenant)))
             .ok();
-        let route = RouteId::parse(&self.route)
-            .map_err(|e| bad("route", format!("{:?} {e}", self.route)))
-            .ok();
-        let mut number = |field, value: i64, valid: fn(i64) -> Option<NonZeroU32>, max: u32| {
-            let checked = valid(value);
-            if checked.is_none() {
-                bad(field, format!("must be between 1 and {max}, found {value}"));
-            }
-            checked
+        let route = if self.route == ALL_ROUTES {
+            Some(RouteId::all())
+        } else {
+            RouteId::parse(&self.route)
+                .map_err(|e| bad("route", format!("{:?} {e}", self.route)))
+                .ok()
         };
-        let capacity = number("capacity", self.capacity, positive_i32, I32_MAX);
-        let refill = number(
-            "refill_per_second",
-            self.refill_per_second,
-            positive_i32,
-            I32_MAX,
+        let mut kinds = Vec::with_capacity(self.limits.len() + 1);
+        match (self.capacity, self.refill_per_second) {
+            (None, None) if !self.limits.is_empty() => {}
+            (capacity, refill) => {
+                let capacity = number(&mut bad, "capacity", capacity, positive_i32, I32_MAX);
+                let refill = number(&mut bad, "refill_per_second", refill, positive_i32, I32_MAX);
+                if let (Some(capacity), Some(refill_per_second)) = (capacity, refill) {
+                    kinds.push(LimitKind::Bucket {
+                        capacity,
+                        refill_per_second,
+                    });
+                }
+            }
+        }
+        let mut windows = Vec::new();
+        for spec in &self.limits {
+            if let Some(kind) = limit_kind(&mut bad, spec) {
+                if let LimitKind::Quota { window, .. } = kind {
+                    if windows.contains(&window) {
+                        bad(
+                            "limits.window",
+                            "two quotas of one rule share a window".into(),
+                        );
+                    }
+                    windows.push(window);
+                }
+                kinds.push(kind);
+            }
+        }
+        if kinds.len() > MAX_LIMITS {
+            bad(
+                "limits",
+                format!(
+                    "at most {MAX_LIMITS} limits per rule, found {}",
+                    kinds.len()
+                ),
+            );
+        }
+        let first = match kinds.first() {
+            Some(&LimitKind::Bucket {
+                capacity,
+                refill_per_second,
+            }) => Some((capacity, refill_per_second)),
+            Some(LimitKind::Quota { .. }) => {
+                bad(
+                    "capacity",
+                    "a rule's first limit is a token bucket: give capacity and refill_per_second"
+                        .into(),
+                );
+                None
+            }
+            None => None,
+        };
+        let shards = number(
+            &mut bad,
+            "shards",
+            Some(self.shards),
+            shard_count,
+            MAX_SHARDS,
         );
-        let shards = number("shards", self.shards, shard_count, MAX_SHARDS);
+        if kinds.len() > 1 && self.shards > 1 {
+            bad(
+                "shards",
+                "a rule with several limits is not split into sub-buckets".into(),
+            );
+        }
         let mode = match self.mode.as_deref() {
             None => Mode::Enforce,
             Some(text) => Mode::parse(text).unwrap_or_else(|| {
@@ -219,10 +355,11 @@ impl RuleSpec {
                 None
             }
         };
-        match (tenant, route, capacity, refill, shards) {
-            (Some(tenant), Some(route), Some(capacity), Some(refill_per_second), Some(shards))
+        match (tenant, route, first, shards) {
+            (Some(tenant), Some(route), Some((capacity, refill_per_second)), Some(shards))
                 if problems.is_empty() =>
             {
+                let more = (kinds.len() > 1).then(|| Arc::from(&kinds[1..]));
                 Ok(Rule {
                     tenant,
                     route,
@@ -233,10 +370,91 @@ impl RuleSpec {
                         exact: self.exact,
                         mode,
                     },
+                    more,
                     name,
                 })
             }
             _ => Err(problems),
+        }
+    }
+}
+
+/// Checks one number of a spec: present, and valid by `valid`.
+fn number(
+    bad: &mut impl FnMut(&'static str, String),
+    field: &'static str,
+    value: Option<i64>,
+    valid: fn(i64) -> Option<NonZeroU32>,
+    max: u32,
+) -> Option<NonZeroU32> {
+    let Some(value) = value else {
+        bad(field, "is missing".into());
+        return None;
+    };
+    let checked = valid(value);
+    if checked.is_none() {
+        bad(field, format!("must be between 1 and {max}, found {value}"));
+    }
+    checked
+}
+
+/// Checks one further limit: exactly one of the two shapes.
+fn limit_kind(bad: &mut impl FnMut(&'static str, String), spec: &LimitSpec) -> Option<LimitKind> {
+    let bucket = spec.capacity.is_some() || spec.refill_per_second.is_some();
+    let quota = spec.quota.is_some() || spec.window.is_some() || spec.window_seconds.is_some();
+    match (bucket, quota) {
+        (true, false) => {
+            let capacity = number(bad, "limits.capacity", spec.capacity, positive_i32, I32_MAX);
+            let refill = number(
+                bad,
+                "limits.refill_per_second",
+                spec.refill_per_second,
+                positive_i32,
+                I32_MAX,
+            );
+            Some(LimitKind::Bucket {
+                capacity: capacity?,
+                refill_per_second: refill?,
+            })
+        }
+        (false, true) => {
+            let quota = number(bad, "limits.quota", spec.quota, positive_i32, I32_MAX);
+            let window = match (spec.window.as_deref(), spec.window_seconds) {
+                (Some(name), None) => Window::parse(name).or_else(|| {
+                    bad(
+                        "limits.window",
+                        format!("must be minute, hour, day or month, found {name:?}"),
+                    );
+                    None
+                }),
+                (None, Some(_)) => number(
+                    bad,
+                    "limits.window_seconds",
+                    spec.window_seconds,
+                    positive_i32,
+                    I32_MAX,
+                )
+                .map(Window::Seconds),
+                _ => {
+                    bad(
+                        "limits.window",
+                        "a quota needs exactly one of window and window_seconds".into(),
+                    );
+                    None
+                }
+            };
+            Some(LimitKind::Quota {
+                quota: quota?,
+                window: window?,
+            })
+        }
+        _ => {
+            bad(
+                "limits",
+                "a limit is either capacity and refill_per_second, or a quota with its window"
+                    .into(),
+            );
+            None
         }
     }
 }
@@ -246,8 +464,13 @@ impl From<&Rule> for RuleSpec {
         Self {
             tenant: rule.tenant.to_string(),
             route: rule.route.to_string(),
-            capacity: i64::from(rule.limit.capacity.get()),
-            refill_per_second: i64::from(rule.limit.refill_per_second.get()),
+            capacity: Some(i64::from(rule.limit.capacity.get())),
+            refill_per_second: Some(i64::from(rule.limit.refill_per_second.get())),
+            limits: rule
+                .more
+                .iter()
+                .flat_map(|m| m.iter().copied().map(LimitSpec::from))
+                .collect(),
             shards: i64::from(rule.limit.shards.get()),
             exact: rule.limit.exact,
             mode: Some(rule.limit.mode.as_str().to_owned()),
@@ -269,10 +492,34 @@ pub struct SnapshotOrigin {
 /// What a snapshot keeps per rule.
 #[derive(Debug, Clone)]
 struct Entry {
-    /// The limit.
+    /// The first limit.
     limit: Limit,
+    /// Further limits.
+    more: More,
     /// The tenant's display name, if the rule gives one.
     name: Option<TenantName>,
+}
+
+/// Every limit in force for one request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InForce {
+    /// The route's rule, or the default.
+    pub limit: Limit,
+    /// The route rule's further limits.
+    pub more: More,
+    /// Whether the route has a rule of its own (else the default applies).
+    pub has_rule: bool,
+    /// The tenant-wide rule, if the tenant has one: its first limit and
+    /// further ones.
+    pub tenant_wide: Option<(Limit, More)>,
+}
+
+impl InForce {
+    /// Whether only the first bucket of the route's rule is in force: no
+    /// further limit and no tenant-wide rule.
+    pub fn is_single(&self) -> bool {
+        self.more.is_none() && self.tenant_wide.is_none()
+    }
 }
 
 /// All rules in force, plus the default for pairs without one.
@@ -282,6 +529,8 @@ pub struct RuleSet {
     rules: HashMap<Arc<str>, Entry>,
     /// Limit for pairs without a rule.
     default: Limit,
+    /// How many rules are tenant-wide (none: a lookup skips looking).
+    tenant_wide: usize,
     /// Provenance.
     origin: SnapshotOrigin,
 }
@@ -296,6 +545,7 @@ impl RuleSet {
         let mut set = Self {
             rules: HashMap::new(),
             default,
+            tenant_wide: 0,
             origin,
         };
         for rule in rules {
@@ -312,20 +562,27 @@ impl RuleSet {
             rule.tenant.as_str(),
             rule.route.as_str(),
         ) {
-            self.rules.insert(
+            let earlier = self.rules.insert(
                 Arc::from(key),
                 Entry {
                     limit: rule.limit,
+                    more: rule.more.clone(),
                     name: rule.name.clone(),
                 },
             );
+            if earlier.is_none() && rule.route.is_all() {
+                self.tenant_wide += 1;
+            }
         }
     }
 
     /// Removes the rule of `tenant` on `route`, if any.
     pub fn remove(&mut self, tenant: &TenantId, route: &RouteId) {
-        if let Some(key) = pair_key(&mut [0; PAIR_KEY_BUF], tenant.as_str(), route.as_str()) {
-            self.rules.remove(key);
+        if let Some(key) = pair_key(&mut [0; PAIR_KEY_BUF], tenant.as_str(), route.as_str())
+            && self.rules.remove(key).is_some()
+            && route.is_all()
+        {
+            self.tenant_wide -= 1;
         }
     }
 
@@ -341,9 +598,29 @@ impl RuleSet {
 
     /// The explicit rule for `tenant` on `route`, if there is one.
     pub fn rule_for(&self, tenant: &str, route: &str) -> Option<Limit> {
+        self.entry(tenant, route).map(|entry| entry.limit)
+    }
+
+    /// Every limit in force for a request of `tenant` on `route`: the
+    /// route's rule (or the default) and the tenant-wide rule.
+    pub fn in_force(&self, tenant: &str, route: &str) -> InForce {
+        let own = self.entry(tenant, route);
+        InForce {
+            limit: own.map_or(self.default, |entry| entry.limit),
+            more: own.and_then(|entry| entry.more.clone()),
+            has_rule: own.is_some(),
+            tenant_wide: (self.tenant_wide > 0)
+                .then(|| self.entry(tenant, ALL_ROUTES))
+                .flatten()
+                .map(|entry| (entry.limit, entry.more.clone())),
+        }
+    }
+
+    /// The entry keyed `tenant/route`.
+    fn entry(&self, tenant: &str, route: &str) -> Option<&Entry> {
         let mut buf = [0; PAIR_KEY_BUF];
         let key = pair_key(&mut buf, tenant, route)?;
-        self.rules.get(key).map(|entry| entry.limit)
+        self.rules.get(key)
     }
 
     /// The rule of `tenant` on `route`, if there is one.
@@ -354,6 +631,7 @@ impl RuleSet {
             tenant: tenant.clone(),
             route: route.clone(),
             limit: entry.limit,
+            more: entry.more.clone(),
             name: entry.name.clone(),
         })
     }
@@ -362,10 +640,16 @@ impl RuleSet {
     pub fn rules(&self) -> impl Iterator<Item = Rule> + '_ {
         self.rules.iter().filter_map(|(key, entry)| {
             let (tenant, route) = key.split_once(PAIR_SEP)?;
+            let route = if route == ALL_ROUTES {
+                RouteId::all()
+            } else {
+                RouteId::parse(route).ok()?
+            };
             Some(Rule {
                 tenant: TenantId::parse(tenant).ok()?,
-                route: RouteId::parse(route).ok()?,
+                route,
                 limit: entry.limit,
+                more: entry.more.clone(),
                 name: entry.name.clone(),
             })
         })
@@ -414,6 +698,7 @@ mod tests {
             tenant: TenantId::parse(t).unwrap(),
             route: RouteId::parse(r).unwrap(),
             limit: l,
+            more: None,
             name: None,
         }
     }
@@ -425,6 +710,13 @@ mod tests {
             mode: Some("dry-run".into()),
             name: Some("_x".into()),
             ..RuleSpec::new("{x}", "a:b", 0, 3_000_000_000)
+        };
+        let spec = RuleSpec {
+            limits: vec![LimitSpec {
+                quota: Some(5),
+                ..LimitSpec::default()
+            }],
+            ..spec
         };
         let fields: Vec<_> = spec
             .validate()
@@ -439,11 +731,133 @@ mod tests {
                 "route",
                 "capacity",
                 "refill_per_second",
+                "limits.window",
                 "shards",
                 "mode",
                 "name"
             ]
         );
+    }
+
+    fn quota(n: i64, window: &str) -> LimitSpec {
+        LimitSpec {
+            quota: Some(n),
+            window: Some(window.into()),
+            ..LimitSpec::default()
+        }
+    }
+
+    #[test]
+    fn further_limits_travel_with_the_rule_and_back() {
+        let spec = RuleSpec {
+            limits: vec![
+                quota(10_000, "day"),
+                LimitSpec {
+                    quota: Some(50),
+                    window_seconds: Some(30),
+                    ..LimitSpec::default()
+                },
+                LimitSpec {
+                    capacity: Some(1_000),
+                    refill_per_second: Some(1),
+                    ..LimitSpec::default()
+                },
+            ],
+            ..RuleSpec::new("acme", "*", 20, 10)
+        };
+        let rule = spec.clone().validate().unwrap();
+        assert!(rule.route.is_all());
+        assert_eq!(rule.limits().count(), 4);
+        assert_eq!(
+            RuleSpec::from(&rule),
+            RuleSpec {
+                mode: Some("enforce".into()),
+                ..spec
+            }
+        );
+    }
+
+    #[test]
+    fn the_first_bucket_may_come_from_the_limit_tables() {
+        let bucket = LimitSpec {
+            capacity: Some(5),
+            refill_per_second: Some(1),
+            ..LimitSpec::default()
+        };
+        let spec = RuleSpec {
+            capacity: None,
+            refill_per_second: None,
+            limits: vec![bucket, quota(100, "hour")],
+            ..RuleSpec::new("acme", "search", 0, 0)
+        };
+        let rule = spec.validate().unwrap();
+        assert_eq!(rule.limit.capacity.get(), 5);
+        assert_eq!(rule.more.as_deref().map(<[_]>::len), Some(1));
+    }
+
+    #[test]
+    fn bad_limit_lists_are_refused_by_field() {
+        let fields = |limits: Vec<LimitSpec>, shards: i64| -> Vec<&'static str> {
+            let spec = RuleSpec {
+                capacity: None,
+                refill_per_second: None,
+                limits,
+                shards,
+                ..RuleSpec::new("acme", "search", 0, 0)
+            };
+            spec.validate()
+                .unwrap_err()
+                .iter()
+                .map(|p| p.field)
+                .collect()
+        };
+        assert_eq!(fields(vec![quota(5, "day")], 1), ["capacity"]);
+        assert_eq!(fields(vec![quota(5, "week")], 1), ["limits.window"]);
+        let mixed = LimitSpec {
+            capacity: Some(1),
+            quota: Some(1),
+            ..LimitSpec::default()
+        };
+        assert_eq!(fields(vec![mixed], 1), ["limits"]);
+        let nine = (0..9)
+            .map(|i| LimitSpec {
+                capacity: Some(i + 1),
+                refill_per_second: Some(1),
+                ..LimitSpec::default()
+            })
+            .collect();
+        assert_eq!(fields(nine, 1), ["limits"]);
+        let twice = vec![
+            LimitSpec {
+                capacity: Some(5),
+                refill_per_second: Some(1),
+                ..LimitSpec::default()
+            },
+            quota(1, "day"),
+            quota(2, "day"),
+        ];
+        assert_eq!(fields(twice.clone(), 1), ["limits.window"]);
+        assert_eq!(fields(twice[..2].to_vec(), 2), ["shards"]);
+    }
+
+    #[test]
+    fn a_tenant_wide_rule_is_in_force_beside_the_routes_own() {
+        let mut wide = rule("acme", "x", limit(100, 1));
+        wide.route = RouteId::all();
+        let set = RuleSet::new(
+            vec![wide, rule("acme", "search", limit(5, 5))],
+            limit(20, 10),
+            ORIGIN,
+        );
+        let search = set.in_force("acme", "search");
+        assert!(search.has_rule);
+        assert_eq!(search.limit, limit(5, 5));
+        assert_eq!(search.tenant_wide.map(|(l, _)| l), Some(limit(100, 1)));
+        let other = set.in_force("acme", "other");
+        assert!(!other.has_rule && !other.is_single());
+        assert_eq!(other.limit, limit(20, 10));
+        assert!(set.in_force("globex", "search").is_single());
+        assert!(set.rules().any(|r| r.route.is_all()));
     }
 
     #[test]

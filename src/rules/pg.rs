@@ -331,8 +331,9 @@ impl From<RuleRow> for RuleSpec {
         Self {
             tenant: row.tenant_id,
             route: row.route_id,
-            capacity: row.capacity.into(),
-            refill_per_second: row.refill_per_second.into(),
+            capacity: Some(row.capacity.into()),
+            refill_per_second: Some(row.refill_per_second.into()),
+            limits: Vec::new(),
             shards: row.shards.into(),
             exact: row.exact,
             mode: Some(row.mode),
@@ -398,8 +399,9 @@ impl Change {
             } => RuleSpec {
                 tenant,
                 route,
-                capacity,
-                refill_per_second,
+                capacity: Some(capacity),
+                refill_per_second: Some(refill_per_second),
+                limits: Vec::new(),
                 shards,
                 exact,
                 mode,

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::{Deserialize, Serialize};
 
-use super::model::{Rule, RuleSet, RuleSpec};
+use super::model::{LimitSpec, Rule, RuleSet, RuleSpec};
 
 /// Why a snapshot could not be read.
 #[derive(Debug, thiserror::Error)]
@@ -49,8 +49,10 @@ struct SnapshotFile {
 struct SnapshotRule {
     tenant: String,
     route: String,
-    capacity: i64,
-    refill_per_second: i64,
+    capacity: Option<i64>,
+    refill_per_second: Option<i64>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    limits: Vec<LimitSpec>,
     #[serde(default = "one")]
     shards: i64,
     #[serde(default)]
@@ -73,6 +75,7 @@ impl From<RuleSpec> for SnapshotRule {
             route: spec.route,
             capacity: spec.capacity,
             refill_per_second: spec.refill_per_second,
+            limits: spec.limits,
             shards: spec.shards,
             exact: spec.exact,
             mode: spec.mode,
@@ -88,6 +91,7 @@ impl From<SnapshotRule> for RuleSpec {
             route: saved.route,
             capacity: saved.capacity,
             refill_per_second: saved.refill_per_second,
+            limits: saved.limits,
             shards: saved.shards,
             exact: saved.exact,
             mode: saved.mode,
@@ -176,15 +180,31 @@ mod tests {
             tenant: TenantId::parse("t").unwrap(),
             route: RouteId::parse("r").unwrap(),
             limit,
+            more: None,
             name: Some(crate::key::TenantName::parse("Tee").unwrap()),
+        };
+        let day = crate::rules::LimitKind::Quota {
+            quota: std::num::NonZeroU32::new(1000).unwrap(),
+            window: crate::rules::Window::Day,
+        };
+        let wide = Rule {
+            route: RouteId::all(),
+            limit: Limit::new(
+                std::num::NonZeroU32::new(50).unwrap(),
+                std::num::NonZeroU32::new(5).unwrap(),
+            ),
+            more: Some(std::sync::Arc::from([day])),
+            ..rule.clone()
         };
         let origin = SnapshotOrigin {
             source: "database",
             loaded_at_unix: 1234,
         };
-        save(&path, &RuleSet::new(vec![rule.clone()], limit, origin)).unwrap();
-        let (rules, at) = load(&path).unwrap();
-        assert_eq!((rules, at), (vec![rule], 1234));
+        let set = RuleSet::new(vec![rule.clone(), wide.clone()], limit, origin);
+        save(&path, &set).unwrap();
+        let (mut rules, at) = load(&path).unwrap();
+        rules.sort_by_key(|r| r.route.to_string());
+        assert_eq!((rules, at), (vec![wide, rule], 1234));
         std::fs::write(&path, b"{not json").unwrap();
         assert!(matches!(load(&path), Err(SnapshotError::Corrupt { .. })));
         std::fs::remove_dir_all(&dir).unwrap();

@@ -252,3 +252,87 @@ async fn a_sharded_rule_asks_one_sub_bucket_with_its_share() {
         assert!(index < 4);
     }
 }
+
+/// A rule of `limit` with a quota of `quota` per minute beside it.
+fn with_quota(limit: Limit, quota: u32) -> crate::rules::InForce {
+    let per_minute = crate::rules::LimitKind::Quota {
+        quota: NonZeroU32::new(quota).unwrap(),
+        window: crate::rules::Window::Minute,
+    };
+    crate::rules::InForce {
+        limit,
+        more: Some(Arc::from([per_minute])),
+        has_rule: true,
+        tenant_wide: None,
+    }
+}
+
+async fn check_group(s: &Setup, in_force: &crate::rules::InForce) -> super::GroupVerdict {
+    s.limiter
+        .check_group(
+            &TenantId::parse("t").unwrap(),
+            &RouteId::parse("r").unwrap(),
+            in_force,
+            1.0,
+            NonZeroU32::MIN,
+        )
+        .await
+}
+
+#[actix_web::test]
+async fn several_limits_are_one_call_and_all_must_admit() {
+    tokio::time::pause();
+    let s = setup();
+    let rule = with_quota(limit(100, 1), 2);
+    for _ in 0..2 {
+        let v = check_group(&s, &rule).await;
+        assert!(v.allowed);
+        assert_eq!(v.source, DecisionSource::Redis);
+    }
+    let refused = check_group(&s, &rule).await;
+    assert!(!refused.allowed);
+    assert_eq!(
+        refused.limits[0].decision.remaining, 98,
+        "the bucket kept its tokens"
+    );
+    assert!(refused.limits[1].decision.retry_after_ms > 0);
+    assert_eq!(
+        s.store.batch_sizes(),
+        [2, 2, 2],
+        "one call of two keys each"
+    );
+    assert_eq!(s.store.batches()[0], ["rl2:{t}:r", "rl2:{t}:r#1m"]);
+    // The next minute's window starts from zero.
+    tokio::time::advance(Duration::from_secs(60)).await;
+    assert!(check_group(&s, &rule).await.allowed);
+}
+
+#[actix_web::test]
+async fn with_the_breaker_open_each_limit_holds_its_local_share() {
+    tokio::time::pause();
+    let s = setup();
+    s.gate.publish(State::Open);
+    // Two live instances: 1/2 of a quota of 4 is 2 here.
+    let rule = with_quota(limit(100, 1), 4);
+    let admitted = {
+        let mut n = 0;
+        for _ in 0..5 {
+            let v = check_group(&s, &rule).await;
+            assert_eq!(v.source, DecisionSource::Local);
+            n += usize::from(v.allowed);
+        }
+        n
+    };
+    assert_eq!(admitted, 2);
+    assert!(s.store.batch_sizes().is_empty(), "Redis was not called");
+}
+
+#[actix_web::test]
+async fn a_failed_group_call_is_decided_locally() {
+    tokio::time::pause();
+    let s = setup();
+    s.store.fail_next(Fault::Dropped);
+    let v = check_group(&s, &with_quota(limit(100, 1), 4)).await;
+    assert!(v.allowed);
+    assert_eq!(v.source, DecisionSource::Local);
+}
