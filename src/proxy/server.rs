@@ -9,7 +9,7 @@
 //!   headers, and on a kept-alive connection the next request, must arrive
 //!   within it, or the connection is closed;
 //! - a cut-off from outside: the watchdog ends the connection of a client
-//!   that stopped reading its response ([`ClientCut`]);
+//!   that stopped reading its response (`ClientCut`);
 //! - graceful shutdown: [`ProxyServer::stop`] stops accepting, closes idle
 //!   connections, lets requests in flight finish within the grace period,
 //!   then drops what is left.
