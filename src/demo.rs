@@ -110,6 +110,7 @@ pub async fn run(mut config: crate::config::Config) -> anyhow::Result<()> {
             file.rules
                 .iter()
                 .find(|r| (r.tenant.as_str(), r.route.as_str()) == LOOP_TENANT)
+                .filter(|r| r.limit.bucket)
                 .map(|r| r.limit.capacity.get())
         }),
         RuleSource::Database(_) => None,

@@ -129,6 +129,18 @@ impl RouteId {
         Self(Arc::from(ALL_ROUTES))
     }
 
+    /// A rule's scope as written: a route id, or `*` for [`RouteId::all`].
+    ///
+    /// # Errors
+    /// [`IdError`] when `raw` is neither.
+    pub fn parse_scope(raw: &str) -> Result<Self, IdError> {
+        if raw == ALL_ROUTES {
+            Ok(Self::all())
+        } else {
+            Self::parse(raw)
+        }
+    }
+
     /// Whether this is the tenant-wide scope, [`RouteId::all`].
     pub fn is_all(&self) -> bool {
         &*self.0 == ALL_ROUTES

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::{
     Gateway, GatewayConfig, RedisServer, TempDir, TestDatabase, Upstream, admin, get, limit_of,
-    metric, wait_for_limit,
+    metric, ready, wait_for_limit,
 };
 
 const TOKEN: &str = "s3cret-token";
@@ -503,4 +503,127 @@ async fn a_rule_put_in_shadow_mode_forwards_refusals_on_every_gateway() {
         statuses.push(get(&b.url("/x"), Some("dry-run")).await.0);
     }
     assert!(statuses.contains(&429), "{statuses:?}");
+}
+
+/// Waits until every gateway of `fleet` holds `n` rules.
+async fn all_hold(fleet: &Fleet, n: u64) {
+    for (i, gw) in fleet.gateways.iter().enumerate() {
+        let mut held = 0;
+        for _ in 0..50 {
+            held = ready(gw).await["rules"]["count"].as_u64().unwrap_or(0);
+            if held == n {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(held, n, "gateway {i} holds {held} rules, not {n}");
+    }
+}
+
+#[actix_web::test]
+async fn quotas_and_tenant_wide_rules_travel_through_the_database() {
+    let fleet = fleet(2);
+    let (a, b) = (&fleet.gateways[0], &fleet.gateways[1]);
+    // A tenant-wide rule of one quota: 3 requests a day on every route.
+    let (status, row) = admin(
+        a,
+        "PUT",
+        "/admin/rules/acme/*",
+        Some(TOKEN),
+        Some(r#"{"limits": [{"quota": 3, "window": "day"}]}"#),
+    )
+    .await;
+    assert_eq!(status, 201, "{row}");
+    assert_eq!(row["route"], "*");
+    assert_eq!(row["capacity"], serde_json::Value::Null);
+    assert_eq!(
+        row["limits"],
+        serde_json::json!([{"quota": 3, "window": "day"}])
+    );
+    all_hold(&fleet, 1).await;
+    // The default rule (2 tokens at 1/s) and the quota, on both gateways.
+    let mut statuses = Vec::new();
+    for (gw, path) in [(a, "/one"), (b, "/two"), (a, "/three")] {
+        statuses.push(get(&gw.url(path), Some("acme")).await.0);
+        tokio::time::sleep(Duration::from_millis(600)).await;
+    }
+    assert_eq!(statuses, [200, 200, 200]);
+    // The quota refuses the fourth: a wait for its day, not a second.
+    let refused = common::client()
+        .get(b.url("/four"))
+        .insert_header(("x-api-key", "acme"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 429);
+    let retry: u64 = common::header(&refused, "retry-after")
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(retry > 1, "retry after {retry} s");
+    assert!(
+        common::header(&refused, "ratelimit-policy")
+            .unwrap()
+            .contains("\"*.1\";q=3;w=86400"),
+        "the tenant-wide quota is listed"
+    );
+
+    // More than eight limits in force together are refused by field.
+    let nine = format!(
+        r#"{{"capacity": 1, "refill_per_second": 1, "limits": [{}]}}"#,
+        [r#"{"capacity": 5, "refill_per_second": 1}"#; 7].join(", ")
+    );
+    let (status, body) = admin(a, "PUT", "/admin/rules/acme/api", Some(TOKEN), Some(&nine)).await;
+    assert_eq!(
+        (status, body["field"].as_str()),
+        (400, Some("limits")),
+        "{body}"
+    );
+
+    // The table refuses half a first bucket, and a rule with no limit.
+    assert!(table_refuses(
+        &fleet.db,
+        "INSERT INTO rate_limit_rule (tenant_id, route_id, capacity) VALUES ('x', 'api', 5)"
+    ));
+    assert!(table_refuses(
+        &fleet.db,
+        "INSERT INTO rate_limit_rule (tenant_id, route_id) VALUES ('x', 'api')"
+    ));
+    // Deleting the tenant-wide rule reaches every gateway.
+    let (status, _) = admin(a, "DELETE", "/admin/rules/acme/*", Some(TOKEN), None).await;
+    assert_eq!(status, 204);
+    all_hold(&fleet, 0).await;
+}
+
+#[actix_web::test]
+async fn existing_rows_become_one_limit_rules_when_migrated() {
+    let db = TestDatabase::create();
+    // The schema as migrations 1 to 7 left it, with a rule in it.
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations");
+    let mut files: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "sql"))
+        .collect();
+    files.sort();
+    for file in files
+        .iter()
+        .filter(|f| !f.ends_with("0008_rule_limits.sql"))
+    {
+        db.sql(&std::fs::read_to_string(file).unwrap());
+    }
+    db.sql(
+        "INSERT INTO rate_limit_rule (tenant_id, route_id, capacity, refill_per_second) \
+         VALUES ('old', 'api', 7, 3)",
+    );
+    db.sql(&std::fs::read_to_string(dir.join("0008_rule_limits.sql")).unwrap());
+    let store = tollgate::rules::RuleStore::connect_lazy(&db.url()).unwrap();
+    let rules = store.load_all().await.unwrap();
+    assert_eq!(rules.len(), 1);
+    assert_eq!(rules[0].limit.capacity.get(), 7);
+    assert_eq!(rules[0].limits().count(), 1);
+    assert_eq!(
+        db.sql("SELECT limits::text FROM rate_limit_rule").trim(),
+        "[]"
+    );
 }

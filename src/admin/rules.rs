@@ -16,7 +16,8 @@ use super::error::AdminError;
 use super::{AdminState, authorize_read, authorize_write, read_body};
 use crate::config::unknown_route;
 use crate::key::{RouteId, TenantId, tenant_label};
-use crate::rules::model::{Rule, RuleSpec};
+use crate::rules::MAX_LIMITS;
+use crate::rules::model::{LimitSpec, Rule, RuleSpec};
 use crate::rules::{RuleStore, StoredRule};
 
 /// Page size when `limit` is not given.
@@ -52,7 +53,7 @@ async fn list(
                     .ok_or_else(|| AdminError::invalid("after", "expected <tenant>/<route>"))?;
                 after = Some((
                     id("after", t, TenantId::parse)?,
-                    id("after", r, RouteId::parse)?,
+                    id("after", r, RouteId::parse_scope)?,
                 ));
             }
             "limit" => {
@@ -132,8 +133,19 @@ async fn put(
 ) -> Result<HttpResponse, AdminError> {
     let store = writable(&req, &state)?;
     let rule = parse_rule(&path.0, &path.1, &read_body(body).await?)?;
-    if let Some(why) = unknown_route(&state.routes, rule.route.as_str()) {
+    if let Some(why) =
+        unknown_route(&state.routes, rule.route.as_str()).filter(|_| !rule.route.is_all())
+    {
         return Err(AdminError::invalid("route", why));
+    }
+    let in_force = state.rules.snapshot().limits_in_force_with(&rule);
+    if in_force > MAX_LIMITS {
+        return Err(AdminError::invalid(
+            "limits",
+            format!(
+                "with the tenant's other rules, {in_force} limits would be in force for a request (at most {MAX_LIMITS})"
+            ),
+        ));
     }
     let (row, created) = store.put(&rule).await?;
     tracing::info!(
@@ -192,7 +204,7 @@ pub(super) fn id<T>(
 fn ids(path: &(String, String)) -> Result<(TenantId, RouteId), AdminError> {
     Ok((
         id("tenant", &path.0, TenantId::parse)?,
-        id("route", &path.1, RouteId::parse)?,
+        id("route", &path.1, RouteId::parse_scope)?,
     ))
 }
 
@@ -203,7 +215,7 @@ fn ids(path: &(String, String)) -> Result<(TenantId, RouteId), AdminError> {
 /// one rule validation, [`RuleSpec::validate`].
 fn parse_rule(tenant: &str, route: &str, body: &[u8]) -> Result<Rule, AdminError> {
     let example = "expected a JSON object such as {\"capacity\": 200, \"refill_per_second\": 100} \
-                   (optional: \"shards\": 1..64, \"exact\": true|false, \"mode\": \"enforce\"|\"shadow\", \"name\": \"Acme\")";
+                   (optional: \"limits\": [{\"quota\": 10000, \"window\": \"day\"}], \"shards\": 1..64, \"exact\": true|false, \"mode\": \"enforce\"|\"shadow\", \"name\": \"Acme\")";
     let value: Value = serde_json::from_slice(body)
         .map_err(|e| AdminError::invalid("body", format!("not valid JSON ({e}); {example}")))?;
     let object = value
@@ -213,6 +225,7 @@ fn parse_rule(tenant: &str, route: &str, body: &[u8]) -> Result<Rule, AdminError
         ![
             "capacity",
             "refill_per_second",
+            "limits",
             "shards",
             "exact",
             "mode",
@@ -227,6 +240,21 @@ fn parse_rule(tenant: &str, route: &str, body: &[u8]) -> Result<Rule, AdminError
         Some(value) => value.as_i64().ok_or_else(|| {
             AdminError::invalid(field, format!("must be a whole number, found {value}"))
         }),
+    };
+    let optional = |field: &'static str| match object.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(_) => number(field, None).map(Some),
+    };
+    let limits: Vec<LimitSpec> = match object.get("limits") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(list) => serde_json::from_value(list.clone()).map_err(|e| {
+            AdminError::invalid(
+                "limits",
+                format!(
+                    "must be a list of {{\"capacity\", \"refill_per_second\"}} or {{\"quota\", \"window\" | \"window_seconds\"}} objects ({e})"
+                ),
+            )
+        })?,
     };
     let exact = match object.get("exact") {
         None => false,
@@ -245,9 +273,9 @@ fn parse_rule(tenant: &str, route: &str, body: &[u8]) -> Result<Rule, AdminError
     RuleSpec {
         tenant: tenant.to_owned(),
         route: route.to_owned(),
-        capacity: Some(number("capacity", None)?),
-        refill_per_second: Some(number("refill_per_second", None)?),
-        limits: Vec::new(),
+        capacity: optional("capacity")?,
+        refill_per_second: optional("refill_per_second")?,
+        limits,
         shards: number("shards", Some(1))?,
         exact,
         mode: text("mode")?,
@@ -342,5 +370,28 @@ mod tests {
             parse_rule("{x}", "r", br#"{"capacity": 5, "refill_per_second": 1}"#),
             Err(AdminError::Invalid { field, .. }) if field == "tenant"
         ));
+        assert_eq!(field_of(r#"{"limits": 3}"#), "limits");
+        assert_eq!(
+            field_of(r#"{"limits": [{"quota": 5, "every": "day"}]}"#),
+            "limits"
+        );
+        assert_eq!(
+            field_of(r#"{"limits": [{"quota": 5, "window": "week"}]}"#),
+            "limits.window"
+        );
+        assert_eq!(field_of(r#"{"limits": []}"#), "capacity");
+    }
+
+    #[test]
+    fn limits_and_tenant_wide_scopes_parse() {
+        let rule = parse_rule(
+            "acme",
+            "*",
+            br#"{"limits": [{"quota": 1000, "window": "day"}, {"capacity": 5, "refill_per_second": 1}]}"#,
+        )
+        .unwrap();
+        assert!(rule.route.is_all());
+        assert!(!rule.limit.bucket);
+        assert_eq!(rule.limits().count(), 2);
     }
 }

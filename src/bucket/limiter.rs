@@ -274,7 +274,7 @@ impl<S: SharedStore> Limiter<S> {
                 .map(|(limit, more)| (&wide, *limit, more)),
         );
         for (scope, limit, more) in rules {
-            for (index, kind) in limits_of(limit, more).enumerate() {
+            for (index, kind) in limits_of(limit, more) {
                 if group.len() == MAX_LIMITS {
                     break;
                 }

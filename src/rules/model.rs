@@ -29,6 +29,10 @@ pub const MAX_SHARDS: u32 = 64;
 /// A rate limit and how it is enforced.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limit {
+    /// Whether the rule has a first token bucket: `false` for a rule whose
+    /// limits are all further ones (quotas first), whose `capacity` and
+    /// `refill_per_second` then mean nothing.
+    pub bucket: bool,
     /// Burst size in tokens.
     pub capacity: NonZeroU32,
     /// Tokens added per second.
@@ -46,6 +50,7 @@ impl Limit {
     /// A limit in one bucket, leases allowed, enforced.
     pub fn new(capacity: NonZeroU32, refill_per_second: NonZeroU32) -> Self {
         Self {
+            bucket: true,
             capacity,
             refill_per_second,
             shards: NonZeroU32::MIN,
@@ -128,20 +133,24 @@ pub struct Rule {
 }
 
 impl Rule {
-    /// Every limit of the rule, its first bucket first.
+    /// Every limit of the rule, its first bucket (if any) first.
     pub fn limits(&self) -> impl Iterator<Item = LimitKind> + '_ {
-        limits_of(self.limit, &self.more)
+        limits_of(self.limit, &self.more).map(|(_, kind)| kind)
     }
 }
 
-/// Every limit of a rule whose first bucket is `first`: that bucket, then
-/// `more`.
-pub fn limits_of(first: Limit, more: &More) -> impl Iterator<Item = LimitKind> + '_ {
-    let bucket = LimitKind::Bucket {
+/// Every limit of a rule whose first limit is `first`, with its place:
+/// 0 for the first bucket (when the rule has one), `i` for `more[i - 1]`.
+pub fn limits_of(first: Limit, more: &More) -> impl Iterator<Item = (usize, LimitKind)> + '_ {
+    let bucket = first.bucket.then_some(LimitKind::Bucket {
         capacity: first.capacity,
         refill_per_second: first.refill_per_second,
-    };
-    std::iter::once(bucket).chain(more.iter().flat_map(|m| m.iter().copied()))
+    });
+    let further = more.iter().flat_map(|m| m.iter().copied());
+    bucket
+        .map(|b| (0, b))
+        .into_iter()
+        .chain(further.enumerate().map(|(i, kind)| (i + 1, kind)))
 }
 
 /// One `[[rule.limit]]` (or one entry of an admin request's `limits`) as
@@ -264,13 +273,9 @@ impl RuleSpec {
         let tenant = TenantId::parse(&self.tenant)
             .map_err(|e| bad("tenant", format!("{:?} {e}", self.tenant)))
             .ok();
-        let route = if self.route == ALL_ROUTES {
-            Some(RouteId::all())
-        } else {
-            RouteId::parse(&self.route)
-                .map_err(|e| bad("route", format!("{:?} {e}", self.route)))
-                .ok()
-        };
+        let route = RouteId::parse_scope(&self.route)
+            .map_err(|e| bad("route", format!("{:?} {e}", self.route)))
+            .ok();
         let mut kinds = Vec::with_capacity(self.limits.len() + 1);
         match (self.capacity, self.refill_per_second) {
             (None, None) if !self.limits.is_empty() => {}
@@ -309,19 +314,14 @@ impl RuleSpec {
                 ),
             );
         }
+        // The first bucket, when the rule starts with one; a rule of
+        // quotas first keeps every limit among its further ones.
         let first = match kinds.first() {
             Some(&LimitKind::Bucket {
                 capacity,
                 refill_per_second,
-            }) => Some((capacity, refill_per_second)),
-            Some(LimitKind::Quota { .. }) => {
-                bad(
-                    "capacity",
-                    "a rule's first limit is a token bucket: give capacity and refill_per_second"
-                        .into(),
-                );
-                None
-            }
+            }) => Some((true, capacity, refill_per_second, 1)),
+            Some(LimitKind::Quota { .. }) => Some((false, NonZeroU32::MIN, NonZeroU32::MIN, 0)),
             None => None,
         };
         let shards = number(
@@ -331,10 +331,10 @@ impl RuleSpec {
             shard_count,
             MAX_SHARDS,
         );
-        if kinds.len() > 1 && self.shards > 1 {
+        if (kinds.len() > 1 || first.is_some_and(|(bucket, ..)| !bucket)) && self.shards > 1 {
             bad(
                 "shards",
-                "a rule with several limits is not split into sub-buckets".into(),
+                "only a rule of one token bucket is split into sub-buckets".into(),
             );
         }
         let mode = match self.mode.as_deref() {
@@ -356,14 +356,18 @@ impl RuleSpec {
             }
         };
         match (tenant, route, first, shards) {
-            (Some(tenant), Some(route), Some((capacity, refill_per_second)), Some(shards))
-                if problems.is_empty() =>
-            {
-                let more = (kinds.len() > 1).then(|| Arc::from(&kinds[1..]));
+            (
+                Some(tenant),
+                Some(route),
+                Some((bucket, capacity, refill_per_second, skip)),
+                Some(shards),
+            ) if problems.is_empty() => {
+                let more = (kinds.len() > skip).then(|| Arc::from(&kinds[skip..]));
                 Ok(Rule {
                     tenant,
                     route,
                     limit: Limit {
+                        bucket,
                         capacity,
                         refill_per_second,
                         shards,
@@ -464,8 +468,14 @@ impl From<&Rule> for RuleSpec {
         Self {
             tenant: rule.tenant.to_string(),
             route: rule.route.to_string(),
-            capacity: Some(i64::from(rule.limit.capacity.get())),
-            refill_per_second: Some(i64::from(rule.limit.refill_per_second.get())),
+            capacity: rule
+                .limit
+                .bucket
+                .then(|| i64::from(rule.limit.capacity.get())),
+            refill_per_second: rule
+                .limit
+                .bucket
+                .then(|| i64::from(rule.limit.refill_per_second.get())),
             limits: rule
                 .more
                 .iter()
@@ -518,7 +528,7 @@ impl InForce {
     /// Whether only the first bucket of the route's rule is in force: no
     /// further limit and no tenant-wide rule.
     pub fn is_single(&self) -> bool {
-        self.more.is_none() && self.tenant_wide.is_none()
+        self.limit.bucket && self.more.is_none() && self.tenant_wide.is_none()
     }
 }
 
@@ -616,6 +626,30 @@ impl RuleSet {
         }
     }
 
+    /// The most limits that would be in force for one request of
+    /// `rule.tenant` were `rule` added: with its tenant's `*` rule for a
+    /// route rule; with the tenant's largest route rule (or the default)
+    /// for a `*` rule.
+    pub fn limits_in_force_with(&self, rule: &Rule) -> usize {
+        let own = rule.limits().count();
+        let count = |e: &Entry| limits_of(e.limit, &e.more).count();
+        let tenant = rule.tenant.as_str();
+        if rule.route.is_all() {
+            let widest = self
+                .rules
+                .iter()
+                .filter_map(|(key, entry)| {
+                    let (t, r) = key.split_once(PAIR_SEP)?;
+                    (t == tenant && r != ALL_ROUTES).then(|| count(entry))
+                })
+                .max()
+                .unwrap_or(0);
+            own + widest.max(1)
+        } else {
+            own + self.entry(tenant, ALL_ROUTES).map_or(0, count)
+        }
+    }
+
     /// The entry keyed `tenant/route`.
     fn entry(&self, tenant: &str, route: &str) -> Option<&Entry> {
         let mut buf = [0; PAIR_KEY_BUF];
@@ -640,14 +674,9 @@ impl RuleSet {
     pub fn rules(&self) -> impl Iterator<Item = Rule> + '_ {
         self.rules.iter().filter_map(|(key, entry)| {
             let (tenant, route) = key.split_once(PAIR_SEP)?;
-            let route = if route == ALL_ROUTES {
-                RouteId::all()
-            } else {
-                RouteId::parse(route).ok()?
-            };
             Some(Rule {
                 tenant: TenantId::parse(tenant).ok()?,
-                route,
+                route: RouteId::parse_scope(route).ok()?,
                 limit: entry.limit,
                 more: entry.more.clone(),
                 name: entry.name.clone(),
@@ -811,8 +840,9 @@ mod tests {
                 .map(|p| p.field)
                 .collect()
         };
-        assert_eq!(fields(vec![quota(5, "day")], 1), ["capacity"]);
         assert_eq!(fields(vec![quota(5, "week")], 1), ["limits.window"]);
+        assert_eq!(fields(vec![quota(5, "day")], 2), ["shards"]);
+        assert_eq!(fields(Vec::new(), 1), ["capacity", "refill_per_second"]);
         let mixed = LimitSpec {
             capacity: Some(1),
             quota: Some(1),
@@ -841,14 +871,43 @@ mod tests {
     }
 
     #[test]
+    fn a_rule_of_quotas_only_has_no_first_bucket() {
+        let spec = RuleSpec {
+            capacity: None,
+            refill_per_second: None,
+            limits: vec![quota(100, "day"), quota(5, "minute")],
+            ..RuleSpec::new("acme", "search", 0, 0)
+        };
+        let rule = spec.clone().validate().unwrap();
+        assert!(!rule.limit.bucket);
+        let places: Vec<usize> = limits_of(rule.limit, &rule.more).map(|(i, _)| i).collect();
+        assert_eq!(
+            places,
+            [1, 2],
+            "no further limit takes the first bucket's place"
+        );
+        assert_eq!(
+            RuleSpec::from(&rule),
+            RuleSpec {
+                mode: Some("enforce".into()),
+                ..spec
+            }
+        );
+        let set = RuleSet::new(vec![rule], limit(20, 10), ORIGIN);
+        assert!(!set.in_force("acme", "search").is_single());
+    }
+
+    #[test]
     fn a_tenant_wide_rule_is_in_force_beside_the_routes_own() {
         let mut wide = rule("acme", "x", limit(100, 1));
         wide.route = RouteId::all();
         let set = RuleSet::new(
-            vec![wide, rule("acme", "search", limit(5, 5))],
+            vec![wide.clone(), rule("acme", "search", limit(5, 5))],
             limit(20, 10),
             ORIGIN,
         );
+        assert_eq!(set.limits_in_force_with(&rule("acme", "x", limit(1, 1))), 2);
+        assert_eq!(set.limits_in_force_with(&wide), 2);
         let search = set.in_force("acme", "search");
         assert!(search.has_rule);
         assert_eq!(search.limit, limit(5, 5));

@@ -14,7 +14,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 
-use super::model::{Rule, RuleSpec};
+use super::model::{LimitSpec, Rule, RuleSpec};
 use crate::key::{RouteId, TenantId};
 
 /// The `NOTIFY` channel the triggers write to.
@@ -82,10 +82,13 @@ pub struct StoredRule {
     pub tenant: String,
     /// Route id.
     pub route: String,
-    /// Burst size.
-    pub capacity: i32,
-    /// Tokens per second.
-    pub refill_per_second: i32,
+    /// Burst size of the first bucket; `None` for a rule of quotas only.
+    pub capacity: Option<i32>,
+    /// Tokens per second of the first bucket.
+    pub refill_per_second: Option<i32>,
+    /// Further limits.
+    #[sqlx(try_from = "String")]
+    pub limits: LimitList,
     /// Sub-buckets.
     pub shards: i32,
     /// Exact mode (no leases).
@@ -98,14 +101,29 @@ pub struct StoredRule {
     pub updated_at: Option<String>,
 }
 
+/// A rule's further limits, stored as a JSON array.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[serde(transparent)]
+pub struct LimitList(pub Vec<LimitSpec>);
+
+impl TryFrom<String> for LimitList {
+    type Error = serde_json::Error;
+
+    fn try_from(text: String) -> Result<Self, Self::Error> {
+        serde_json::from_str(&text).map(Self)
+    }
+}
+
 impl StoredRule {
     /// A rule in force, shown like a row (without `updated_at`).
     pub fn in_force(rule: &Rule) -> Self {
+        let bucket = rule.limit.bucket;
         Self {
             tenant: rule.tenant.to_string(),
             route: rule.route.to_string(),
-            capacity: to_i32(rule.limit.capacity),
-            refill_per_second: to_i32(rule.limit.refill_per_second),
+            capacity: bucket.then(|| to_i32(rule.limit.capacity)),
+            refill_per_second: bucket.then(|| to_i32(rule.limit.refill_per_second)),
+            limits: LimitList(RuleSpec::from(rule).limits),
             shards: to_i32(rule.limit.shards),
             exact: rule.limit.exact,
             mode: rule.limit.mode.as_str().to_owned(),
@@ -116,7 +134,7 @@ impl StoredRule {
 }
 
 /// Columns of [`StoredRule`], in order.
-const COLUMNS: &str = "tenant_id AS tenant, route_id AS route, capacity, refill_per_second, shards, exact, mode, name, \
+const COLUMNS: &str = "tenant_id AS tenant, route_id AS route, capacity, refill_per_second, limits::text AS limits, shards, exact, mode, name, \
      to_char(updated_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') AS updated_at";
 
 /// Access to the rules table.
@@ -176,8 +194,8 @@ impl RuleStore {
     /// When the database is unreachable or the query fails.
     pub async fn load_all(&self) -> Result<Vec<Rule>, RuleStoreError> {
         let rows: Vec<RuleRow> = sqlx::query_as(
-            "SELECT id, tenant_id, route_id, capacity, refill_per_second, shards, exact, mode, name \
-             FROM rate_limit_rule",
+            "SELECT id, tenant_id, route_id, capacity, refill_per_second, limits::text AS limits, \
+             shards, exact, mode, name FROM rate_limit_rule",
         )
         .fetch_all(&self.pool)
         .await?;
@@ -185,7 +203,11 @@ impl RuleStore {
             .into_iter()
             .filter_map(|row| {
                 let id = row.id;
-                RuleSpec::from(row)
+                RuleSpec::try_from(row)
+                    .map_err(|e| {
+                        tracing::warn!(row = id, error = %e, "Skipping a rule row whose limits are not JSON.");
+                    })
+                    .ok()?
                     .validate()
                     .map_err(|problems| {
                         let problems: Vec<_> = problems.iter().map(|p| p.field).collect();
@@ -249,25 +271,30 @@ impl RuleStore {
     pub async fn put(&self, rule: &Rule) -> Result<(StoredRule, bool), RuleStoreError> {
         let sql = sqlx::AssertSqlSafe(format!(
             "INSERT INTO rate_limit_rule \
-               (tenant_id, route_id, capacity, refill_per_second, shards, exact, mode, name) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8) \
+               (tenant_id, route_id, capacity, refill_per_second, shards, exact, mode, name, limits) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::jsonb) \
              ON CONFLICT (tenant_id, route_id) DO UPDATE \
                SET capacity = EXCLUDED.capacity, refill_per_second = EXCLUDED.refill_per_second, \
                    shards = EXCLUDED.shards, exact = EXCLUDED.exact, mode = EXCLUDED.mode, \
-                   name = EXCLUDED.name \
+                   name = EXCLUDED.name, limits = EXCLUDED.limits \
              RETURNING {COLUMNS}, (xmax = 0) AS created"
         ));
         let limit = rule.limit;
+        // expect: a list of plain structs of numbers and strings always
+        // serialises.
+        let limits =
+            serde_json::to_string(&RuleSpec::from(rule).limits).expect("limits serialise to JSON");
         let mut tx = self.pool.begin().await?;
         let (row, created): (StoredRule, bool) = sqlx::query_as::<_, StoredRuleCreated>(sql)
             .bind(rule.tenant.as_str())
             .bind(rule.route.as_str())
-            .bind(to_i32(limit.capacity))
-            .bind(to_i32(limit.refill_per_second))
+            .bind(limit.bucket.then(|| to_i32(limit.capacity)))
+            .bind(limit.bucket.then(|| to_i32(limit.refill_per_second)))
             .bind(to_i32(limit.shards))
             .bind(limit.exact)
             .bind(limit.mode.as_str())
             .bind(rule.name.as_ref().map(|n| n.as_str()))
+            .bind(limits)
             .fetch_one(&mut *tx)
             .await
             .map(StoredRuleCreated::split)?;
@@ -318,27 +345,30 @@ struct RuleRow {
     id: i64,
     tenant_id: String,
     route_id: String,
-    capacity: i32,
-    refill_per_second: i32,
+    capacity: Option<i32>,
+    refill_per_second: Option<i32>,
+    limits: String,
     shards: i32,
     exact: bool,
     mode: String,
     name: Option<String>,
 }
 
-impl From<RuleRow> for RuleSpec {
-    fn from(row: RuleRow) -> Self {
-        Self {
+impl TryFrom<RuleRow> for RuleSpec {
+    type Error = serde_json::Error;
+
+    fn try_from(row: RuleRow) -> Result<Self, Self::Error> {
+        Ok(Self {
             tenant: row.tenant_id,
             route: row.route_id,
-            capacity: Some(row.capacity.into()),
-            refill_per_second: Some(row.refill_per_second.into()),
-            limits: Vec::new(),
+            capacity: row.capacity.map(i64::from),
+            refill_per_second: row.refill_per_second.map(i64::from),
+            limits: LimitList::try_from(row.limits)?.0,
             shards: row.shards.into(),
             exact: row.exact,
             mode: Some(row.mode),
             name: row.name,
-        }
+        })
     }
 }
 
@@ -365,8 +395,10 @@ enum Payload {
     Upsert {
         tenant: String,
         route: String,
-        capacity: i64,
-        refill_per_second: i64,
+        capacity: Option<i64>,
+        refill_per_second: Option<i64>,
+        #[serde(default)]
+        limits: Vec<LimitSpec>,
         #[serde(default = "one")]
         shards: i64,
         #[serde(default)]
@@ -392,6 +424,7 @@ impl Change {
                 route,
                 capacity,
                 refill_per_second,
+                limits,
                 shards,
                 exact,
                 mode,
@@ -399,9 +432,9 @@ impl Change {
             } => RuleSpec {
                 tenant,
                 route,
-                capacity: Some(capacity),
-                refill_per_second: Some(refill_per_second),
-                limits: Vec::new(),
+                capacity,
+                refill_per_second,
+                limits,
                 shards,
                 exact,
                 mode,
@@ -412,7 +445,7 @@ impl Change {
             .map(Change::Upsert),
             Payload::Delete { tenant, route } => Some(Change::Delete(
                 TenantId::parse(&tenant).ok()?,
-                RouteId::parse(&route).ok()?,
+                RouteId::parse_scope(&route).ok()?,
             )),
             Payload::Reload => Some(Change::Reload),
         }
