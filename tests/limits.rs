@@ -300,6 +300,17 @@ async fn a_quota_beside_the_bucket_refuses_until_its_window_ends() {
     );
     let current = ratelimit_members(&header(&refused, "ratelimit").unwrap());
     assert_eq!(current[0].0, "search.1");
+    // Asking again costs Redis nothing until the day ends.
+    let calls = s.redis.command_calls("evalsha");
+    for _ in 0..3 {
+        let again = send().await.unwrap();
+        assert_eq!(again.status(), 429);
+        let retry: u64 = header(&again, "retry-after").unwrap().parse().unwrap();
+        assert!(retry.abs_diff(to_midnight) <= 2);
+    }
+    // (The membership heartbeat, a script too, may run once meanwhile.)
+    let more = s.redis.command_calls("evalsha") - calls;
+    assert!(more <= 1, "{more} script calls for 3 refused requests");
     // Another route of the tenant is not held by this rule's quota.
     let other = c
         .get(s.gw.url("/orders"))

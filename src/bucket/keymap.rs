@@ -115,6 +115,11 @@ impl<V: Idle> KeyMap<V> {
         f(shard.entry(key.to_owned()).or_insert_with(create))
     }
 
+    /// About how many entries it holds at most.
+    pub fn max_keys(&self) -> usize {
+        self.max_per_shard * SHARDS
+    }
+
     /// Runs `f` on `key`'s entry when it exists.
     pub fn get<R>(&self, key: &str, f: impl FnOnce(&mut V) -> R) -> Option<R> {
         self.shard(key).get_mut(key).map(f)

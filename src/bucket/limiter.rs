@@ -14,12 +14,8 @@
 //!    holds 1/N of the limit (N = live gateway instances), so the cluster
 //!    total stays about right while Redis is away.
 //!
-//! A request under several limits (further limits of its rule, or a
-//! tenant-wide rule: [`InForce`]) is decided by [`Limiter::check_group`]:
-//! every limit at once in one atomic call, its cost taken from all or from
-//! none; with the breaker open, or Redis failing, by the local limiter at
-//! 1/N of each limit, quotas counted from zero in the current window. Such
-//! requests take no leases and no sub-buckets yet: every one is a call.
+//! A request under several limits is decided by [`Limiter::check_group`]
+//! (`group`).
 //!
 //! A rejection is a [`Decision`], never an error; this module never fails a
 //! request.
@@ -30,7 +26,7 @@ use std::sync::Arc;
 
 use super::coalesce::Coalesced;
 use super::decision::Ask;
-use super::decision::{BucketSpec, Decision, GroupLimit};
+use super::decision::{BucketSpec, Decision};
 use super::lease::{HotKeys, Plan};
 use super::local::LocalBuckets;
 use super::shard;
@@ -39,8 +35,7 @@ use crate::breaker::{BreakerGate, State};
 use crate::clock::SharedClock;
 use crate::cluster::LiveInstances;
 use crate::key::{BucketKey, RouteId, TenantId};
-use crate::rules::model::{Mode, limits_of};
-use crate::rules::{InForce, Limit, LimitKind, MAX_LIMITS};
+use crate::rules::Limit;
 use crate::telemetry::{DecisionSource, Metrics};
 
 /// A decision together with the bucket that made it.
@@ -52,44 +47,6 @@ pub struct Verdict {
     pub spec: BucketSpec,
     /// Which limiter decided.
     pub source: DecisionSource,
-}
-
-/// One limit's part in a decision under several limits.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct LimitVerdict {
-    /// The limit in force (after the region's share).
-    pub limit: GroupLimit,
-    /// Its decision; `allowed` is the request's.
-    pub decision: Decision,
-    /// Whether it belongs to the tenant-wide rule.
-    pub tenant_wide: bool,
-    /// Its place in its rule (0: the first bucket).
-    pub index: usize,
-    /// Its rule's mode.
-    pub mode: Mode,
-}
-
-/// A decision under several limits.
-#[derive(Debug, Clone, PartialEq)]
-pub struct GroupVerdict {
-    /// Whether every limit admitted the request.
-    pub allowed: bool,
-    /// Each limit's part, the route's rule first.
-    pub limits: Vec<LimitVerdict>,
-    /// Which limiter decided.
-    pub source: DecisionSource,
-}
-
-impl GroupVerdict {
-    /// Whether a refusal comes from limits in shadow mode only.
-    pub fn refused_in_shadow_only(&self) -> bool {
-        !self.allowed
-            && self
-                .limits
-                .iter()
-                .filter(|l| l.decision.retry_after_ms > 0)
-                .all(|l| l.mode == Mode::Shadow)
-    }
 }
 
 /// Whether Redis is in use and answering, for `/ready`.
@@ -121,6 +78,8 @@ pub struct LimiterCore {
     local: LocalBuckets,
     /// Rates, leases and the over-limit cache of Redis-backed keys.
     hot: HotKeys,
+    /// The over-limit cache of groups (requests under several limits).
+    blocked: GroupBlocks,
     /// N, the divisor of the local share.
     live: Arc<LiveInstances>,
     /// The breaker in front of Redis; `None` without Redis.
@@ -142,6 +101,7 @@ impl LimiterCore {
         metrics: Metrics,
     ) -> Self {
         Self {
+            blocked: GroupBlocks::new(local.max_keys(), clock.clone()),
             local,
             hot,
             live,
@@ -181,6 +141,7 @@ impl LimiterCore {
     pub fn sweep_local(&self) {
         self.metrics.local_buckets(self.local.sweep());
         self.hot.sweep();
+        self.blocked.sweep();
     }
 
     /// Decides with the local 1/N share of `whole`.
@@ -191,16 +152,6 @@ impl LimiterCore {
             spec,
             source: DecisionSource::Local,
         }
-    }
-
-    /// Decides a group locally, each limit at its 1/N share.
-    fn local_group(&self, group: &[(String, GroupLimit)], cost: NonZeroU32) -> Vec<Decision> {
-        let n = self.live.get();
-        let divided: Vec<(String, GroupLimit)> = group
-            .iter()
-            .map(|(key, limit)| (key.clone(), limit.scaled(1.0 / f64::from(n.get()))))
-            .collect();
-        self.local.take_group(&divided, cost.get())
     }
 
     /// A local decision standing in for Redis, counted as a fallback.
@@ -250,108 +201,6 @@ impl<S: SharedStore> Limiter<S> {
         let elapsed = core.clock.now_micros().saturating_sub(started);
         core.metrics.decision(verdict.source, elapsed as f64 / 1e6);
         verdict
-    }
-
-    /// Takes `cost` from every limit in force for `tenant` on `route`
-    /// (this region's `share` of each), or from none when one refuses.
-    pub async fn check_group(
-        &self,
-        tenant: &TenantId,
-        route: &RouteId,
-        in_force: &InForce,
-        share: f64,
-        cost: NonZeroU32,
-    ) -> GroupVerdict {
-        let core = &self.core;
-        let started = core.clock.now_micros();
-        let mut parts = Vec::with_capacity(MAX_LIMITS);
-        let mut group = Vec::with_capacity(MAX_LIMITS);
-        let wide = RouteId::all();
-        let rules = std::iter::once((route, in_force.limit, &in_force.more)).chain(
-            in_force
-                .tenant_wide
-                .as_ref()
-                .map(|(limit, more)| (&wide, *limit, more)),
-        );
-        for (scope, limit, more) in rules {
-            for (index, kind) in limits_of(limit, more) {
-                if group.len() == MAX_LIMITS {
-                    break;
-                }
-                let (key, limit_in_force) = match kind {
-                    LimitKind::Bucket {
-                        capacity,
-                        refill_per_second,
-                    } => (
-                        BucketKey::further(tenant, scope, index, ""),
-                        GroupLimit::Bucket(BucketSpec::of(capacity, refill_per_second)),
-                    ),
-                    LimitKind::Quota { quota, window } => (
-                        BucketKey::further(tenant, scope, index, &window.script_code()),
-                        GroupLimit::Quota { quota, window },
-                    ),
-                };
-                let key = if index == 0 {
-                    BucketKey::new(tenant, scope)
-                } else {
-                    key
-                };
-                group.push((key.into_string(), limit_in_force.scaled(share)));
-                parts.push((scope.is_all(), index, limit.mode));
-            }
-        }
-        let (decisions, source) = match (&self.redis, &core.breaker) {
-            (Some(redis), Some(gate)) if gate.allows() => {
-                match redis.take_group(&group, cost.get()).await {
-                    Ok(decisions) if decisions.len() == group.len() => {
-                        (decisions, DecisionSource::Redis)
-                    }
-                    outcome => {
-                        if let Err(e) = outcome {
-                            tracing::debug!(error = %e, "No answer from Redis; deciding locally.");
-                        }
-                        self.group_fallback(&group, cost)
-                    }
-                }
-            }
-            (Some(_), _) => self.group_fallback(&group, cost),
-            (None, _) => (core.local_group(&group, cost), DecisionSource::Local),
-        };
-        let allowed = decisions.iter().all(|d| d.allowed);
-        let limits = group
-            .iter()
-            .zip(decisions)
-            .zip(parts)
-            .map(
-                |(((_, limit), decision), (tenant_wide, index, mode))| LimitVerdict {
-                    limit: *limit,
-                    decision,
-                    tenant_wide,
-                    index,
-                    mode,
-                },
-            )
-            .collect();
-        let elapsed = core.clock.now_micros().saturating_sub(started);
-        core.metrics.decision(source, elapsed as f64 / 1e6);
-        GroupVerdict {
-            allowed,
-            limits,
-            source,
-        }
-    }
-
-    /// A local group decision standing in for Redis, counted as a fallback.
-    fn group_fallback(
-        &self,
-        group: &[(String, GroupLimit)],
-        cost: NonZeroU32,
-    ) -> (Vec<Decision>, DecisionSource) {
-        let decisions = self.core.local_group(group, cost);
-        self.core
-            .metrics
-            .fallback(decisions.iter().all(|d| d.allowed));
-        (decisions, DecisionSource::Local)
     }
 
     /// Steps 1 and 3–5 with the breaker closed; `whole` is this region's
@@ -499,5 +348,9 @@ impl<C: Borrow<LimiterCore>, K: Borrow<str>> Drop for SlotGuard<C, K> {
     }
 }
 
+mod group;
+
+use group::GroupBlocks;
+pub use group::{GroupVerdict, LimitVerdict};
 #[cfg(test)]
 mod tests;

@@ -74,6 +74,11 @@ impl LocalBuckets {
         }
     }
 
+    /// About how many keys it holds at most.
+    pub fn max_keys(&self) -> usize {
+        self.buckets.max_keys()
+    }
+
     /// Refills `key`'s bucket to now and tries to take `cost` tokens.
     pub fn take(&self, key: &str, spec: &BucketSpec, cost: u32) -> Decision {
         let now = self.clock.now_ms();

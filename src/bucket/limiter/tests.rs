@@ -336,3 +336,33 @@ async fn a_failed_group_call_is_decided_locally() {
     assert!(v.allowed);
     assert_eq!(v.source, DecisionSource::Local);
 }
+
+#[actix_web::test]
+async fn a_refused_group_is_refused_locally_until_its_longest_wait_ends() {
+    tokio::time::pause();
+    let s = setup();
+    let rule = with_quota(limit(100, 1), 1);
+    assert!(check_group(&s, &rule).await.allowed);
+    let refused = check_group(&s, &rule).await;
+    assert_eq!(
+        (refused.allowed, refused.source),
+        (false, DecisionSource::Redis)
+    );
+    let wait = refused.limits[1].decision.retry_after_ms;
+    assert!(wait > 0 && wait <= 60_000);
+    // Until the minute ends: no call, the wait counting down.
+    tokio::time::advance(Duration::from_millis(wait / 2)).await;
+    let cached = check_group(&s, &rule).await;
+    assert_eq!(
+        (cached.allowed, cached.source),
+        (false, DecisionSource::Cache)
+    );
+    let left = cached.limits[1].decision.retry_after_ms;
+    assert!(left <= wait - wait / 2 && left >= 1, "{left} of {wait}");
+    assert_eq!(s.store.batch_sizes().len(), 2, "the cache answered alone");
+    // A changed rule is not held by the old refusal.
+    assert!(check_group(&s, &with_quota(limit(100, 1), 5)).await.allowed);
+    // The next window: Redis is asked again.
+    tokio::time::advance(Duration::from_millis(wait)).await;
+    assert!(check_group(&s, &rule).await.allowed);
+}
