@@ -5,7 +5,7 @@
 //! the worker's `BucketClient` actor (a message, its queue, a oneshot
 //! reply), through the same queue as a plain struct on the worker (no
 //! mailbox: a `RefCell` queue, a oneshot reply, the call on a local task),
-//! and directly (`take_many` of one key). The differences per decision are
+//! and directly (`take_batch` of one key). The differences per decision are
 //! the mailbox's cost and the queue's; Redis round trips come on top of
 //! all three. Median of 7 rounds. Run: `cargo bench --bench mailbox`.
 
@@ -19,8 +19,7 @@ use std::time::Duration;
 
 use tokio::sync::oneshot;
 
-use tollgate::bucket::decision::GroupLimit;
-use tollgate::bucket::store::BatchStore;
+use tollgate::bucket::store::{Answer, BatchStore, Item};
 use tollgate::bucket::{Ask, BucketClient, BucketSpec, Decision, Grant, SharedStore};
 use tollgate::clock::{Clock, SystemClock};
 use tollgate::redis_client::RedisCallError;
@@ -35,26 +34,18 @@ impl BatchStore for Instant {
         Duration::from_millis(5)
     }
 
-    async fn take_many(
-        &self,
-        batch: &[(&str, BucketSpec, Ask)],
-    ) -> Result<Vec<Grant>, RedisCallError> {
+    async fn take_batch(&self, batch: &[Item<'_>]) -> Result<Vec<Answer>, RedisCallError> {
         Ok(batch
             .iter()
-            .map(|(_, _, ask)| Grant {
-                granted: ask.want,
-                decision: ADMITTED,
-                block_ms: 0,
+            .map(|item| match item {
+                Item::One(_, _, ask) => Answer::One(Grant {
+                    granted: ask.want,
+                    decision: ADMITTED,
+                    block_ms: 0,
+                }),
+                Item::Group(group, _) => Answer::Group(vec![ADMITTED; group.len()]),
             })
             .collect())
-    }
-
-    async fn take_group(
-        &self,
-        group: &[(String, GroupLimit)],
-        _cost: u32,
-    ) -> Result<Vec<Decision>, RedisCallError> {
-        Ok(vec![ADMITTED; group.len()])
     }
 }
 
@@ -104,13 +95,15 @@ impl Plain {
         };
         let this = self.clone();
         actix_web::rt::spawn(async move {
-            let asks: Vec<_> = batch
+            let items: Vec<_> = batch
                 .iter()
-                .map(|(s, a, _)| ("rl2:{t}:r", *s, *a))
+                .map(|(s, a, _)| Item::One("rl2:{t}:r", *s, *a))
                 .collect();
-            let grants = Instant.take_many(&asks).await.unwrap();
-            for ((_, _, tx), grant) in batch.into_iter().zip(grants) {
-                let _ = tx.send(grant);
+            let answers = Instant.take_batch(&items).await.unwrap();
+            for ((_, _, tx), answer) in batch.into_iter().zip(answers) {
+                if let Answer::One(grant) = answer {
+                    let _ = tx.send(grant);
+                }
             }
             this.0.borrow_mut().busy = false;
             this.dispatch();
@@ -142,7 +135,7 @@ fn main() {
             let started = clock.now_micros();
             for _ in 0..N {
                 Instant
-                    .take_many(&[("rl2:{t}:r", spec, Ask::single(1))])
+                    .take_batch(&[Item::One("rl2:{t}:r", spec, Ask::single(1))])
                     .await
                     .unwrap();
             }

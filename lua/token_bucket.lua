@@ -75,6 +75,8 @@ local time = redis.call('TIME')
 local now = time[1] * 1000000 + time[2]
 local reply = {}
 local n = 0
+-- Decides a group of keys (see the loop); made once a call meets one.
+local group
 
 -- The rule of the previous key: its argument strings and their values.
 local rule_capacity, rule_rate, capacity, rate, expire_ms
@@ -98,10 +100,10 @@ for i = 1, #KEYS do
       if not count or count < 1 or i + count - 1 > #KEYS then
         return redis.error_reply('tollgate: bad ask ' .. ask)
       end
-      -- Decides the group of count keys starting at first, each taking cost.
-      -- Defined here, not at the top: a script's functions are created
-      -- afresh on every call, and most calls hold no group.
-      local function group(first, count, cost)
+      if not group then
+        -- Made here, on the first group of a call, not at the top: a
+        -- script's functions are created afresh on every call, and most
+        -- calls hold no group.
         local now_ms = floor(now / 1000)
 
         -- Tokens in the bucket at key, as the single-key path computes them.
@@ -154,47 +156,51 @@ for i = 1, #KEYS do
           return (floor(now_ms / len) + 1) * len
         end
 
-        local state = {}
-        local ok = true
-        for j = first, first + count - 1 do
-          local at = j * 3
-          local capacity = tonumber(ARGV[at - 2])
-          local rate = tonumber(ARGV[at - 1])
-          local need = cost
-          if need > capacity then need = capacity end
-          local s = {capacity = capacity, rate = rate, need = need}
-          if rate then
-            s.tokens = bucket_tokens(KEYS[j], capacity, rate)
-          else
-            s.ends = window_end(ARGV[at - 1])
-            s.used = tonumber(redis.call('GET', KEYS[j])) or 0
-            s.tokens = capacity - s.used
-          end
-          if s.tokens < need then ok = false end
-          state[j] = s
-        end
-        for j = first, first + count - 1 do
-          local s = state[j]
-          local tokens = s.tokens
-          if ok then
-            tokens = tokens - s.need
-            if s.rate then
-              redis.call('SET', KEYS[j], now + (s.capacity - tokens) * 1000000 / s.rate,
-                'PX', string.format('%d', ceil(2000 * s.capacity / s.rate)))
+        -- Decides the group of count keys starting at first, each
+        -- taking cost.
+        group = function(first, count, cost)
+          local state = {}
+          local ok = true
+          for j = first, first + count - 1 do
+            local at = j * 3
+            local capacity = tonumber(ARGV[at - 2])
+            local rate = tonumber(ARGV[at - 1])
+            local need = cost
+            if need > capacity then need = capacity end
+            local s = {capacity = capacity, rate = rate, need = need}
+            if rate then
+              s.tokens = bucket_tokens(KEYS[j], capacity, rate)
             else
-              redis.call('SET', KEYS[j], s.used + s.need, 'PXAT', s.ends)
+              s.ends = window_end(ARGV[at - 1])
+              s.used = tonumber(redis.call('GET', KEYS[j])) or 0
+              s.tokens = capacity - s.used
             end
+            if s.tokens < need then ok = false end
+            state[j] = s
           end
-          reply[n + 1] = ok and 1 or 0
-          reply[n + 2] = floor(tokens)
-          if tokens >= s.need then
-            reply[n + 3] = 0
-          elseif s.rate then
-            reply[n + 3] = wait(s.need, tokens, s.rate)
-          else
-            reply[n + 3] = s.ends - now_ms
+          for j = first, first + count - 1 do
+            local s = state[j]
+            local tokens = s.tokens
+            if ok then
+              tokens = tokens - s.need
+              if s.rate then
+                redis.call('SET', KEYS[j], now + (s.capacity - tokens) * 1000000 / s.rate,
+                  'PX', string.format('%d', ceil(2000 * s.capacity / s.rate)))
+              else
+                redis.call('SET', KEYS[j], s.used + s.need, 'PXAT', s.ends)
+              end
+            end
+            reply[n + 1] = ok and 1 or 0
+            reply[n + 2] = floor(tokens)
+            if tokens >= s.need then
+              reply[n + 3] = 0
+            elseif s.rate then
+              reply[n + 3] = wait(s.need, tokens, s.rate)
+            else
+              reply[n + 3] = s.ends - now_ms
+            end
+            n = n + 3
           end
-          n = n + 3
         end
       end
       group(i, count, tonumber(cost))

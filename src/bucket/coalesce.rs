@@ -12,9 +12,10 @@
 //! hash tag; sub-bucket keys have their own): each slot has at most one
 //! call in flight and its own queue.
 //!
-//! The limits of a request with several ([`TakeGroup`]) go out in a call
-//! of their own, at once: they are rare beside single decisions, and must
-//! stay together in one call.
+//! The limits of a request with several ([`TakeGroup`]) queue and ride
+//! like single decisions, every key of the request in the same call (a
+//! group is never split; all its keys share the tenant's slot); each key
+//! counts against the cap.
 //!
 //! Each call is bounded by `redis.timeout_ms` and reported to the breaker
 //! once, success or failure; when it fails every decision in it hears
@@ -34,7 +35,7 @@ use tokio::sync::oneshot;
 
 use super::decision::{Ask, BucketSpec, Decision, Grant, GroupLimit};
 use super::redis::RedisBucket;
-use super::store::{BatchStore, SharedStore};
+use super::store::{Answer, BatchStore, Item, SharedStore};
 use crate::breaker::BreakerGate;
 use crate::redis_client::RedisCallError;
 use crate::telemetry::Metrics;
@@ -83,11 +84,72 @@ pub struct TakeGroup {
     pub reply: GroupReply,
 }
 
+/// A decision waiting for a call.
+enum Job {
+    /// One bucket.
+    One(Take),
+    /// Every limit of one request.
+    Group(TakeGroup),
+}
+
+impl Job {
+    /// Whether the decision gave up waiting (no one to answer).
+    fn abandoned(&self) -> bool {
+        match self {
+            Self::One(take) => take.reply.is_closed(),
+            Self::Group(take) => take.reply.is_closed(),
+        }
+    }
+
+    /// The keys it puts in a call.
+    fn keys(&self) -> usize {
+        match self {
+            Self::One(_) => 1,
+            Self::Group(take) => take.limits.len(),
+        }
+    }
+
+    /// What the store is asked for it.
+    fn item(&self) -> Item<'_> {
+        match self {
+            Self::One(take) => Item::One(&take.key, take.spec, take.ask),
+            Self::Group(take) => Item::Group(&take.limits, take.cost),
+        }
+    }
+
+    /// Tells the decision what the call answered (a decision that gave
+    /// up has no one to tell).
+    fn answer(self, result: Result<Answer, RedisCallError>) {
+        match self {
+            Self::One(take) => {
+                let _ = take.reply.send(result.and_then(|answer| match answer {
+                    Answer::One(grant) => Ok(grant),
+                    Answer::Group(_) => Err(RedisCallError::BadReply),
+                }));
+            }
+            Self::Group(take) => {
+                let _ = take.reply.send(result.and_then(|answer| match answer {
+                    Answer::Group(decisions) => Ok(decisions),
+                    Answer::One(_) => Err(RedisCallError::BadReply),
+                }));
+            }
+        }
+    }
+
+    /// The key that places it on a Cluster (a group's keys share a slot).
+    fn first_key(&self) -> &str {
+        match self {
+            Self::One(take) => &take.key,
+            Self::Group(take) => take.limits.first().map_or("", |(key, _)| key),
+        }
+    }
+}
+
 /// The decisions of one group, and whether its call is in flight.
 #[derive(Default)]
 struct Queue {
     /// Decisions not sent yet, oldest first.
-    waiting: VecDeque<Take>,
+    waiting: VecDeque<Job>,
     /// Whether a call of this group is in flight.
     busy: bool,
 }
@@ -143,11 +205,21 @@ impl<B: BatchStore> BucketClient<B> {
             return;
         }
         let mut batch = Vec::with_capacity(self.max_keys.min(queue.waiting.len()));
-        while batch.len() < self.max_keys {
-            match queue.waiting.pop_front() {
-                Some(take) if take.reply.is_closed() => {}
-                Some(take) => batch.push(take),
-                None => break,
+        let mut keys = 0;
+        while let Some(job) = queue.waiting.front() {
+            if job.abandoned() {
+                queue.waiting.pop_front();
+                continue;
+            }
+            // A request's limits are never split; one larger than the cap
+            // goes alone.
+            if keys > 0 && keys + job.keys() > self.max_keys {
+                break;
+            }
+            keys += job.keys();
+            batch.extend(queue.waiting.pop_front());
+            if keys >= self.max_keys {
+                break;
             }
         }
         if batch.is_empty() {
@@ -155,7 +227,7 @@ impl<B: BatchStore> BucketClient<B> {
             return;
         }
         queue.busy = true;
-        self.send(ctx, group, batch);
+        self.send(ctx, group, batch, keys);
     }
 
     /// Reports a call's outcome to the breaker and the error counter.
@@ -175,32 +247,30 @@ impl<B: BatchStore> BucketClient<B> {
         }
     }
 
-    /// One script call for `batch`; its answers go to their decisions.
-    fn send(&mut self, ctx: &mut Context<Self>, group: Group, batch: Vec<Take>) {
+    /// One script call for `batch` (of `keys` keys); its answers go to
+    /// their decisions.
+    fn send(&mut self, ctx: &mut Context<Self>, group: Group, batch: Vec<Job>, keys: usize) {
         let redis = self.redis.clone();
-        self.metrics.redis_keys_per_call(batch.len());
+        self.metrics.redis_keys_per_call(keys);
         let call = async move {
-            let asks: Vec<(&str, BucketSpec, Ask)> = batch
-                .iter()
-                .map(|t| (t.key.as_str(), t.spec, t.ask))
-                .collect();
-            let result = redis.take_many(&asks).await;
-            drop(asks);
+            let items: Vec<Item<'_>> = batch.iter().map(Job::item).collect();
+            let result = redis.take_batch(&items).await;
+            drop(items);
             (result, batch)
         };
         ctx.spawn(call.into_actor(self).map(move |(result, batch), client, ctx| {
             client.report(result.as_ref().map(|_| ()));
             match result {
-                Ok(grants) => {
-                    for (take, grant) in batch.into_iter().zip(grants) {
-                        // A decision that gave up has no one to tell.
-                        let _ = take.reply.send(Ok(grant));
+                Ok(answers) => {
+                    let mut answers = answers.into_iter();
+                    for job in batch {
+                        job.answer(answers.next().ok_or(RedisCallError::BadReply));
                     }
                 }
                 Err(e) => {
-                    tracing::debug!(error = %e, keys = batch.len(), "Redis call failed; its decisions are made locally.");
-                    for take in batch {
-                        let _ = take.reply.send(Err(RedisCallError::CallFailed(e.kind())));
+                    tracing::debug!(error = %e, keys, "Redis call failed; its decisions are made locally.");
+                    for job in batch {
+                        job.answer(Err(RedisCallError::CallFailed(e.kind())));
                     }
                 }
             }
@@ -209,6 +279,18 @@ impl<B: BatchStore> BucketClient<B> {
             }
             client.dispatch(ctx, group);
         }));
+    }
+
+    /// Queues `job` in its group and sends the group's next call if none is
+    /// in flight.
+    fn enqueue(&mut self, ctx: &mut Context<Self>, job: Job) {
+        let group = if self.cluster {
+            Group::Slot(Slot::for_key(job.first_key().as_bytes()))
+        } else {
+            Group::Server
+        };
+        self.queues.entry(group).or_default().waiting.push_back(job);
+        self.dispatch(ctx, group);
     }
 }
 
@@ -229,17 +311,7 @@ impl<B: BatchStore> Handler<Take> for BucketClient<B> {
     type Result = ();
 
     fn handle(&mut self, take: Take, ctx: &mut Context<Self>) {
-        let group = if self.cluster {
-            Group::Slot(Slot::for_key(take.key.as_bytes()))
-        } else {
-            Group::Server
-        };
-        self.queues
-            .entry(group)
-            .or_default()
-            .waiting
-            .push_back(take);
-        self.dispatch(ctx, group);
+        self.enqueue(ctx, Job::One(take));
     }
 }
 
@@ -247,18 +319,7 @@ impl<B: BatchStore> Handler<TakeGroup> for BucketClient<B> {
     type Result = ();
 
     fn handle(&mut self, take: TakeGroup, ctx: &mut Context<Self>) {
-        let redis = self.redis.clone();
-        self.metrics.redis_keys_per_call(take.limits.len());
-        let call = async move {
-            let result = redis.take_group(&take.limits, take.cost).await;
-            (result, take.reply)
-        };
-        ctx.spawn(call.into_actor(self).map(|(result, reply), client, _| {
-            client.report(result.as_ref().map(|_| ()));
-            let result = result.map_err(|e| RedisCallError::CallFailed(e.kind()));
-            // A decision that gave up has no one to tell.
-            let _ = reply.send(result);
-        }));
+        self.enqueue(ctx, Job::Group(take));
     }
 }
 
@@ -312,7 +373,7 @@ impl<B: BatchStore> SharedStore for Coalesced<B> {
         if self.addr.try_send(take).is_err() {
             return Err(RedisCallError::CallFailed("queue full"));
         }
-        answered(answer, self.timeout).await
+        answered(answer, 2 * self.timeout).await
     }
 }
 
@@ -335,6 +396,7 @@ mod tests {
     use futures_util::future::join_all;
 
     use super::*;
+    use crate::bucket::decision::GroupLimit;
     use crate::bucket::store::fake::{FakeStore, Fault};
     use crate::clock::TokioClock;
 
@@ -426,6 +488,44 @@ mod tests {
         }
         assert_eq!(store.batch_sizes(), [1, 10]);
         assert_eq!(gate.drain().successes, 2, "one success per call");
+    }
+
+    /// Sends the three limits of one request (tenant `t`) from a task of
+    /// its own.
+    fn send_group(
+        client: &Coalesced<FakeStore>,
+        t: &str,
+    ) -> actix_web::rt::task::JoinHandle<Result<Vec<Decision>, RedisCallError>> {
+        let limits: Vec<(String, GroupLimit)> = (0..3)
+            .map(|i| (format!("rl2:{{{t}}}:r#{i}"), GroupLimit::Bucket(spec())))
+            .collect();
+        let client = client.clone();
+        actix_web::rt::spawn(async move { client.take_group(&limits, 1).await })
+    }
+
+    #[actix_web::test]
+    async fn a_requests_limits_ride_with_other_decisions_and_are_never_split() {
+        tokio::time::pause();
+        let (store, gate, client) = setup(4, false);
+        let (first, riders) = behind_a_slow_call(&store, &client, 5, 2).await;
+        let group = send_group(&client, "g");
+        let last = send(&client, "rl2:{z}:r");
+        assert!(first.await.unwrap().is_ok());
+        let decisions = group.await.unwrap().unwrap();
+        assert_eq!(decisions.len(), 3);
+        assert!(decisions.iter().all(|d| d.allowed));
+        for rider in riders {
+            assert!(rider.await.unwrap().is_ok());
+        }
+        assert!(last.await.unwrap().is_ok());
+        // Two singles and the group's three keys do not fit in 4: the
+        // group waits for the next call, whole, with the last single.
+        assert_eq!(store.batch_sizes(), [1, 2, 4]);
+        assert_eq!(
+            store.batches()[2],
+            ["rl2:{g}:r#0", "rl2:{g}:r#1", "rl2:{g}:r#2", "rl2:{z}:r"]
+        );
+        assert_eq!(gate.drain().successes, 3, "one success per call");
     }
 
     #[actix_web::test]

@@ -16,6 +16,7 @@ use std::time::Duration;
 use redis::Script;
 
 use super::decision::{Ask, BucketSpec, Decision, Grant, GroupLimit};
+use super::store::{Answer, Item};
 use crate::clock::SharedClock;
 use crate::redis_client::{RedisCallError, RedisConn};
 use crate::telemetry::Metrics;
@@ -133,38 +134,9 @@ impl RedisBucket {
         group: &[(String, GroupLimit)],
         cost: u32,
     ) -> Result<Vec<Decision>, RedisCallError> {
-        let mut invocation = TOKEN_BUCKET.prepare_invoke();
-        for (i, (key, limit)) in group.iter().enumerate() {
-            invocation.key(key.as_str());
-            match limit {
-                GroupLimit::Bucket(spec) => {
-                    invocation
-                        .arg(spec.capacity.get())
-                        .arg(spec.refill_per_second);
-                }
-                GroupLimit::Quota { quota, window } => {
-                    invocation.arg(quota.get()).arg(window.script_code());
-                }
-            }
-            if i == 0 {
-                invocation.arg(format!("{cost}*{}", group.len()));
-            } else {
-                invocation.arg("-");
-            }
-        }
-        let reply = self.call(&invocation).await?;
-        let decisions: Vec<Decision> = reply
-            .chunks_exact(3)
-            .map(|r| Decision {
-                allowed: r[0] == 1,
-                remaining: u64::try_from(r[1]).unwrap_or(0),
-                retry_after_ms: u64::try_from(r[2]).unwrap_or(0),
-            })
-            .collect();
-        if reply.len() == 3 * group.len() {
-            Ok(decisions)
-        } else {
-            Err(RedisCallError::BadReply)
+        match self.take_batch(&[Item::Group(group, cost)]).await?.pop() {
+            Some(Answer::Group(decisions)) => Ok(decisions),
+            _ => Err(RedisCallError::BadReply),
         }
     }
 
@@ -185,64 +157,132 @@ impl RedisBucket {
     /// same order. Every key must live on one node (on a Cluster: one slot).
     ///
     /// # Errors
-    /// [`RedisCallError`] on timeout, connection or server failure, or a
-    /// reply of the wrong shape; then no grant is known.
+    /// As [`RedisBucket::take_batch`].
     pub async fn take_many(
         &self,
         batch: &[(&str, BucketSpec, Ask)],
     ) -> Result<Vec<Grant>, RedisCallError> {
+        let items: Vec<Item<'_>> = batch
+            .iter()
+            .map(|(key, spec, ask)| Item::One(key, *spec, *ask))
+            .collect();
+        self.take_batch(&items)
+            .await?
+            .into_iter()
+            .map(|answer| match answer {
+                Answer::One(grant) => Ok(grant),
+                Answer::Group(_) => Err(RedisCallError::BadReply),
+            })
+            .collect()
+    }
+
+    /// Decides every item of `batch` in one script call (one reading of
+    /// Redis's clock): single buckets as their `Ask` says, groups all or
+    /// nothing; the answers come in the same order. Every key must live on
+    /// one node (on a Cluster: one slot).
+    ///
+    /// # Errors
+    /// [`RedisCallError`] on timeout, connection or server failure, or a
+    /// reply of the wrong shape; then no answer is known.
+    pub async fn take_batch(&self, batch: &[Item<'_>]) -> Result<Vec<Answer>, RedisCallError> {
         let mut invocation = TOKEN_BUCKET.prepare_invoke();
-        for (key, spec, ask) in batch {
-            invocation
-                .key(*key)
-                .arg(spec.capacity.get())
-                .arg(spec.refill_per_second);
-            if ask.is_plain() {
-                invocation.arg(ask.need);
-            } else {
-                invocation.arg(format!("{}:{}:{}", ask.want, ask.min, ask.need));
+        for item in batch {
+            match *item {
+                Item::One(key, spec, ask) => {
+                    invocation
+                        .key(key)
+                        .arg(spec.capacity.get())
+                        .arg(spec.refill_per_second);
+                    if ask.is_plain() {
+                        invocation.arg(ask.need);
+                    } else {
+                        invocation.arg(format!("{}:{}:{}", ask.want, ask.min, ask.need));
+                    }
+                }
+                Item::Group(group, cost) => {
+                    for (i, (key, limit)) in group.iter().enumerate() {
+                        invocation.key(key.as_str());
+                        match limit {
+                            GroupLimit::Bucket(spec) => {
+                                invocation
+                                    .arg(spec.capacity.get())
+                                    .arg(spec.refill_per_second);
+                            }
+                            GroupLimit::Quota { quota, window } => {
+                                invocation.arg(quota.get()).arg(window.script_code());
+                            }
+                        }
+                        if i == 0 {
+                            invocation.arg(format!("{cost}*{}", group.len()));
+                        } else {
+                            invocation.arg("-");
+                        }
+                    }
+                }
             }
         }
         let reply = self.call(&invocation).await?;
         let mut rest = reply.as_slice();
-        let mut grants = Vec::with_capacity(batch.len());
-        for (_, spec, ask) in batch {
-            let plain = ask.is_plain();
-            let (r, tail) = rest
-                .split_at_checked(if plain { 3 } else { 5 })
-                .ok_or(RedisCallError::BadReply)?;
-            rest = tail;
-            let decision = Decision {
-                allowed: r[0] == 1,
-                remaining: u64::try_from(r[1]).unwrap_or(0),
-                retry_after_ms: u64::try_from(r[2]).unwrap_or(0),
-            };
-            // What the script leaves out for a plain ask follows from the
-            // decision: it took its cost (clamped to the capacity, as the
-            // script does) or nothing, and can ask again once it could pass.
-            let (granted, block_ms) = if plain {
-                let granted = if decision.allowed {
-                    ask.need.min(spec.capacity.get())
-                } else {
-                    0
-                };
-                (granted, decision.retry_after_ms)
-            } else {
-                (
-                    u32::try_from(r[3]).unwrap_or(0),
-                    u64::try_from(r[4]).unwrap_or(0),
-                )
-            };
-            grants.push(Grant {
-                granted,
-                decision,
-                block_ms,
-            });
+        let mut answers = Vec::with_capacity(batch.len());
+        for item in batch {
+            match *item {
+                Item::One(_, spec, ask) => {
+                    let plain = ask.is_plain();
+                    let (r, tail) = rest
+                        .split_at_checked(if plain { 3 } else { 5 })
+                        .ok_or(RedisCallError::BadReply)?;
+                    rest = tail;
+                    answers.push(Answer::One(grant_of(r, &spec, ask)));
+                }
+                Item::Group(group, _) => {
+                    let (r, tail) = rest
+                        .split_at_checked(3 * group.len())
+                        .ok_or(RedisCallError::BadReply)?;
+                    rest = tail;
+                    answers.push(Answer::Group(r.chunks_exact(3).map(decision_of).collect()));
+                }
+            }
         }
         if rest.is_empty() {
-            Ok(grants)
+            Ok(answers)
         } else {
             Err(RedisCallError::BadReply)
         }
+    }
+}
+
+/// A decision from the first three integers of a key's reply.
+fn decision_of(r: &[i64]) -> Decision {
+    Decision {
+        allowed: r[0] == 1,
+        remaining: u64::try_from(r[1]).unwrap_or(0),
+        retry_after_ms: u64::try_from(r[2]).unwrap_or(0),
+    }
+}
+
+/// The grant of a single key's reply `r` (three integers for a plain
+/// ask, five for a lease).
+fn grant_of(r: &[i64], spec: &BucketSpec, ask: Ask) -> Grant {
+    let decision = decision_of(r);
+    // What the script leaves out for a plain ask follows from the
+    // decision: it took its cost (clamped to the capacity, as the script
+    // does) or nothing, and can ask again once it could pass.
+    let (granted, block_ms) = if ask.is_plain() {
+        let granted = if decision.allowed {
+            ask.need.min(spec.capacity.get())
+        } else {
+            0
+        };
+        (granted, decision.retry_after_ms)
+    } else {
+        (
+            u32::try_from(r[3]).unwrap_or(0),
+            u64::try_from(r[4]).unwrap_or(0),
+        )
+    };
+    Grant {
+        granted,
+        decision,
+        block_ms,
     }
 }

@@ -49,31 +49,49 @@ pub trait SharedStore: Clone + 'static {
     ) -> impl Future<Output = Result<Vec<Decision>, RedisCallError>>;
 }
 
-/// What the coalescer needs below it: several takes in one atomic call.
+/// One decision of a batched call.
+#[derive(Debug, Clone, Copy)]
+pub enum Item<'a> {
+    /// One bucket, tokens taken as the `Ask` says.
+    One(&'a str, BucketSpec, Ask),
+    /// Every limit of one request: `cost` from each, or from none.
+    Group(&'a [(String, GroupLimit)], u32),
+}
+
+impl Item<'_> {
+    /// The keys it touches.
+    pub fn keys(&self) -> usize {
+        match self {
+            Self::One(..) => 1,
+            Self::Group(limits, _) => limits.len(),
+        }
+    }
+}
+
+/// What a batched call answered for one [`Item`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum Answer {
+    /// For [`Item::One`].
+    One(Grant),
+    /// For [`Item::Group`], one decision per limit.
+    Group(Vec<Decision>),
+}
+
+/// What the coalescer needs below it: several decisions in one atomic call.
 pub trait BatchStore: Clone + Unpin + 'static {
     /// The bound on one call.
     fn timeout(&self) -> Duration;
 
-    /// Takes tokens from every bucket of `batch` in one atomic call, each
-    /// as its `Ask` says; the grants come in the same order. On a Redis
-    /// Cluster every key must be in one slot.
+    /// Decides every item of `batch` in one atomic call, with one reading
+    /// of the store's clock; the answers come in the same order. On a
+    /// Redis Cluster every key must be in one slot.
     ///
     /// # Errors
-    /// [`RedisCallError`] when the call failed; no grant is known then.
-    fn take_many(
+    /// [`RedisCallError`] when the call failed; no answer is known then.
+    fn take_batch(
         &self,
-        batch: &[(&str, BucketSpec, Ask)],
-    ) -> impl Future<Output = Result<Vec<Grant>, RedisCallError>>;
-
-    /// As [`SharedStore::take_group`], one call of its own.
-    ///
-    /// # Errors
-    /// [`RedisCallError`] when the call failed; no decision is known then.
-    fn take_group(
-        &self,
-        group: &[(String, GroupLimit)],
-        cost: u32,
-    ) -> impl Future<Output = Result<Vec<Decision>, RedisCallError>>;
+        batch: &[Item<'_>],
+    ) -> impl Future<Output = Result<Vec<Answer>, RedisCallError>>;
 }
 
 impl BatchStore for RedisBucket {
@@ -81,19 +99,11 @@ impl BatchStore for RedisBucket {
         RedisBucket::timeout(self)
     }
 
-    fn take_many(
+    fn take_batch(
         &self,
-        batch: &[(&str, BucketSpec, Ask)],
-    ) -> impl Future<Output = Result<Vec<Grant>, RedisCallError>> {
-        RedisBucket::take_many(self, batch)
-    }
-
-    fn take_group(
-        &self,
-        group: &[(String, GroupLimit)],
-        cost: u32,
-    ) -> impl Future<Output = Result<Vec<Decision>, RedisCallError>> {
-        RedisBucket::take_group(self, group, cost)
+        batch: &[Item<'_>],
+    ) -> impl Future<Output = Result<Vec<Answer>, RedisCallError>> {
+        RedisBucket::take_batch(self, batch)
     }
 }
 
@@ -107,7 +117,7 @@ pub(crate) mod fake {
 
     use redis::{ErrorKind, RedisError, ServerErrorKind};
 
-    use super::{BatchStore, SharedStore};
+    use super::{Answer, BatchStore, Item, SharedStore};
     use crate::breaker::BreakerGate;
     use crate::bucket::decision::{Ask, BucketSpec, Decision, Grant, GroupLimit};
     use crate::bucket::local::LocalBuckets;
@@ -224,12 +234,10 @@ pub(crate) mod fake {
             spec: &BucketSpec,
             ask: Ask,
         ) -> Result<Grant, RedisCallError> {
-            let result = self.call(&[(key, *spec, ask)]).await;
-            match &result {
-                Ok(_) => self.gate.success(),
-                Err(_) => self.gate.failure(),
+            match self.reported(Item::One(key, *spec, ask)).await? {
+                Answer::One(grant) => Ok(grant),
+                Answer::Group(_) => Err(RedisCallError::BadReply),
             }
-            result.and_then(|mut grants| grants.pop().ok_or(RedisCallError::BadReply))
         }
 
         async fn take_group(
@@ -237,12 +245,10 @@ pub(crate) mod fake {
             group: &[(String, GroupLimit)],
             cost: u32,
         ) -> Result<Vec<Decision>, RedisCallError> {
-            let result = BatchStore::take_group(self, group, cost).await;
-            match &result {
-                Ok(_) => self.gate.success(),
-                Err(_) => self.gate.failure(),
+            match self.reported(Item::Group(group, cost)).await? {
+                Answer::Group(decisions) => Ok(decisions),
+                Answer::One(_) => Err(RedisCallError::BadReply),
             }
-            result
         }
     }
 
@@ -251,54 +257,48 @@ pub(crate) mod fake {
             self.timeout
         }
 
-        async fn take_many(
-            &self,
-            batch: &[(&str, BucketSpec, Ask)],
-        ) -> Result<Vec<Grant>, RedisCallError> {
+        async fn take_batch(&self, batch: &[Item<'_>]) -> Result<Vec<Answer>, RedisCallError> {
             self.call(batch).await
         }
+    }
 
-        async fn take_group(
-            &self,
-            group: &[(String, GroupLimit)],
-            cost: u32,
-        ) -> Result<Vec<Decision>, RedisCallError> {
-            let fault = {
-                let mut inner = self.lock();
-                let keys = group.iter().map(|(k, _)| (k.clone(), Ask::single(cost)));
-                inner.batches.push(keys.collect());
-                inner.faults.pop_front()
-            };
-            match fault {
+    impl FakeStore {
+        /// One call of `item` alone, its outcome told to the breaker.
+        async fn reported(&self, item: Item<'_>) -> Result<Answer, RedisCallError> {
+            let result = self.call(&[item]).await;
+            match &result {
+                Ok(_) => self.gate.success(),
+                Err(_) => self.gate.failure(),
+            }
+            result.and_then(|mut answers| answers.pop().ok_or(RedisCallError::BadReply))
+        }
+
+        /// What the script answers for `item`.
+        fn answer(&self, item: &Item<'_>) -> Answer {
+            match *item {
+                Item::One(key, spec, ask) => Answer::One(self.grant(key, &spec, ask)),
                 // The script's group arithmetic is the local limiter's.
-                None => Ok(self.groups.take_group(group, cost)),
-                Some(_) => Err(dropped()),
+                Item::Group(group, cost) => Answer::Group(self.groups.take_group(group, cost)),
             }
         }
     }
 
     impl FakeStore {
         /// One call for `batch`, with the next fault.
-        async fn call(
-            &self,
-            batch: &[(&str, BucketSpec, Ask)],
-        ) -> Result<Vec<Grant>, RedisCallError> {
+        async fn call(&self, batch: &[Item<'_>]) -> Result<Vec<Answer>, RedisCallError> {
             let fault = {
                 let mut inner = self.lock();
-                inner.batches.push(
-                    batch
+                let keys = batch.iter().flat_map(|item| match *item {
+                    Item::One(key, _, ask) => vec![(key.to_owned(), ask)],
+                    Item::Group(group, cost) => group
                         .iter()
-                        .map(|(k, _, a)| ((*k).to_owned(), *a))
+                        .map(|(key, _)| (key.clone(), Ask::single(cost)))
                         .collect(),
-                );
+                });
+                inner.batches.push(keys.collect());
                 inner.faults.pop_front()
             };
-            let grant_all = || {
-                batch
-                    .iter()
-                    .map(|(key, spec, ask)| self.grant(key, spec, *ask))
-                    .collect()
-            };
+            let grant_all = || batch.iter().map(|item| self.answer(item)).collect();
             match fault {
                 None => Ok(grant_all()),
                 Some(Fault::Slow(delay)) if delay >= self.timeout => {
@@ -310,7 +310,7 @@ pub(crate) mod fake {
                     Ok(grant_all())
                 }
                 Some(Fault::DroppedAfter) => {
-                    let _: Vec<Grant> = grant_all();
+                    let _: Vec<Answer> = grant_all();
                     Err(dropped())
                 }
                 Some(Fault::Dropped) => Err(dropped()),
