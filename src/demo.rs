@@ -160,6 +160,7 @@ pub async fn run(mut config: crate::config::Config) -> anyhow::Result<()> {
          \x20 for i in $(seq {loops}); do curl -s -o /dev/null -w '%{{http_code}} ' -X POST -H 'X-Api-Key: {tenant}' http://{gw}/orders; done; echo\n\
          \x20 curl -i http://{gw}/orders/42                      # 401: no X-Api-Key\n\
          \x20 curl -i -H 'X-Api-Key: {{bad}}' http://{gw}/orders/42  # 400: malformed key\n\
+         \x20 curl -si -H 'X-Api-Key: shop-c' http://{gw}/search | grep -i ratelimit  # a burst limit and a daily quota\n\
          \x20 curl -s http://{admin}/ready\n\
          \x20 curl -s http://{admin}/metrics | grep tollgate_requests_total\n\n\
          Edit the rules file and the change applies within seconds. Ctrl-C stops.\n",

@@ -167,7 +167,7 @@ async fn phases(
 
     let rules = state.rules.snapshot();
     let in_force = rules.in_force(tenant.as_str(), route.spec.id.as_str());
-    let Some(slot) = forwarder.slot(&tenant, in_force.has_rule) else {
+    let Some(slot) = forwarder.slot(&tenant, in_force.names_tenant()) else {
         count(Outcome::InFlightLimited);
         return ProxyError::TooManyInFlight.response();
     };

@@ -530,6 +530,12 @@ impl InForce {
     pub fn is_single(&self) -> bool {
         self.limit.bucket && self.more.is_none() && self.tenant_wide.is_none()
     }
+
+    /// Whether a rule names the tenant: one for the route, or a
+    /// tenant-wide one (else only the default applies to it).
+    pub fn names_tenant(&self) -> bool {
+        self.has_rule || self.tenant_wide.is_some()
+    }
 }
 
 /// All rules in force, plus the default for pairs without one.
