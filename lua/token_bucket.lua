@@ -47,9 +47,9 @@
 -- allowed, else 0; block_ms is retry_after_ms), so they are not sent: a
 -- reply's integers are most of what a caller spends parsing it.
 --
--- Per key: one GET, and one SET ... PX when tokens are taken (a rejection
--- writes nothing). Now always comes
--- from redis.call('TIME'), never from the gateway: gateway clocks drift.
+-- Per key: one GET, and one SET ... PX when tokens are taken (SET ... PXAT
+-- for a quota; a rejection writes nothing). Now always comes from
+-- redis.call('TIME'), never from the gateway: gateway clocks drift.
 --
 -- Redis pays for every Lua function call and every number turned into a
 -- string, so the loop compares inline instead of calling math.min and

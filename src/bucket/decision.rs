@@ -199,6 +199,25 @@ mod tests {
     }
 
     #[test]
+    fn a_regional_share_scales_a_quota_too() {
+        let day = GroupLimit::Quota {
+            quota: nz(10_000),
+            window: Window::Day,
+        };
+        let GroupLimit::Quota { quota, .. } = day.scaled(0.7) else {
+            panic!("a quota stays a quota");
+        };
+        assert_eq!(quota.get(), 7_000);
+        assert_eq!(day.scaled(1.0), day);
+        let one = GroupLimit::Quota {
+            quota: nz(1),
+            window: Window::Hour,
+        };
+        assert_eq!(one.scaled(0.3).size(), 1, "never below one request");
+        assert_eq!(day.window_seconds(), 86_400);
+    }
+
+    #[test]
     fn window_is_time_to_refill_from_empty_rounded_up() {
         assert_eq!(BucketSpec::of(nz(200), nz(100)).window_seconds(), 2);
         assert_eq!(BucketSpec::of(nz(5), nz(2)).window_seconds(), 3);
