@@ -19,6 +19,7 @@ use std::time::Duration;
 
 use tokio::sync::oneshot;
 
+use tollgate::bucket::decision::GroupGrant;
 use tollgate::bucket::store::{Answer, BatchStore, Item};
 use tollgate::bucket::{Ask, BucketClient, BucketSpec, Decision, Grant, SharedStore};
 use tollgate::clock::{Clock, SystemClock};
@@ -43,7 +44,11 @@ impl BatchStore for Instant {
                     decision: ADMITTED,
                     block_ms: 0,
                 }),
-                Item::Group(group, _) => Answer::Group(vec![ADMITTED; group.len()]),
+                Item::Group(group, ask) => Answer::Group(GroupGrant {
+                    granted: ask.want,
+                    decisions: vec![ADMITTED; group.len()],
+                    block_ms: 0,
+                }),
             })
             .collect())
     }

@@ -21,10 +21,12 @@
 --                arguments per key whatever the ask: every argument costs
 --                Redis a Lua string per call.
 --
--- Groups: an ask "cost*n" starts a group of n keys (this one and the n-1
--- after it, whose asks are "-"): the limits of one request, all of which
--- must admit it. The cost is taken from every one of them, or from none
--- when one refuses. A group's key is a bucket as above, or a quota: then
+-- Groups: an ask "cost*n" or "want:min:need*n" starts a group of n keys
+-- (this one and the n-1 after it, whose asks are "-"): the limits of one
+-- request, all of which must admit it. The same count is taken from every
+-- one of them, or nothing from any: the cost, or for a lease as many as
+-- the fullest limit allows up to want (at least min, else need alone),
+-- every count clamped to the smallest limit's size. A group's key is a bucket as above, or a quota: then
 -- ARGV[3i-2] is the quota (requests per window) and ARGV[3i-1] the window
 -- instead of a rate: "m", "h", "d" (calendar minute, hour, day, UTC), "M"
 -- (calendar month, UTC) or "s<seconds>" (fixed windows counted from the
@@ -95,10 +97,19 @@ for i = 1, #KEYS do
       -- A later key of a group: decided with the group's first key.
       grouped = true
     else
-      local cost, count = string.match(ask, '^(%d+)%*(%d+)$')
+      local head, count = string.match(ask, '^([%d:]+)%*(%d+)$')
       count = tonumber(count)
       if not count or count < 1 or i + count - 1 > #KEYS then
         return redis.error_reply('tollgate: bad ask ' .. ask)
+      end
+      local gw, gm, gk = string.match(head, '^(%d+):(%d+):(%d+)$')
+      local glease = gk ~= nil
+      if not glease then
+        gw = tonumber(head)
+        if not gw then
+          return redis.error_reply('tollgate: bad ask ' .. ask)
+        end
+        gm, gk = gw, gw
       end
       if not group then
         -- Made here, on the first group of a call, not at the top: a
@@ -156,18 +167,26 @@ for i = 1, #KEYS do
           return (floor(now_ms / len) + 1) * len
         end
 
-        -- Decides the group of count keys starting at first, each
-        -- taking cost.
-        group = function(first, count, cost)
+        -- Milliseconds until k can be taken from limit s holding tokens.
+        local function limit_wait(s, tokens, k)
+          if tokens >= k then
+            return 0
+          elseif s.rate then
+            return wait(k, tokens, s.rate)
+          end
+          return s.ends - now_ms
+        end
+
+        -- Decides the group of count keys starting at first, as the ask
+        -- (want, min, need; a lease when lease) says.
+        group = function(first, count, want, min, need, lease)
           local state = {}
-          local ok = true
+          local avail, size
           for j = first, first + count - 1 do
             local at = j * 3
             local capacity = tonumber(ARGV[at - 2])
             local rate = tonumber(ARGV[at - 1])
-            local need = cost
-            if need > capacity then need = capacity end
-            local s = {capacity = capacity, rate = rate, need = need}
+            local s = {capacity = capacity, rate = rate}
             if rate then
               s.tokens = bucket_tokens(KEYS[j], capacity, rate)
             else
@@ -175,35 +194,45 @@ for i = 1, #KEYS do
               s.used = tonumber(redis.call('GET', KEYS[j])) or 0
               s.tokens = capacity - s.used
             end
-            if s.tokens < need then ok = false end
+            if not avail or s.tokens < avail then avail = s.tokens end
+            if not size or capacity < size then size = capacity end
             state[j] = s
+          end
+          if want > size then want = size end
+          if min > want then min = want end
+          if need > min then need = min end
+          local granted = 0
+          if avail >= min then
+            granted = floor(avail)
+            if granted > want then granted = want end
+          elseif avail >= need then
+            granted = need
           end
           for j = first, first + count - 1 do
             local s = state[j]
             local tokens = s.tokens
-            if ok then
-              tokens = tokens - s.need
+            if granted > 0 then
+              tokens = tokens - granted
               if s.rate then
                 redis.call('SET', KEYS[j], now + (s.capacity - tokens) * 1000000 / s.rate,
                   'PX', string.format('%d', ceil(2000 * s.capacity / s.rate)))
               else
-                redis.call('SET', KEYS[j], s.used + s.need, 'PXAT', s.ends)
+                redis.call('SET', KEYS[j], s.used + granted, 'PXAT', s.ends)
               end
             end
-            reply[n + 1] = ok and 1 or 0
+            reply[n + 1] = granted > 0 and 1 or 0
             reply[n + 2] = floor(tokens)
-            if tokens >= s.need then
-              reply[n + 3] = 0
-            elseif s.rate then
-              reply[n + 3] = wait(s.need, tokens, s.rate)
-            else
-              reply[n + 3] = s.ends - now_ms
-            end
+            reply[n + 3] = limit_wait(s, tokens, need)
             n = n + 3
+            if lease then
+              reply[n + 1] = granted
+              reply[n + 2] = limit_wait(s, tokens, min)
+              n = n + 2
+            end
           end
         end
       end
-      group(i, count, tonumber(cost))
+      group(i, count, tonumber(gw), tonumber(gm), tonumber(gk), glease)
       grouped = true
     end
   end

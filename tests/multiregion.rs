@@ -349,7 +349,18 @@ async fn dashboards_are_valid(prometheus: &PrometheusServer, gateway: &GatewayPr
                 let promql = expr
                     .replace("$__rate_interval", "30s")
                     .replace("$region", ".*");
-                let answer = prometheus.query(&promql).await;
+                // A series may reach Prometheus only at its next scrape.
+                let mut answer = prometheus.query(&promql).await;
+                for _ in 0..20 {
+                    let empty = answer["data"]["result"]
+                        .as_array()
+                        .is_some_and(|r| r.is_empty());
+                    if answer["status"] != "success" || !empty {
+                        break;
+                    }
+                    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+                    answer = prometheus.query(&promql).await;
+                }
                 assert_eq!(
                     answer["status"], "success",
                     "{}: {expr}: {answer}",

@@ -414,12 +414,20 @@ async fn a_group_takes_from_every_limit_or_from_none() {
     // The quota (2 per hour-long window) runs out before the bucket (5).
     let group = bucket_and_quota(5, 2, 3600);
     for left in [1, 0] {
-        let d = b.take_group(&group, 1).await.unwrap();
+        let d = b
+            .take_group(&group, Ask::single(1))
+            .await
+            .unwrap()
+            .decisions;
         assert!(d.iter().all(|d| d.allowed), "{d:?}");
         assert_eq!(d[1].remaining, left);
     }
     let tat_before: f64 = conn.get("rl2:{g}:r").await.unwrap();
-    let refused = b.take_group(&group, 1).await.unwrap();
+    let refused = b
+        .take_group(&group, Ask::single(1))
+        .await
+        .unwrap()
+        .decisions;
     assert!(refused.iter().all(|d| !d.allowed), "{refused:?}");
     // The bucket had room: it says so, and keeps its tokens.
     assert_eq!((refused[0].remaining, refused[0].retry_after_ms), (3, 0));
@@ -447,7 +455,11 @@ async fn a_quota_starts_again_when_its_window_ends() {
     let mut admitted = 0;
     // One per one-second window: a bit over two seconds touch 3 or 4.
     while clock.now_ms() - started < 2_100 {
-        let d = b.take_group(&group, 1).await.unwrap();
+        let d = b
+            .take_group(&group, Ask::single(1))
+            .await
+            .unwrap()
+            .decisions;
         if d[0].allowed {
             admitted += 1;
         } else {
@@ -456,4 +468,32 @@ async fn a_quota_starts_again_when_its_window_ends() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert!((3..=4).contains(&admitted), "{admitted} admitted");
+}
+
+#[actix_web::test]
+async fn a_group_lease_takes_the_same_batch_from_every_limit() {
+    let redis = RedisServer::start();
+    let b = bucket(&redis, Duration::from_secs(2));
+    // The quota (30 an hour) holds fewer than the bucket (50) and binds.
+    let group = bucket_and_quota(50, 30, 3600);
+    let lease = Ask {
+        want: 40,
+        min: 20,
+        need: 1,
+    };
+    let grant = b.take_group(&group, lease).await.unwrap();
+    assert_eq!(grant.granted, 30, "as many as the fullest limit allows");
+    assert_eq!(grant.decisions[0].remaining, 20);
+    assert_eq!(grant.decisions[1].remaining, 0);
+    // Another lease: none of min left in the quota, not even the need.
+    let again = b.take_group(&group, lease).await.unwrap();
+    assert_eq!(again.granted, 0);
+    assert!(again.decisions.iter().all(|d| !d.allowed));
+    assert!(
+        again.block_ms > 1_000,
+        "blocked until the window ends: {again:?}"
+    );
+    let mut conn = redis.conn().await;
+    let counted: u32 = conn.get("rl2:{g}:r#1s").await.unwrap();
+    assert_eq!(counted, 30);
 }

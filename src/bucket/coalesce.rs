@@ -33,7 +33,7 @@ use actix::{Actor, Addr, AsyncContext, Context, Handler, Message};
 use redis::cluster_routing::Slot;
 use tokio::sync::oneshot;
 
-use super::decision::{Ask, BucketSpec, Decision, Grant, GroupLimit};
+use super::decision::{Ask, BucketSpec, Grant, GroupGrant, GroupLimit};
 use super::redis::RedisBucket;
 use super::store::{Answer, BatchStore, Item, SharedStore};
 use crate::breaker::BreakerGate;
@@ -69,18 +69,18 @@ pub struct Take {
 }
 
 /// The answer to one group decision.
-type GroupReply = oneshot::Sender<Result<Vec<Decision>, RedisCallError>>;
+type GroupReply = oneshot::Sender<Result<GroupGrant, RedisCallError>>;
 
-/// Take `cost` from every limit of one request, or from none, and answer
-/// on `reply`.
+/// Take the same count from every limit of one request, as `ask` says,
+/// or nothing from any, and answer on `reply`.
 #[derive(Message)]
 #[rtype(result = "()")]
 pub struct TakeGroup {
     /// Each limit's key, and the limit in force.
     pub limits: Vec<(String, GroupLimit)>,
-    /// What the request costs.
-    pub cost: u32,
-    /// Where the decisions go.
+    /// What to take.
+    pub ask: Ask,
+    /// Where the grant goes.
     pub reply: GroupReply,
 }
 
@@ -113,7 +113,7 @@ impl Job {
     fn item(&self) -> Item<'_> {
         match self {
             Self::One(take) => Item::One(&take.key, take.spec, take.ask),
-            Self::Group(take) => Item::Group(&take.limits, take.cost),
+            Self::Group(take) => Item::Group(&take.limits, take.ask),
         }
     }
 
@@ -129,7 +129,7 @@ impl Job {
             }
             Self::Group(take) => {
                 let _ = take.reply.send(result.and_then(|answer| match answer {
-                    Answer::Group(decisions) => Ok(decisions),
+                    Answer::Group(grant) => Ok(grant),
                     Answer::One(_) => Err(RedisCallError::BadReply),
                 }));
             }
@@ -362,12 +362,12 @@ impl<B: BatchStore> SharedStore for Coalesced<B> {
     async fn take_group(
         &self,
         group: &[(String, GroupLimit)],
-        cost: u32,
-    ) -> Result<Vec<Decision>, RedisCallError> {
+        ask: Ask,
+    ) -> Result<GroupGrant, RedisCallError> {
         let (reply, answer) = oneshot::channel();
         let take = TakeGroup {
             limits: group.to_vec(),
-            cost,
+            ask,
             reply,
         };
         if self.addr.try_send(take).is_err() {
@@ -495,12 +495,12 @@ mod tests {
     fn send_group(
         client: &Coalesced<FakeStore>,
         t: &str,
-    ) -> actix_web::rt::task::JoinHandle<Result<Vec<Decision>, RedisCallError>> {
+    ) -> actix_web::rt::task::JoinHandle<Result<GroupGrant, RedisCallError>> {
         let limits: Vec<(String, GroupLimit)> = (0..3)
             .map(|i| (format!("rl2:{{{t}}}:r#{i}"), GroupLimit::Bucket(spec())))
             .collect();
         let client = client.clone();
-        actix_web::rt::spawn(async move { client.take_group(&limits, 1).await })
+        actix_web::rt::spawn(async move { client.take_group(&limits, Ask::single(1)).await })
     }
 
     #[actix_web::test]
@@ -511,7 +511,7 @@ mod tests {
         let group = send_group(&client, "g");
         let last = send(&client, "rl2:{z}:r");
         assert!(first.await.unwrap().is_ok());
-        let decisions = group.await.unwrap().unwrap();
+        let decisions = group.await.unwrap().unwrap().decisions;
         assert_eq!(decisions.len(), 3);
         assert!(decisions.iter().all(|d| d.allowed));
         for rider in riders {

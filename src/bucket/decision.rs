@@ -115,6 +115,19 @@ impl GroupLimit {
     }
 }
 
+/// What one group call got: the same count taken from every limit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupGrant {
+    /// Tokens taken from each limit (0 when the request was refused).
+    pub granted: u32,
+    /// Each limit's decision about the request's own cost, in order;
+    /// `allowed` is the group's.
+    pub decisions: Vec<Decision>,
+    /// Milliseconds until another call like this one could be granted its
+    /// minimum: the longest of the limits' waits.
+    pub block_ms: u64,
+}
+
 /// What a bucket answered for one request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Decision {

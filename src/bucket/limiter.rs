@@ -78,8 +78,8 @@ pub struct LimiterCore {
     local: LocalBuckets,
     /// Rates, leases and the over-limit cache of Redis-backed keys.
     hot: HotKeys,
-    /// The over-limit cache of groups (requests under several limits).
-    blocked: GroupBlocks,
+    /// The last answers of groups (requests under several limits).
+    answers: GroupMemory,
     /// N, the divisor of the local share.
     live: Arc<LiveInstances>,
     /// The breaker in front of Redis; `None` without Redis.
@@ -101,7 +101,7 @@ impl LimiterCore {
         metrics: Metrics,
     ) -> Self {
         Self {
-            blocked: GroupBlocks::new(local.max_keys(), clock.clone()),
+            answers: GroupMemory::new(local.max_keys(), clock.clone()),
             local,
             hot,
             live,
@@ -141,7 +141,7 @@ impl LimiterCore {
     pub fn sweep_local(&self) {
         self.metrics.local_buckets(self.local.sweep());
         self.hot.sweep();
-        self.blocked.sweep();
+        self.answers.sweep();
     }
 
     /// Decides with the local 1/N share of `whole`.
@@ -350,7 +350,7 @@ impl<C: Borrow<LimiterCore>, K: Borrow<str>> Drop for SlotGuard<C, K> {
 
 mod group;
 
-use group::GroupBlocks;
+use group::GroupMemory;
 pub use group::{GroupVerdict, LimitVerdict};
 #[cfg(test)]
 mod tests;

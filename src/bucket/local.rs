@@ -6,7 +6,7 @@
 //! window has ended: forgetting either loses nothing, since it comes back
 //! full.
 
-use super::decision::{BucketSpec, Decision, GroupLimit};
+use super::decision::{Ask, BucketSpec, Decision, GroupGrant, GroupLimit};
 use super::keymap::{Idle, KeyMap};
 use super::tokens::TokenState;
 use crate::clock::SharedClock;
@@ -94,56 +94,79 @@ impl LocalBuckets {
         })
     }
 
-    /// Takes `cost` from every limit of `group`, or from none when one
-    /// refuses, with the script's arithmetic: a quota counts the requests
-    /// of its current window. Each limit is checked, then each taken, not
-    /// under one lock: two requests racing for the last tokens of
-    /// different limits may both pass, which the fallback's 1/N shares
-    /// make small.
-    pub fn take_group(&self, group: &[(String, GroupLimit)], cost: u32) -> Vec<Decision> {
+    /// Takes the same count from every limit of `group`, or nothing from
+    /// any, as `ask` says, with the script's arithmetic: the request's cost,
+    /// or for a lease as many as the fullest limit allows up to `want` (at
+    /// least `min`, else `need` alone), every count clamped to the smallest
+    /// limit; a quota counts the requests of its current window. Each limit
+    /// is checked, then each taken, not under one lock: two requests racing
+    /// for the last tokens of different limits may both pass, which the
+    /// fallback's 1/N shares make small.
+    pub fn take_group(&self, group: &[(String, GroupLimit)], ask: Ask) -> GroupGrant {
         let now = self.clock.now_ms();
         // Windows end on the calendar: their arithmetic takes Unix time.
         let unix = self.clock.unix_ms();
-        // What each limit holds now, and what the request needs of it.
-        let held: Vec<(f64, u32)> = group
+        let held: Vec<f64> = group
             .iter()
             .map(|(key, limit)| match limit {
-                GroupLimit::Bucket(spec) => (
-                    self.buckets
-                        .get(key, |e| e.state.available(spec, now))
-                        .unwrap_or(f64::from(spec.capacity.get())),
-                    cost.min(spec.capacity.get()),
-                ),
+                GroupLimit::Bucket(spec) => self
+                    .buckets
+                    .get(key, |e| e.state.available(spec, now))
+                    .unwrap_or(f64::from(spec.capacity.get())),
                 GroupLimit::Quota { quota, window } => {
                     let ends_ms = window.end_ms(unix);
                     let used = self
                         .quotas
                         .get(key, |c| if c.ends_ms == ends_ms { c.used } else { 0 })
                         .unwrap_or(0);
-                    (f64::from(quota.get()) - used as f64, cost.min(quota.get()))
+                    f64::from(quota.get()) - used as f64
                 }
             })
             .collect();
-        let allowed = held
+        let size = group
             .iter()
-            .all(|(tokens, need)| *tokens >= f64::from(*need));
-        group
+            .map(|(_, limit)| limit.size())
+            .min()
+            .unwrap_or(0);
+        let clamp = |n: u32| u64::from(n).min(size);
+        let want = clamp(ask.want);
+        let min = clamp(ask.min).min(want);
+        let need = clamp(ask.need).min(min);
+        let avail = held.iter().copied().fold(f64::INFINITY, f64::min);
+        // Saturating float-to-int casts of finite, non-negative values.
+        let granted = if avail >= min as f64 {
+            (avail.floor() as u64).min(want)
+        } else if avail >= need as f64 {
+            need
+        } else {
+            0
+        };
+        let mut block_ms = 0;
+        let decisions = group
             .iter()
             .zip(held)
-            .map(|((key, limit), (tokens, need))| {
-                let enough = tokens >= f64::from(need);
-                match limit {
-                    // Takes, or refuses changing nothing.
-                    GroupLimit::Bucket(spec) if allowed || !enough => self.take(key, spec, need),
-                    GroupLimit::Bucket(_) => Decision {
-                        allowed: false,
-                        // Saturating float-to-int cast of a finite value.
-                        remaining: tokens.floor() as u64,
-                        retry_after_ms: 0,
-                    },
-                    GroupLimit::Quota { window, .. } => {
-                        let ends_ms = window.end_ms(unix);
-                        let left = if allowed {
+            .map(|((key, limit), tokens)| {
+                let left = tokens - granted as f64;
+                let wait = |n: u64| -> u64 {
+                    if left >= n as f64 {
+                        return 0;
+                    }
+                    match limit {
+                        GroupLimit::Bucket(spec) => {
+                            ((n as f64 - left) * 1000.0 / spec.refill_per_second).ceil() as u64
+                        }
+                        GroupLimit::Quota { window, .. } => window.end_ms(unix) - unix,
+                    }
+                };
+                if granted > 0 {
+                    // u32 because every count is at most a limit's size.
+                    let taken = u32::try_from(granted).unwrap_or(u32::MAX);
+                    match limit {
+                        GroupLimit::Bucket(spec) => {
+                            self.take(key, spec, taken);
+                        }
+                        GroupLimit::Quota { window, .. } => {
+                            let ends_ms = window.end_ms(unix);
                             let fresh = || Counted {
                                 ends_ms,
                                 used: 0,
@@ -153,30 +176,24 @@ impl LocalBuckets {
                                 if c.ends_ms != ends_ms {
                                     *c = fresh();
                                 }
-                                c.used += u64::from(need);
+                                c.used += granted;
                             });
-                            tokens - f64::from(need)
-                        } else {
-                            tokens
-                        };
-                        Decision {
-                            allowed,
-                            // Saturating float-to-int cast of a finite value.
-                            remaining: left.max(0.0) as u64,
-                            retry_after_ms: if left >= f64::from(need) {
-                                0
-                            } else {
-                                ends_ms - unix
-                            },
                         }
                     }
                 }
+                block_ms = block_ms.max(wait(min));
+                Decision {
+                    allowed: granted > 0,
+                    remaining: left.max(0.0).floor() as u64,
+                    retry_after_ms: wait(need),
+                }
             })
-            .map(|decision| Decision {
-                allowed,
-                ..decision
-            })
-            .collect()
+            .collect();
+        GroupGrant {
+            granted: u32::try_from(granted).unwrap_or(u32::MAX),
+            decisions,
+            block_ms,
+        }
     }
 
     /// Drops every bucket that is full again and every quota whose window

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use redis::Script;
 
-use super::decision::{Ask, BucketSpec, Decision, Grant, GroupLimit};
+use super::decision::{Ask, BucketSpec, Decision, Grant, GroupGrant, GroupLimit};
 use super::store::{Answer, Item};
 use crate::clock::SharedClock;
 use crate::redis_client::{RedisCallError, RedisConn};
@@ -122,8 +122,9 @@ impl RedisBucket {
         grants.pop().ok_or(RedisCallError::BadReply)
     }
 
-    /// Takes `cost` from every limit of `group`, or from none when one
-    /// refuses, in one script call; the decisions come in the same order.
+    /// Takes the same count from every limit of `group`, as `ask` says, or
+    /// nothing from any, in one script call; the decisions come in the same
+    /// order.
     /// Every key must live in one slot (one tenant's hash tag).
     ///
     /// # Errors
@@ -132,10 +133,10 @@ impl RedisBucket {
     pub async fn take_group(
         &self,
         group: &[(String, GroupLimit)],
-        cost: u32,
-    ) -> Result<Vec<Decision>, RedisCallError> {
-        match self.take_batch(&[Item::Group(group, cost)]).await?.pop() {
-            Some(Answer::Group(decisions)) => Ok(decisions),
+        ask: Ask,
+    ) -> Result<GroupGrant, RedisCallError> {
+        match self.take_batch(&[Item::Group(group, ask)]).await?.pop() {
+            Some(Answer::Group(grant)) => Ok(grant),
             _ => Err(RedisCallError::BadReply),
         }
     }
@@ -199,7 +200,7 @@ impl RedisBucket {
                         invocation.arg(format!("{}:{}:{}", ask.want, ask.min, ask.need));
                     }
                 }
-                Item::Group(group, cost) => {
+                Item::Group(group, ask) => {
                     for (i, (key, limit)) in group.iter().enumerate() {
                         invocation.key(key.as_str());
                         match limit {
@@ -212,10 +213,18 @@ impl RedisBucket {
                                 invocation.arg(quota.get()).arg(window.script_code());
                             }
                         }
-                        if i == 0 {
-                            invocation.arg(format!("{cost}*{}", group.len()));
-                        } else {
+                        if i > 0 {
                             invocation.arg("-");
+                        } else if ask.is_plain() {
+                            invocation.arg(format!("{}*{}", ask.need, group.len()));
+                        } else {
+                            invocation.arg(format!(
+                                "{}:{}:{}*{}",
+                                ask.want,
+                                ask.min,
+                                ask.need,
+                                group.len()
+                            ));
                         }
                     }
                 }
@@ -234,12 +243,13 @@ impl RedisBucket {
                     rest = tail;
                     answers.push(Answer::One(grant_of(r, &spec, ask)));
                 }
-                Item::Group(group, _) => {
+                Item::Group(group, ask) => {
+                    let width = if ask.is_plain() { 3 } else { 5 };
                     let (r, tail) = rest
-                        .split_at_checked(3 * group.len())
+                        .split_at_checked(width * group.len())
                         .ok_or(RedisCallError::BadReply)?;
                     rest = tail;
-                    answers.push(Answer::Group(r.chunks_exact(3).map(decision_of).collect()));
+                    answers.push(Answer::Group(group_grant_of(r, width, ask)));
                 }
             }
         }
@@ -248,6 +258,36 @@ impl RedisBucket {
         } else {
             Err(RedisCallError::BadReply)
         }
+    }
+}
+
+/// The grant of a group's reply `r`, `width` integers per key.
+fn group_grant_of(r: &[i64], width: usize, ask: Ask) -> GroupGrant {
+    let decisions: Vec<Decision> = r.chunks_exact(width).map(decision_of).collect();
+    let (granted, block_ms) = if width == 5 {
+        let granted = r.get(3).map_or(0, |g| u32::try_from(*g).unwrap_or(0));
+        let block = r
+            .chunks_exact(5)
+            .map(|k| u64::try_from(k[4]).unwrap_or(0))
+            .max()
+            .unwrap_or(0);
+        (granted, block)
+    } else {
+        // A plain ask: its cost (clamped as the script clamps it) or
+        // nothing; it can ask again once every limit could pass.
+        let allowed = decisions.first().is_some_and(|d| d.allowed);
+        let block = decisions
+            .iter()
+            .map(|d| d.retry_after_ms)
+            .max()
+            .unwrap_or(0);
+        let granted = if allowed { ask.need } else { 0 };
+        (granted, block)
+    };
+    GroupGrant {
+        granted,
+        decisions,
+        block_ms,
     }
 }
 

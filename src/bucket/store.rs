@@ -13,7 +13,7 @@
 
 use std::time::Duration;
 
-use super::decision::{Ask, BucketSpec, Decision, Grant, GroupLimit};
+use super::decision::{Ask, BucketSpec, Grant, GroupGrant, GroupLimit};
 use super::redis::RedisBucket;
 use crate::redis_client::RedisCallError;
 
@@ -36,17 +36,18 @@ pub trait SharedStore: Clone + 'static {
         ask: Ask,
     ) -> impl Future<Output = Result<Grant, RedisCallError>>;
 
-    /// Takes `cost` from every limit of `group` (one request's limits, all
-    /// keys of one tenant), or from none when one refuses, atomically; the
-    /// decisions come in the same order and agree on `allowed`.
+    /// Takes the same count from every limit of `group` (one request's
+    /// limits, all keys of one tenant), as `ask` says, or nothing from any,
+    /// atomically; the decisions come in the same order and agree on
+    /// `allowed`.
     ///
     /// # Errors
     /// As [`SharedStore::take`].
     fn take_group(
         &self,
         group: &[(String, GroupLimit)],
-        cost: u32,
-    ) -> impl Future<Output = Result<Vec<Decision>, RedisCallError>>;
+        ask: Ask,
+    ) -> impl Future<Output = Result<GroupGrant, RedisCallError>>;
 }
 
 /// One decision of a batched call.
@@ -54,8 +55,9 @@ pub trait SharedStore: Clone + 'static {
 pub enum Item<'a> {
     /// One bucket, tokens taken as the `Ask` says.
     One(&'a str, BucketSpec, Ask),
-    /// Every limit of one request: `cost` from each, or from none.
-    Group(&'a [(String, GroupLimit)], u32),
+    /// Every limit of one request: the same count from each, as the `Ask`
+    /// says, or nothing from any.
+    Group(&'a [(String, GroupLimit)], Ask),
 }
 
 impl Item<'_> {
@@ -73,8 +75,8 @@ impl Item<'_> {
 pub enum Answer {
     /// For [`Item::One`].
     One(Grant),
-    /// For [`Item::Group`], one decision per limit.
-    Group(Vec<Decision>),
+    /// For [`Item::Group`].
+    Group(GroupGrant),
 }
 
 /// What the coalescer needs below it: several decisions in one atomic call.
@@ -119,7 +121,7 @@ pub(crate) mod fake {
 
     use super::{Answer, BatchStore, Item, SharedStore};
     use crate::breaker::BreakerGate;
-    use crate::bucket::decision::{Ask, BucketSpec, Decision, Grant, GroupLimit};
+    use crate::bucket::decision::{Ask, BucketSpec, Grant, GroupGrant, GroupLimit};
     use crate::bucket::local::LocalBuckets;
     use crate::bucket::tokens::TokenState;
     use crate::clock::SharedClock;
@@ -243,10 +245,10 @@ pub(crate) mod fake {
         async fn take_group(
             &self,
             group: &[(String, GroupLimit)],
-            cost: u32,
-        ) -> Result<Vec<Decision>, RedisCallError> {
-            match self.reported(Item::Group(group, cost)).await? {
-                Answer::Group(decisions) => Ok(decisions),
+            ask: Ask,
+        ) -> Result<GroupGrant, RedisCallError> {
+            match self.reported(Item::Group(group, ask)).await? {
+                Answer::Group(grant) => Ok(grant),
                 Answer::One(_) => Err(RedisCallError::BadReply),
             }
         }
@@ -278,7 +280,7 @@ pub(crate) mod fake {
             match *item {
                 Item::One(key, spec, ask) => Answer::One(self.grant(key, &spec, ask)),
                 // The script's group arithmetic is the local limiter's.
-                Item::Group(group, cost) => Answer::Group(self.groups.take_group(group, cost)),
+                Item::Group(group, ask) => Answer::Group(self.groups.take_group(group, ask)),
             }
         }
     }
@@ -290,10 +292,9 @@ pub(crate) mod fake {
                 let mut inner = self.lock();
                 let keys = batch.iter().flat_map(|item| match *item {
                     Item::One(key, _, ask) => vec![(key.to_owned(), ask)],
-                    Item::Group(group, cost) => group
-                        .iter()
-                        .map(|(key, _)| (key.clone(), Ask::single(cost)))
-                        .collect(),
+                    Item::Group(group, ask) => {
+                        group.iter().map(|(key, _)| (key.clone(), ask)).collect()
+                    }
                 });
                 inner.batches.push(keys.collect());
                 inner.faults.pop_front()

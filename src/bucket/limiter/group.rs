@@ -2,22 +2,24 @@
 //! tenant-wide rule beside the route's own ([`InForce`]).
 //!
 //! Owns [`Limiter::check_group`]: every limit at once in one atomic call,
-//! the cost taken from all or from none; with the breaker open, or Redis
-//! failing, the local limiter at 1/N of each limit, quotas counted from
-//! zero in the current window. And the groups' over-limit cache
-//! ([`GroupBlocks`]): once Redis refuses a group, this instance refuses it
-//! locally until the longest of the refusing limits' waits has passed, so
-//! a tenant that spends a day's quota and keeps asking costs Redis one
-//! call per wait, not one per request. Such requests take no leases and
-//! no sub-buckets yet.
+//! the same count taken from all or from none; with the breaker open, or
+//! Redis failing, the local limiter at 1/N of each limit, quotas counted
+//! from zero in the current window. A group (its keys together) has
+//! hot-key state like one bucket's ([`super::super::lease`]), against its
+//! tightest limit ([`tightest`]): leases taken from every limit at once,
+//! and the over-limit cache, so a tenant that spent a day's quota and
+//! keeps asking costs Redis one call per wait, not one per request.
+//! [`GroupMemory`] keeps each group's last answer, which decisions made
+//! without Redis report limit by limit. Groups take no sub-buckets.
 
 use std::num::NonZeroU32;
 use std::sync::Arc;
 
-use super::super::decision::{BucketSpec, Decision, GroupLimit};
+use super::super::decision::{Ask, BucketSpec, Decision, Grant, GroupGrant, GroupLimit};
 use super::super::keymap::{Idle, KeyMap};
+use super::super::lease::Plan;
 use super::super::store::SharedStore;
-use super::{Limiter, LimiterCore};
+use super::{Limiter, LimiterCore, SlotGuard};
 use crate::clock::SharedClock;
 use crate::key::{BucketKey, RouteId, TenantId};
 use crate::rules::model::{Mode, limits_of};
@@ -62,18 +64,22 @@ impl GroupVerdict {
     }
 }
 
-/// A group refused by Redis: until when, and with what answer.
+/// How long a group's last answer is kept beyond its longest wait, for
+/// the leases and refusals answered from it.
+const MEMORY_MS: u64 = 10_000;
+
+/// A group's last answer from Redis.
 #[derive(Debug, Clone)]
-struct Block {
-    /// The refusal's limits, as Redis answered.
-    limits: Arc<[LimitVerdict]>,
+struct Memory {
+    /// Each limit's decision, in group order.
+    decisions: Arc<[Decision]>,
     /// When it was answered (ms of the clock).
     at_ms: u64,
-    /// When the longest wait ends.
+    /// When it may be forgotten.
     until_ms: u64,
 }
 
-impl Idle for Block {
+impl Idle for Memory {
     fn is_idle(&self, now_ms: u64) -> bool {
         now_ms >= self.until_ms
     }
@@ -83,75 +89,131 @@ impl Idle for Block {
     }
 }
 
-/// The over-limit cache of groups, keyed by a group's keys.
-pub(crate) struct GroupBlocks {
-    /// Group key → its refusal.
-    blocks: KeyMap<Block>,
+/// Each group's last answer from Redis, keyed by the group's keys: what a
+/// decision made without Redis (from the group's lease, or by the
+/// over-limit cache) reports for each limit.
+pub(crate) struct GroupMemory {
+    /// Group key → its last answer.
+    answers: KeyMap<Memory>,
     /// Reads now.
     clock: SharedClock,
 }
 
-impl GroupBlocks {
-    /// A cache of at most about `max_keys` groups.
+impl GroupMemory {
+    /// A memory of at most about `max_keys` groups.
     pub(crate) fn new(max_keys: usize, clock: SharedClock) -> Self {
         Self {
-            blocks: KeyMap::new(max_keys),
+            answers: KeyMap::new(max_keys),
             clock,
         }
     }
 
-    /// The refusal in force for `key`, when its limits are still `group`'s
-    /// (a changed rule ends a block), each wait shortened by the time
-    /// since.
-    fn refusal(&self, key: &str, group: &[(String, GroupLimit)]) -> Option<Vec<LimitVerdict>> {
+    /// Keeps Redis's answer for the group `key`.
+    fn remember(&self, key: &str, decisions: &[Decision]) {
         let now = self.clock.now_ms();
-        self.blocks
-            .get(key, |block| {
-                let same = block.limits.len() == group.len()
-                    && block
-                        .limits
-                        .iter()
-                        .zip(group)
-                        .all(|(l, (_, g))| l.limit == *g);
-                (same && now < block.until_ms).then(|| {
-                    let passed = now - block.at_ms;
-                    block
-                        .limits
-                        .iter()
-                        .map(|l| {
-                            let mut l = *l;
-                            if l.decision.retry_after_ms > 0 {
-                                l.decision.retry_after_ms =
-                                    l.decision.retry_after_ms.saturating_sub(passed).max(1);
-                            }
-                            l
-                        })
-                        .collect()
-                })
-            })
-            .flatten()
-    }
-
-    /// Records Redis's refusal of the group `key`.
-    fn block(&self, key: String, limits: &[LimitVerdict]) {
-        let now = self.clock.now_ms();
-        let wait = limits
+        let longest = decisions
             .iter()
-            .map(|l| l.decision.retry_after_ms)
+            .map(|d| d.retry_after_ms)
             .max()
             .unwrap_or(0);
-        let block = Block {
-            limits: Arc::from(limits),
+        let memory = Memory {
+            decisions: Arc::from(decisions),
             at_ms: now,
-            until_ms: now + wait,
+            until_ms: now + longest + MEMORY_MS,
         };
-        self.blocks
-            .with(&key, now, || block.clone(), |b| *b = block.clone());
+        self.answers
+            .with(key, now, || memory.clone(), |m| *m = memory.clone());
     }
 
-    /// Drops the blocks that have ended.
+    /// Each limit's decision when `decision`, for the whole group of `len`
+    /// limits, was made without Redis: the last answer's, the waits counted
+    /// down, with the limit that binds (fewest left, or the longest wait)
+    /// reporting `decision` itself.
+    fn recall(&self, key: &str, len: usize, decision: Decision) -> Vec<Decision> {
+        let now = self.clock.now_ms();
+        let mut decisions = self
+            .answers
+            .get(key, |m| {
+                let passed = now.saturating_sub(m.at_ms);
+                m.decisions
+                    .iter()
+                    .map(|d| Decision {
+                        allowed: decision.allowed,
+                        remaining: d.remaining,
+                        retry_after_ms: match d.retry_after_ms {
+                            0 => 0,
+                            wait => wait.saturating_sub(passed).max(1),
+                        },
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .filter(|d| d.len() == len)
+            .unwrap_or_else(|| vec![decision; len]);
+        let binding = if decision.allowed {
+            decisions
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, d)| d.remaining)
+        } else {
+            decisions
+                .iter()
+                .enumerate()
+                .max_by_key(|(_, d)| d.retry_after_ms)
+        }
+        .map(|(i, _)| i);
+        if let Some(i) = binding {
+            decisions[i] = decision;
+        }
+        decisions
+    }
+
+    /// Drops the answers no longer needed.
     pub(crate) fn sweep(&self) {
-        self.blocks.sweep(self.clock.now_ms());
+        self.answers.sweep(self.clock.now_ms());
+    }
+}
+
+/// The bucket a group leases against: its smallest size, refilled at its
+/// slowest rate (a quota's: its size over its window).
+fn tightest(group: &[(String, GroupLimit)]) -> BucketSpec {
+    let size = group.iter().map(|(_, l)| l.size()).min().unwrap_or(1);
+    let rate = group
+        .iter()
+        .map(|(_, l)| match l {
+            GroupLimit::Bucket(spec) => spec.refill_per_second,
+            GroupLimit::Quota { quota, window } => {
+                f64::from(quota.get()) / window.nominal_seconds() as f64
+            }
+        })
+        .fold(f64::INFINITY, f64::min);
+    BucketSpec {
+        capacity: NonZeroU32::new(u32::try_from(size).unwrap_or(u32::MAX))
+            .unwrap_or(NonZeroU32::MIN),
+        refill_per_second: if rate.is_finite() && rate > 0.0 {
+            rate
+        } else {
+            1.0
+        },
+    }
+}
+
+/// A group's grant as one bucket's, for the hot-key state: the count
+/// taken, the binding limit's decision (fewest left; on a refusal, the
+/// longest wait) and the longest block.
+fn binding(grant: &GroupGrant) -> Grant {
+    let decision = if grant.granted > 0 {
+        grant.decisions.iter().min_by_key(|d| d.remaining)
+    } else {
+        grant.decisions.iter().max_by_key(|d| d.retry_after_ms)
+    };
+    Grant {
+        granted: grant.granted,
+        decision: decision.copied().unwrap_or(Decision {
+            allowed: false,
+            remaining: 0,
+            retry_after_ms: grant.block_ms,
+        }),
+        block_ms: grant.block_ms,
     }
 }
 
@@ -163,7 +225,9 @@ impl LimiterCore {
             .iter()
             .map(|(key, limit)| (key.clone(), limit.scaled(1.0 / f64::from(n.get()))))
             .collect();
-        self.local.take_group(&divided, cost.get())
+        self.local
+            .take_group(&divided, Ask::single(cost.get()))
+            .decisions
     }
 }
 
@@ -216,32 +280,11 @@ impl<S: SharedStore> Limiter<S> {
                 parts.push((scope.is_all(), index, limit.mode));
             }
         }
-        let blocked_key = group
-            .iter()
-            .map(|(key, _)| key.as_str())
-            .collect::<Vec<_>>()
-            .join("|");
-        if let Some(limits) = core.blocked.refusal(&blocked_key, &group) {
-            core.metrics.decision(DecisionSource::Cache, 0.0);
-            return GroupVerdict {
-                allowed: false,
-                limits,
-                source: DecisionSource::Cache,
-            };
-        }
+        let exact =
+            in_force.limit.exact || in_force.tenant_wide.as_ref().is_some_and(|(l, _)| l.exact);
         let (decisions, source) = match (&self.redis, &core.breaker) {
             (Some(redis), Some(gate)) if gate.allows() => {
-                match redis.take_group(&group, cost.get()).await {
-                    Ok(decisions) if decisions.len() == group.len() => {
-                        (decisions, DecisionSource::Redis)
-                    }
-                    outcome => {
-                        if let Err(e) = outcome {
-                            tracing::debug!(error = %e, "No answer from Redis; deciding locally.");
-                        }
-                        self.group_fallback(&group, cost)
-                    }
-                }
+                self.shared_group(redis, &group, exact, cost).await
             }
             (Some(_), _) => self.group_fallback(&group, cost),
             (None, _) => (core.local_group(&group, cost), DecisionSource::Local),
@@ -266,12 +309,98 @@ impl<S: SharedStore> Limiter<S> {
             limits,
             source,
         };
-        if !allowed && source == DecisionSource::Redis {
-            core.blocked.block(blocked_key, &verdict.limits);
-        }
         let elapsed = core.clock.now_micros().saturating_sub(started);
         core.metrics.decision(source, elapsed as f64 / 1e6);
         verdict
+    }
+
+    /// The hot-key path of a group, the breaker closed: the group's lease
+    /// or over-limit cache when they answer (every limit reporting the
+    /// group's last answer from Redis), else one call, a lease batch taken
+    /// from every limit at once when the group is hot; the local limiter
+    /// when the call fails.
+    async fn shared_group(
+        &self,
+        redis: &S,
+        group: &[(String, GroupLimit)],
+        exact: bool,
+        cost: NonZeroU32,
+    ) -> (Vec<Decision>, DecisionSource) {
+        let core = &self.core;
+        let n = cost.get();
+        let key = group
+            .iter()
+            .map(|(key, _)| key.as_str())
+            .collect::<Vec<_>>()
+            .join("|");
+        let spec = tightest(group);
+        // Wait (bounded) for another request's lease at most twice, then
+        // ask Redis alone.
+        let mut waits = 0;
+        let (ask, owner) = loop {
+            match core.hot.plan(&key, &spec, n, exact, waits < 2) {
+                Plan::Local(decision, source) => {
+                    return (core.answers.recall(&key, group.len(), decision), source);
+                }
+                Plan::Refresh { decision, ask } => {
+                    self.refresh_group(redis, &key, group, ask);
+                    let recalled = core.answers.recall(&key, group.len(), decision);
+                    return (recalled, DecisionSource::Lease);
+                }
+                Plan::Call { ask, owner } => break (ask, owner),
+                Plan::Wait(lease) => {
+                    waits += 1;
+                    let _ = tokio::time::timeout(redis.timeout(), lease).await;
+                }
+            }
+        };
+        let mut settle = owner.then(|| SlotGuard::new(&**core, key.as_str()));
+        match redis.take_group(group, ask).await {
+            Ok(grant) if grant.decisions.len() == group.len() => {
+                core.hot.record(&key, &binding(&grant), n, owner);
+                // record() released the slot.
+                if let Some(guard) = settle.as_mut() {
+                    guard.disarm();
+                }
+                let mut decisions = grant.decisions;
+                // Tokens leased for later requests are still the tenant's
+                // on every limit.
+                let leased = u64::from(grant.granted.saturating_sub(n));
+                for decision in &mut decisions {
+                    decision.remaining += leased;
+                }
+                core.answers.remember(&key, &decisions);
+                (decisions, DecisionSource::Redis)
+            }
+            outcome => {
+                drop(settle);
+                if let Err(e) = outcome {
+                    tracing::debug!(error = %e, "No answer from Redis; deciding locally.");
+                }
+                self.group_fallback(group, cost)
+            }
+        }
+    }
+
+    /// Fetches a hot group's next lease in the background, as
+    /// [`Limiter::refresh`] does for one bucket.
+    fn refresh_group(&self, redis: &S, key: &str, group: &[(String, GroupLimit)], ask: Ask) {
+        let (redis, group) = (redis.clone(), group.to_vec());
+        let mut slot = SlotGuard::new(self.core.clone(), key.to_owned());
+        actix_web::rt::spawn(async move {
+            let (core, key): (&LimiterCore, &str) = (&slot.core, &slot.key);
+            match redis.take_group(&group, ask).await {
+                Ok(grant) if grant.decisions.len() == group.len() => {
+                    core.answers.remember(key, &grant.decisions);
+                    // No request waits on this call: every token granted
+                    // is leased. record() releases the slot.
+                    core.hot.record(key, &binding(&grant), 0, true);
+                    slot.disarm();
+                }
+                Ok(_) => tracing::debug!("A group lease top-up got a reply of the wrong size."),
+                Err(e) => tracing::debug!(error = %e, "A group lease top-up got no answer."),
+            }
+        });
     }
 
     /// A local group decision standing in for Redis, counted as a fallback.

@@ -289,18 +289,19 @@ async fn several_limits_are_one_call_and_all_must_admit() {
         assert!(v.allowed);
         assert_eq!(v.source, DecisionSource::Redis);
     }
+    // The second took the quota's last request: the third is refused
+    // without a call, each limit as Redis last reported it.
     let refused = check_group(&s, &rule).await;
-    assert!(!refused.allowed);
+    assert_eq!(
+        (refused.allowed, refused.source),
+        (false, DecisionSource::Cache)
+    );
     assert_eq!(
         refused.limits[0].decision.remaining, 98,
         "the bucket kept its tokens"
     );
     assert!(refused.limits[1].decision.retry_after_ms > 0);
-    assert_eq!(
-        s.store.batch_sizes(),
-        [2, 2, 2],
-        "one call of two keys each"
-    );
+    assert_eq!(s.store.batch_sizes(), [2, 2], "one call of two keys each");
     assert_eq!(s.store.batches()[0], ["rl2:{t}:r", "rl2:{t}:r#1m"]);
     // The next minute's window starts from zero.
     tokio::time::advance(Duration::from_secs(60)).await;
@@ -342,13 +343,9 @@ async fn a_refused_group_is_refused_locally_until_its_longest_wait_ends() {
     tokio::time::pause();
     let s = setup();
     let rule = with_quota(limit(100, 1), 1);
-    assert!(check_group(&s, &rule).await.allowed);
-    let refused = check_group(&s, &rule).await;
-    assert_eq!(
-        (refused.allowed, refused.source),
-        (false, DecisionSource::Redis)
-    );
-    let wait = refused.limits[1].decision.retry_after_ms;
+    let took_the_last = check_group(&s, &rule).await;
+    assert!(took_the_last.allowed);
+    let wait = took_the_last.limits[1].decision.retry_after_ms;
     assert!(wait > 0 && wait <= 60_000);
     // Until the minute ends: no call, the wait counting down.
     tokio::time::advance(Duration::from_millis(wait / 2)).await;
@@ -359,10 +356,42 @@ async fn a_refused_group_is_refused_locally_until_its_longest_wait_ends() {
     );
     let left = cached.limits[1].decision.retry_after_ms;
     assert!(left <= wait - wait / 2 && left >= 1, "{left} of {wait}");
-    assert_eq!(s.store.batch_sizes().len(), 2, "the cache answered alone");
+    assert_eq!(s.store.batch_sizes().len(), 1, "the cache answered alone");
     // A changed rule is not held by the old refusal.
     assert!(check_group(&s, &with_quota(limit(100, 1), 5)).await.allowed);
     // The next window: Redis is asked again.
     tokio::time::advance(Duration::from_millis(wait)).await;
     assert!(check_group(&s, &rule).await.allowed);
+}
+
+#[actix_web::test]
+async fn a_hot_group_leases_one_batch_from_every_limit() {
+    tokio::time::pause();
+    let s = setup();
+    // A bucket and a large minute quota: both roomy, the group hot.
+    let rule = with_quota(limit(10_000, 10_000), 1_000_000);
+    let (mut leased, mut warm) = (0, 0);
+    for i in 0..1000 {
+        if i == 200 {
+            // The first 50 ms measure the group's rate.
+            warm = s.store.calls().len();
+        }
+        let v = check_group(&s, &rule).await;
+        assert!(v.allowed);
+        leased += usize::from(v.source == DecisionSource::Lease);
+        tokio::time::advance(Duration::from_micros(500)).await;
+    }
+    assert!(leased > 750, "{leased} of 1000 from leases");
+    // 800 hot requests from batches of up to 50, topped up ahead: at most
+    // a call per 30 requests, two keys each (one call per request without
+    // leases).
+    let calls = s.store.calls();
+    assert!(
+        calls.len() - warm <= 54,
+        "{} keys asked",
+        calls.len() - warm
+    );
+    // Each call took one count from both limits: the same ask for both.
+    assert!(calls.chunks(2).all(|pair| pair[0].1 == pair[1].1));
+    assert!(calls[warm..].iter().any(|(_, ask)| !ask.is_plain()));
 }
