@@ -16,7 +16,6 @@ use super::error::AdminError;
 use super::{AdminState, authorize_read, authorize_write, read_body};
 use crate::config::unknown_route;
 use crate::key::{RouteId, TenantId, tenant_label};
-use crate::rules::MAX_LIMITS;
 use crate::rules::model::{LimitSpec, Rule, RuleSpec};
 use crate::rules::{RuleStore, StoredRule};
 
@@ -138,14 +137,8 @@ async fn put(
     {
         return Err(AdminError::invalid("route", why));
     }
-    let in_force = state.rules.snapshot().limits_in_force_with(&rule);
-    if in_force > MAX_LIMITS {
-        return Err(AdminError::invalid(
-            "limits",
-            format!(
-                "with the tenant's other rules, {in_force} limits would be in force for a request (at most {MAX_LIMITS})"
-            ),
-        ));
+    if let Some(problem) = state.rules.snapshot().conflict(&rule) {
+        return Err(AdminError::invalid(problem.field, problem.message));
     }
     let (row, created) = store.put(&rule).await?;
     tracing::info!(

@@ -18,8 +18,9 @@ use std::time::SystemTime;
 
 use serde::Deserialize;
 
-use super::limits::MAX_LIMITS;
-use super::model::{LimitSpec, Rule, RuleSpec};
+use std::num::NonZeroU32;
+
+use super::model::{Limit, LimitSpec, Rule, RuleSet, RuleSpec, SnapshotOrigin};
 use crate::config::unknown_route;
 use crate::key::RouteId;
 
@@ -201,7 +202,7 @@ pub fn parse(path: &Path, contents: &str) -> Result<RuleFile, RuleFileError> {
             Err(found) => problems.extend(found.iter().map(|p| format!("rule[{i}].{p}"))),
         }
     }
-    problems.extend(too_many_in_force(&rules));
+    problems.extend(conflicts(&rules));
     if problems.is_empty() {
         Ok(RuleFile {
             rules,
@@ -215,27 +216,23 @@ pub fn parse(path: &Path, contents: &str) -> Result<RuleFile, RuleFileError> {
     }
 }
 
-/// One line per route rule that, with its tenant's tenant-wide rule, would
-/// put more than [`MAX_LIMITS`] limits in force for a request.
-fn too_many_in_force(rules: &[Rule]) -> Vec<String> {
-    let wide: std::collections::HashMap<&str, usize> = rules
-        .iter()
-        .filter(|r| r.route.is_all())
-        .map(|r| (r.tenant.as_str(), r.limits().count()))
-        .collect();
+/// One line per rule that cannot stand beside the file's other rules of
+/// its tenant ([`RuleSet::conflict`]).
+fn conflicts(rules: &[Rule]) -> Vec<String> {
+    let origin = SnapshotOrigin {
+        source: "file",
+        loaded_at_unix: 0,
+    };
+    // The default only counts as one limit here; its size does not matter.
+    let set = RuleSet::new(
+        rules.iter().cloned(),
+        Limit::new(NonZeroU32::MIN, NonZeroU32::MIN),
+        origin,
+    );
     rules
         .iter()
         .enumerate()
-        .filter(|(_, r)| !r.route.is_all())
-        .filter_map(|(i, r)| {
-            let total = r.limits().count() + wide.get(r.tenant.as_str())?;
-            (total > MAX_LIMITS).then(|| {
-                format!(
-                    "rule[{i}].limits: with the tenant-wide rule of {}, {total} limits would be in force (at most {MAX_LIMITS})",
-                    r.tenant
-                )
-            })
-        })
+        .filter_map(|(i, rule)| set.conflict(rule).map(|p| format!("rule[{i}].{p}")))
         .collect()
 }
 
@@ -439,8 +436,9 @@ window_seconds = 30
         else {
             panic!("expected Invalid");
         };
-        assert_eq!(problems.len(), 1, "{problems:?}");
-        assert!(problems[0].starts_with("rule[1].limits: "), "{problems:?}");
+        assert_eq!(problems.len(), 2, "{problems:?}");
+        assert!(problems[0].starts_with("rule[0].limits: "), "{problems:?}");
+        assert!(problems[1].starts_with("rule[1].limits: "), "{problems:?}");
     }
 
     #[test]

@@ -632,28 +632,43 @@ impl RuleSet {
         }
     }
 
-    /// The most limits that would be in force for one request of
-    /// `rule.tenant` were `rule` added: with its tenant's `*` rule for a
-    /// route rule; with the tenant's largest route rule (or the default)
-    /// for a `*` rule.
-    pub fn limits_in_force_with(&self, rule: &Rule) -> usize {
-        let own = rule.limits().count();
+    /// What keeps `rule` from standing beside this set's other rules of its
+    /// tenant, if anything: more than [`MAX_LIMITS`] limits in force for one
+    /// request (a route rule with its tenant's `*` rule, a `*` rule with
+    /// the tenant's largest route rule or the default), or sub-buckets on
+    /// a route rule whose requests are decided with a `*` rule's limits
+    /// (those decisions hold every key in the tenant's one slot).
+    pub fn conflict(&self, rule: &Rule) -> Option<FieldProblem> {
         let count = |e: &Entry| limits_of(e.limit, &e.more).count();
         let tenant = rule.tenant.as_str();
-        if rule.route.is_all() {
-            let widest = self
-                .rules
-                .iter()
-                .filter_map(|(key, entry)| {
-                    let (t, r) = key.split_once(PAIR_SEP)?;
-                    (t == tenant && r != ALL_ROUTES).then(|| count(entry))
-                })
-                .max()
-                .unwrap_or(0);
-            own + widest.max(1)
+        let routes = || {
+            self.rules.iter().filter_map(move |(key, entry)| {
+                let (t, r) = key.split_once(PAIR_SEP)?;
+                (t == tenant && r != ALL_ROUTES).then_some(entry)
+            })
+        };
+        let wide = self.entry(tenant, ALL_ROUTES);
+        let (in_force, sharded) = if rule.route.is_all() {
+            let widest = routes().map(count).max().unwrap_or(0).max(1);
+            let sharded = routes().any(|e| e.limit.shards.get() > 1);
+            (rule.limits().count() + widest, sharded)
         } else {
-            own + self.entry(tenant, ALL_ROUTES).map_or(0, count)
+            let sharded = wide.is_some() && rule.limit.shards.get() > 1;
+            (rule.limits().count() + wide.map_or(0, count), sharded)
+        };
+        if in_force > MAX_LIMITS {
+            return Some(FieldProblem {
+                field: "limits",
+                message: format!(
+                    "with the tenant's other rules, {in_force} limits would be in force for a request (at most {MAX_LIMITS})"
+                ),
+            });
         }
+        sharded.then(|| FieldProblem {
+            field: "shards",
+            message: "a route rule of a tenant with a \"*\" rule is not split into sub-buckets"
+                .into(),
+        })
     }
 
     /// The entry keyed `tenant/route`.
@@ -912,8 +927,16 @@ mod tests {
             limit(20, 10),
             ORIGIN,
         );
-        assert_eq!(set.limits_in_force_with(&rule("acme", "x", limit(1, 1))), 2);
-        assert_eq!(set.limits_in_force_with(&wide), 2);
+        assert_eq!(set.conflict(&rule("acme", "x", limit(1, 1))), None);
+        assert_eq!(set.conflict(&wide), None);
+        let sharded = Rule {
+            limit: Limit {
+                shards: NonZeroU32::new(4).unwrap(),
+                ..limit(8, 8)
+            },
+            ..rule("acme", "x", limit(1, 1))
+        };
+        assert_eq!(set.conflict(&sharded).map(|p| p.field), Some("shards"));
         let search = set.in_force("acme", "search");
         assert!(search.has_rule);
         assert_eq!(search.limit, limit(5, 5));
