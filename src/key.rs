@@ -119,6 +119,22 @@ id_type!(
     validate_route_id
 );
 
+/// `key` (a bucket key with the tenant's hash tag) in sub-group `shard` of
+/// a sharded rule with several limits: the tag `{<tenant>}` becomes
+/// `{<tenant>/<shard>}` (no tenant id holds `/`), so each sub-group's keys
+/// share a slot of their own and the sub-groups spread over Redis Cluster
+/// nodes.
+pub fn in_sub_group(key: &str, shard: u32) -> String {
+    let mut out = key.to_owned();
+    if let Some(close) = out.find('}') {
+        let mut tag = String::with_capacity(11);
+        tag.push('/');
+        tag.push_str(itoa::Buffer::new().format(shard));
+        out.insert_str(close, &tag);
+    }
+    out
+}
+
 /// How a tenant-wide rule names its scope: every route of the tenant.
 pub const ALL_ROUTES: &str = "*";
 
@@ -361,6 +377,13 @@ mod tests {
     #[test]
     fn route_ids_may_not_contain_colons() {
         assert_eq!(RouteId::parse("a:b"), Err(IdError::RouteColon));
+        let key = BucketKey::further(
+            &TenantId::parse("acme").unwrap(),
+            &RouteId::parse("search").unwrap(),
+            1,
+            "d",
+        );
+        assert_eq!(in_sub_group(key.as_str(), 3), "rl2:{acme/3}:search#1d");
         assert!(TenantId::parse("a:b").is_ok());
     }
 

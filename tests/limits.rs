@@ -343,3 +343,34 @@ async fn a_tenant_wide_rule_counts_every_route() {
     assert_eq!(names, ["search", "*"]);
     assert_eq!(header(&refused, "x-ratelimit-limit").as_deref(), Some("3"));
 }
+
+#[actix_web::test]
+async fn a_sharded_rule_with_a_quota_spreads_its_sub_groups_over_a_cluster() {
+    let cluster = common::RedisCluster::start();
+    let up = Upstream::start();
+    let dir = TempDir::new("sharded-groups");
+    let rules = dir.file(
+        "rules.toml",
+        "[[rule]]\ntenant = \"acme\"\nroute = \"api\"\ncapacity = 40\nrefill_per_second = 1\n\
+         shards = 4\n[[rule.limit]]\nquota = 40\nwindow = \"day\"\n",
+    );
+    let mut config = GatewayConfig::new("", rules, &up.url());
+    config.cluster_nodes = cluster.seeds();
+    let gw = Gateway::start(&config);
+    // 12 requests over 4 sub-groups of 10 each: every one is admitted.
+    for _ in 0..12 {
+        assert_eq!(get(&gw.url("/x"), Some("acme")).await.0, 200);
+    }
+    // Each used sub-group holds both limits under its own tag.
+    let used: Vec<u32> = (0..4)
+        .filter(|i| cluster.exists(&format!("rl2:{{acme/{i}}}:api")))
+        .collect();
+    assert!(used.len() >= 2, "sub-groups used: {used:?}");
+    for i in used {
+        assert!(cluster.exists(&format!("rl2:{{acme/{i}}}:api#1d")));
+    }
+    assert!(
+        !cluster.exists("rl2:{acme}:api"),
+        "the whole group is never asked"
+    );
+}

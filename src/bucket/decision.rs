@@ -97,6 +97,18 @@ impl GroupLimit {
         }
     }
 
+    /// This limit split `n` ways: a bucket as [`BucketSpec::divided`], a
+    /// quota / n (floored, at least 1).
+    pub fn divided(&self, n: NonZeroU32) -> Self {
+        match *self {
+            Self::Bucket(spec) => Self::Bucket(spec.divided(n)),
+            Self::Quota { quota, window } => Self::Quota {
+                quota: NonZeroU32::new(quota.get() / n.get()).unwrap_or(NonZeroU32::MIN),
+                window,
+            },
+        }
+    }
+
     /// Requests the limit admits at most at once (`q` of
     /// `RateLimit-Policy`): the capacity or the quota.
     pub fn size(&self) -> u64 {

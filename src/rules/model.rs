@@ -331,12 +331,6 @@ impl RuleSpec {
             shard_count,
             MAX_SHARDS,
         );
-        if (kinds.len() > 1 || first.is_some_and(|(bucket, ..)| !bucket)) && self.shards > 1 {
-            bad(
-                "shards",
-                "only a rule of one token bucket is split into sub-buckets".into(),
-            );
-        }
         let mode = match self.mode.as_deref() {
             None => Mode::Enforce,
             Some(text) => Mode::parse(text).unwrap_or_else(|| {
@@ -862,7 +856,6 @@ mod tests {
                 .collect()
         };
         assert_eq!(fields(vec![quota(5, "week")], 1), ["limits.window"]);
-        assert_eq!(fields(vec![quota(5, "day")], 2), ["shards"]);
         assert_eq!(fields(Vec::new(), 1), ["capacity", "refill_per_second"]);
         let mixed = LimitSpec {
             capacity: Some(1),
@@ -887,8 +880,7 @@ mod tests {
             quota(1, "day"),
             quota(2, "day"),
         ];
-        assert_eq!(fields(twice.clone(), 1), ["limits.window"]);
-        assert_eq!(fields(twice[..2].to_vec(), 2), ["shards"]);
+        assert_eq!(fields(twice, 1), ["limits.window"]);
     }
 
     #[test]

@@ -18,10 +18,11 @@ use std::sync::Arc;
 use super::super::decision::{Ask, BucketSpec, Decision, Grant, GroupGrant, GroupLimit};
 use super::super::keymap::{Idle, KeyMap};
 use super::super::lease::Plan;
+use super::super::shard;
 use super::super::store::SharedStore;
 use super::{Limiter, LimiterCore, SlotGuard};
 use crate::clock::SharedClock;
-use crate::key::{BucketKey, RouteId, TenantId};
+use crate::key::{BucketKey, RouteId, TenantId, in_sub_group};
 use crate::rules::model::{Mode, limits_of};
 use crate::rules::{InForce, LimitKind, MAX_LIMITS};
 use crate::telemetry::DecisionSource;
@@ -197,6 +198,16 @@ fn tightest(group: &[(String, GroupLimit)]) -> BucketSpec {
     }
 }
 
+/// One randomly chosen sub-group of `group`, split `shards` ways: each
+/// key in its sub-group's slot, each limit at 1/shards.
+fn sub_group(group: &[(String, GroupLimit)], shards: NonZeroU32) -> Vec<(String, GroupLimit)> {
+    let shard = shard::pick(shards);
+    group
+        .iter()
+        .map(|(key, limit)| (in_sub_group(key, shard), limit.divided(shards)))
+        .collect()
+}
+
 /// A group's grant as one bucket's, for the hot-key state: the count
 /// taken, the binding limit's decision (fewest left; on a refusal, the
 /// longest wait) and the longest block.
@@ -282,7 +293,32 @@ impl<S: SharedStore> Limiter<S> {
         }
         let exact =
             in_force.limit.exact || in_force.tenant_wide.as_ref().is_some_and(|(l, _)| l.exact);
+        // A sharded rule (never beside a `*` rule) is decided in one of its
+        // sub-groups: every limit at 1/k, the keys under a tag of their
+        // own. Each must hold at least one request's cost.
+        let smallest = group.iter().map(|(_, l)| l.size()).min().unwrap_or(1);
+        let shards = NonZeroU32::new(
+            in_force
+                .limit
+                .shards
+                .get()
+                .min(u32::try_from(smallest / u64::from(cost.get())).unwrap_or(u32::MAX)),
+        )
+        .filter(|_| in_force.tenant_wide.is_none())
+        .unwrap_or(NonZeroU32::MIN);
         let (decisions, source) = match (&self.redis, &core.breaker) {
+            (Some(redis), Some(gate)) if gate.allows() && shards.get() > 1 => {
+                let sub = sub_group(&group, shards);
+                let (mut decisions, source) = self.shared_group(redis, &sub, exact, cost).await;
+                if source != DecisionSource::Local {
+                    // Remaining of one sub-group, scaled to the whole limit.
+                    for (decision, (_, limit)) in decisions.iter_mut().zip(&group) {
+                        decision.remaining =
+                            (decision.remaining * u64::from(shards.get())).min(limit.size());
+                    }
+                }
+                (decisions, source)
+            }
             (Some(redis), Some(gate)) if gate.allows() => {
                 self.shared_group(redis, &group, exact, cost).await
             }

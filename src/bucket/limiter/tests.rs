@@ -395,3 +395,27 @@ async fn a_hot_group_leases_one_batch_from_every_limit() {
     assert!(calls.chunks(2).all(|pair| pair[0].1 == pair[1].1));
     assert!(calls[warm..].iter().any(|(_, ask)| !ask.is_plain()));
 }
+
+#[actix_web::test]
+async fn a_sharded_rule_with_several_limits_is_decided_in_one_sub_group() {
+    tokio::time::pause();
+    let s = setup();
+    let mut rule = with_quota(limit(100, 100), 400);
+    rule.limit.shards = NonZeroU32::new(4).unwrap();
+    let mut tags = std::collections::HashSet::new();
+    for _ in 0..40 {
+        let v = check_group(&s, &rule).await;
+        assert!(v.allowed);
+        // Headers see the whole limits; remaining is one sub-group's × 4.
+        assert_eq!(v.limits[0].limit.size(), 100);
+        assert!(v.limits[0].decision.remaining <= 100);
+        assert_eq!(v.limits[0].decision.remaining % 4, 0);
+    }
+    for batch in s.store.batches() {
+        let tag = batch[0].split('}').next().unwrap().to_owned();
+        assert!(batch.iter().all(|k| k.starts_with(&tag)), "{batch:?}");
+        tags.insert(tag);
+    }
+    assert_eq!(tags.len(), 4, "every sub-group is used: {tags:?}");
+    assert!(tags.contains("rl2:{t/0"));
+}
