@@ -308,6 +308,7 @@ pub async fn run(
         workers: config.server.workers,
         header_timeout: config.client.header_timeout,
         grace: config.server.shutdown_timeout,
+        h2c: config.server.h2c,
     };
     let proxy = ProxyServer::start(listeners.proxy, serving, move || {
         // Per worker: its own upstream pool and Redis connection, warmed

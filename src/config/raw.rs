@@ -39,6 +39,7 @@ pub(crate) struct RawServer {
     pub(crate) admin_listen: String,
     pub(crate) workers: i64,
     pub(crate) shutdown_timeout_seconds: i64,
+    pub(crate) h2c: bool,
 }
 
 impl Default for RawServer {
@@ -48,6 +49,7 @@ impl Default for RawServer {
             admin_listen: "127.0.0.1:9091".into(),
             workers: 2,
             shutdown_timeout_seconds: 10,
+            h2c: false,
         }
     }
 }

@@ -77,6 +77,9 @@ pub struct ServerSettings {
     pub workers: usize,
     /// How long in-flight requests may run after a shutdown signal.
     pub shutdown_timeout: Duration,
+    /// Whether the proxy listener also speaks cleartext HTTP/2 to clients
+    /// that start with its preface (prior knowledge).
+    pub h2c: bool,
 }
 
 /// `[instance]`.

@@ -138,6 +138,7 @@ pub(crate) fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
             raw.server.shutdown_timeout_seconds,
             3600,
         ),
+        h2c: raw.server.h2c,
     };
 
     let instance = InstanceSettings {

@@ -26,7 +26,7 @@ use tokio::net::TcpStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::body::{
-    Arrived, ClientFault, Held, ProxyBody, RequestBody, ResponseBody, Reuse, Upload,
+    Arrived, ClientCut, ClientFault, Held, ProxyBody, RequestBody, ResponseBody, Reuse, Upload,
 };
 use super::error::ProxyError;
 use super::headers::RateLimitHeaders;
@@ -228,6 +228,14 @@ impl Forwarder {
     ) -> Result<Response<ProxyBody>, ProxyError> {
         let upstream = Rc::clone(&self.upstreams[target.route.index]);
         let head = req.method() == Method::HEAD;
+        // On HTTP/2 a client that stops reading loses the stream (its body
+        // ends in an error, which resets it), not the connection its other
+        // streams share.
+        let cut = if req.version() == hyper::Version::HTTP_2 {
+            ClientCut::default()
+        } else {
+            client.cut.clone()
+        };
         let (request, upload) = self.upstream_request(req, client, target, &upstream);
         let exchange = async {
             let permit = Arc::clone(&self.connections)
@@ -285,7 +293,7 @@ impl Forwarder {
             Held {
                 body,
                 lease,
-                client: client.cut.clone(),
+                client: cut,
             },
             self.client.write,
         );
@@ -392,9 +400,16 @@ impl Forwarder {
         upstream: &Upstream,
     ) -> (Request<RequestBody>, Rc<Upload>) {
         let (mut parts, payload) = req.into_parts();
+        // HTTP/2 carries the host in the URI (`:authority`), not in `Host`.
+        let authority = parts.uri.authority().cloned();
         parts.uri = target.uri;
         parts.version = hyper::Version::HTTP_11;
-        hop::forwarded_headers(&mut parts.headers, client.peer.ip(), target.tenant);
+        hop::forwarded_headers(
+            &mut parts.headers,
+            client.peer.ip(),
+            target.tenant,
+            authority.as_ref().map(|a| a.as_str()),
+        );
         parts.headers.insert(hy::HOST, upstream.host.clone());
         let (body, upload) = RequestBody::new(payload, self.client.read, self.clock.clone());
         (Request::from_parts(parts, body), upload)

@@ -61,8 +61,14 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
 /// Turns a client's request headers into the upstream's: hop-level ones
 /// go, `X-Api-Key` becomes exactly `tenant`, `X-Forwarded-For` gains the
 /// `peer`, `X-Forwarded-Host` takes the client's `Host` (which goes: the
-/// caller sets the upstream's) and `X-Forwarded-Proto` is `http`.
-pub(super) fn forwarded_headers(headers: &mut HeaderMap, peer: IpAddr, tenant: &TenantId) {
+/// caller sets the upstream's), or else the request's `authority` (an
+/// HTTP/2 request's host), and `X-Forwarded-Proto` is `http`.
+pub(super) fn forwarded_headers(
+    headers: &mut HeaderMap,
+    peer: IpAddr,
+    tenant: &TenantId,
+    authority: Option<&str>,
+) {
     strip_hop_by_hop(headers);
     // Every earlier hop, from however many header lines, then the peer.
     let mut chain = String::with_capacity(48);
@@ -79,7 +85,10 @@ pub(super) fn forwarded_headers(headers: &mut HeaderMap, peer: IpAddr, tenant: &
         headers.insert(X_FORWARDED_FOR, value);
     }
     headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
-    match headers.remove(hy::HOST) {
+    let host = headers
+        .remove(hy::HOST)
+        .or_else(|| authority.and_then(|a| HeaderValue::from_str(a).ok()));
+    match host {
         Some(host) => headers.insert(X_FORWARDED_HOST, host),
         None => headers.remove(X_FORWARDED_HOST),
     };
@@ -135,7 +144,7 @@ mod tests {
     fn forwarded(pairs: &[(&'static str, &'static str)], tenant: &str) -> HeaderMap {
         let mut headers = client_headers(pairs);
         let peer = IpAddr::V4(Ipv4Addr::new(10, 0, 0, 7));
-        forwarded_headers(&mut headers, peer, &TenantId::parse(tenant).unwrap());
+        forwarded_headers(&mut headers, peer, &TenantId::parse(tenant).unwrap(), None);
         headers
     }
 

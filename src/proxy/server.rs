@@ -9,7 +9,8 @@
 //!   headers, and on a kept-alive connection the next request, must arrive
 //!   within it, or the connection is closed;
 //! - a cut-off from outside: the watchdog ends the connection of a client
-//!   that stopped reading its response (`ClientCut`);
+//!   that stopped reading its response (`ClientCut`; on HTTP/2 only the
+//!   stream is reset, the connection's other streams go on);
 //! - graceful shutdown: [`ProxyServer::stop`] stops accepting, closes idle
 //!   connections, lets requests in flight finish within the grace period,
 //!   then drops what is left.
@@ -27,9 +28,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use actix::Arbiter;
+use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
+use hyper::{Request, Response};
 use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, oneshot, watch};
 
@@ -55,6 +59,8 @@ pub struct Serving {
     pub header_timeout: Duration,
     /// How long requests in flight may take to finish on shutdown.
     pub grace: Duration,
+    /// Cleartext HTTP/2 (prior knowledge) beside HTTP/1.1.
+    pub h2c: bool,
 }
 
 /// A client connection, as its requests see it.
@@ -107,9 +113,7 @@ impl ProxyServer {
                 tokio::task::spawn_local(async move {
                     let worker = Rc::new(make_worker());
                     match TcpListener::from_std(socket) {
-                        Ok(listener) => {
-                            accept(listener, worker, serving.header_timeout, stop).await;
-                        }
+                        Ok(listener) => accept(listener, worker, serving, stop).await,
                         Err(e) => tracing::error!(
                             error = %e,
                             "A proxy worker cannot use the listening socket."
@@ -159,14 +163,10 @@ impl ProxyServer {
 async fn accept(
     listener: TcpListener,
     worker: Rc<Worker>,
-    header_timeout: Duration,
+    serving: Serving,
     mut stop: watch::Receiver<bool>,
 ) {
-    let mut http = http1::Builder::new();
-    http.timer(TokioTimer::new())
-        .header_read_timeout(header_timeout)
-        .max_buf_size(CLIENT_BUFFER);
-    let http = Rc::new(http);
+    let http = Rc::new(Protocols::new(serving));
     let open = Rc::new(Open::default());
     loop {
         let accepted = tokio::select! {
@@ -194,12 +194,106 @@ async fn accept(
     open.drained().await;
 }
 
+/// How connections are spoken to: HTTP/1.1 alone, or either protocol.
+enum Protocols {
+    /// HTTP/1.1.
+    Http1(http1::Builder),
+    /// HTTP/2 after its preface, HTTP/1.1 otherwise.
+    Auto(auto::Builder<LocalExec>),
+}
+
+impl Protocols {
+    /// The settings `serving` asks for.
+    fn new(serving: Serving) -> Self {
+        if serving.h2c {
+            let mut auto = auto::Builder::new(LocalExec);
+            auto.http1()
+                .timer(TokioTimer::new())
+                .header_read_timeout(serving.header_timeout)
+                .max_buf_size(CLIENT_BUFFER);
+            auto.http2().timer(TokioTimer::new());
+            Self::Auto(auto)
+        } else {
+            let mut http1 = http1::Builder::new();
+            http1
+                .timer(TokioTimer::new())
+                .header_read_timeout(serving.header_timeout)
+                .max_buf_size(CLIENT_BUFFER);
+            Self::Http1(http1)
+        }
+    }
+}
+
+/// Runs HTTP/2 streams on the current worker (they hold the worker's
+/// `Rc`s, so they stay on its thread).
+#[derive(Clone, Copy)]
+struct LocalExec;
+
+impl<F: Future + 'static> hyper::rt::Executor<F> for LocalExec {
+    fn execute(&self, future: F) {
+        tokio::task::spawn_local(future);
+    }
+}
+
+/// A served connection that can be asked to finish.
+trait Served: Future<Output = Result<(), Self::Error>> {
+    /// What ends it badly.
+    type Error: std::fmt::Display;
+
+    /// Finishes the requests in flight, then ends.
+    fn finish(self: std::pin::Pin<&mut Self>);
+
+    /// Whether `error` is a deadline that ran out (an idle kept-alive
+    /// connection ending), not client noise.
+    fn timed_out(error: &Self::Error) -> bool;
+}
+
+impl<S> Served for http1::Connection<TokioIo<TcpStream>, S>
+where
+    S: hyper::service::HttpService<Incoming>,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    S::ResBody: 'static,
+    <S::ResBody as hyper::body::Body>::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    type Error = hyper::Error;
+
+    fn finish(self: std::pin::Pin<&mut Self>) {
+        self.graceful_shutdown();
+    }
+
+    fn timed_out(error: &hyper::Error) -> bool {
+        error.is_timeout()
+    }
+}
+
+impl<S, B> Served for auto::Connection<'_, TokioIo<TcpStream>, S, LocalExec>
+where
+    S: hyper::service::Service<Request<Incoming>, Response = Response<B>>,
+    S::Future: 'static,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    B: hyper::body::Body + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    LocalExec: hyper::rt::bounds::Http2ServerConnExec<S::Future, B>,
+{
+    type Error = Box<dyn std::error::Error + Send + Sync>;
+
+    fn finish(self: std::pin::Pin<&mut Self>) {
+        self.graceful_shutdown();
+    }
+
+    fn timed_out(error: &Self::Error) -> bool {
+        error
+            .downcast_ref::<hyper::Error>()
+            .is_some_and(hyper::Error::is_timeout)
+    }
+}
+
 /// What one client connection's task needs.
 struct Connection {
     /// Handles its requests.
     worker: Rc<Worker>,
-    /// HTTP/1.1 settings.
-    http: Rc<http1::Builder>,
+    /// Protocol settings.
+    http: Rc<Protocols>,
     /// Turns `true` on shutdown.
     stop: watch::Receiver<bool>,
     /// Counts the connection as open until it ends.
@@ -210,7 +304,7 @@ impl Connection {
     /// Serves `stream` from `peer` until the client or the server ends it,
     /// the watchdog cuts it off, or shutdown has let its last request
     /// finish.
-    async fn serve(mut self, stream: TcpStream, peer: SocketAddr) {
+    async fn serve(self, stream: TcpStream, peer: SocketAddr) {
         if let Err(e) = stream.set_nodelay(true) {
             tracing::debug!(error = %e, "Cannot set TCP_NODELAY on a client connection.");
         }
@@ -224,33 +318,62 @@ impl Connection {
             let (client, worker) = (client.clone(), worker.clone());
             async move { Ok::<_, Infallible>(super::handle(req, &client, &worker).await) }
         });
-        let mut conn = pin!(self.http.serve_connection(TokioIo::new(stream), service));
-        let mut stopping = false;
-        loop {
-            tokio::select! {
-                biased;
-                served = conn.as_mut() => {
-                    if let Err(e) = served {
-                        ended_in_error(&e, peer);
-                    }
-                    return;
-                }
-                () = cut.requested() => return,
-                _ = self.stop.wait_for(|stopping| *stopping), if !stopping => {
-                    stopping = true;
-                    conn.as_mut().graceful_shutdown();
-                }
+        let io = TokioIo::new(stream);
+        match &*self.http {
+            Protocols::Http1(http1) => {
+                drive(
+                    pin!(http1.serve_connection(io, service)),
+                    &cut,
+                    self.stop,
+                    peer,
+                )
+                .await;
+            }
+            Protocols::Auto(auto) => {
+                drive(
+                    pin!(auto.serve_connection(io, service)),
+                    &cut,
+                    self.stop,
+                    peer,
+                )
+                .await;
             }
         }
     }
 }
 
-/// Records a connection that ended in `error`. A header deadline that ran
-/// out is not noise: it is also how an idle kept-alive connection ends.
-fn ended_in_error(error: &hyper::Error, peer: SocketAddr) {
-    if error.is_timeout() {
-        return;
+/// Drives `conn` until it ends, the watchdog cuts it off (`cut`), or
+/// shutdown (`stop`) has let its requests in flight finish.
+async fn drive<C: Served>(
+    mut conn: std::pin::Pin<&mut C>,
+    cut: &ClientCut,
+    mut stop: watch::Receiver<bool>,
+    peer: SocketAddr,
+) {
+    let mut stopping = false;
+    loop {
+        tokio::select! {
+            biased;
+            served = conn.as_mut() => {
+                if let Err(e) = served
+                    && !C::timed_out(&e)
+                {
+                    ended_in_error(&e, peer);
+                }
+                return;
+            }
+            () = cut.requested() => return,
+            _ = stop.wait_for(|stopping| *stopping), if !stopping => {
+                stopping = true;
+                conn.as_mut().finish();
+            }
+        }
     }
+}
+
+/// Records a connection that ended in `error` (a header deadline that ran
+/// out is not noise: it is also how an idle kept-alive connection ends).
+fn ended_in_error(error: &dyn std::fmt::Display, peer: SocketAddr) {
     telemetry::count_client_noise();
     tracing::debug!(error = %error, %peer, "A client connection ended in an error.");
 }
