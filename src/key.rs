@@ -142,7 +142,10 @@ impl RouteId {
     /// The scope of a tenant-wide rule (`*`, which no route id can be):
     /// its limits count every route's requests.
     pub fn all() -> Self {
-        Self(Arc::from(ALL_ROUTES))
+        /// Made once: every request under a tenant-wide rule names it.
+        static ALL: std::sync::LazyLock<RouteId> =
+            std::sync::LazyLock::new(|| RouteId(Arc::from(ALL_ROUTES)));
+        ALL.clone()
     }
 
     /// A rule's scope as written: a route id, or `*` for [`RouteId::all`].

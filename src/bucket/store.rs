@@ -60,16 +60,6 @@ pub enum Item<'a> {
     Group(&'a [(String, GroupLimit)], Ask),
 }
 
-impl Item<'_> {
-    /// The keys it touches.
-    pub fn keys(&self) -> usize {
-        match self {
-            Self::One(..) => 1,
-            Self::Group(limits, _) => limits.len(),
-        }
-    }
-}
-
 /// What a batched call answered for one [`Item`].
 #[derive(Debug, Clone, PartialEq)]
 pub enum Answer {

@@ -73,12 +73,11 @@ impl RateLimitHeaders {
     /// Headers for a decision under several limits, on route `route`; a
     /// `shadowed` refusal carries no `Retry-After`.
     pub fn for_group(route: &str, verdict: &GroupVerdict, shadowed: bool) -> Self {
+        // A limit's policy name: its rule's scope, then `.<i>` for a
+        // further limit (written in place, not built per limit).
         let name = |l: &LimitVerdict| {
             let scope = if l.tenant_wide { "*" } else { route };
-            match l.index {
-                0 => scope.to_owned(),
-                i => format!("{scope}.{i}"),
-            }
+            (scope, (l.index > 0).then_some(l.index))
         };
         let mut policies = String::with_capacity(32 * verdict.limits.len());
         for (i, l) in verdict.limits.iter().enumerate() {
@@ -87,7 +86,7 @@ impl RateLimitHeaders {
             }
             push_member(
                 &mut policies,
-                &name(l),
+                name(l),
                 [("q", l.limit.size()), ("w", l.limit.window_seconds())],
             );
         }
@@ -107,10 +106,10 @@ impl RateLimitHeaders {
                 retry_after_seconds(l.decision.retry_after_ms),
                 name(l),
             ),
-            None => (0, 0, 0, route.to_owned()),
+            None => (0, 0, 0, (route, None)),
         };
-        let mut current = String::with_capacity(policy.len() + 32);
-        push_member(&mut current, &policy, [("r", remaining), ("t", wait)]);
+        let mut current = String::with_capacity(route.len() + 40);
+        push_member(&mut current, policy, [("r", remaining), ("t", wait)]);
         Self {
             pairs: [
                 (X_RATELIMIT_LIMIT, HeaderValue::from(size)),
@@ -137,16 +136,21 @@ impl RateLimitHeaders {
 /// `"<policy>";<k>=<v>;<k>=<v>`, a structured-field item with parameters.
 fn structured(policy: &str, params: [(&str, u64); 2]) -> HeaderValue {
     let mut text = String::with_capacity(policy.len() + 32);
-    push_member(&mut text, policy, params);
+    push_member(&mut text, (policy, None), params);
     header_value(text)
 }
 
-/// Appends `"<policy>";<k>=<v>;<k>=<v>` to `text`.
-fn push_member(text: &mut String, policy: &str, params: [(&str, u64); 2]) {
-    text.push('"');
-    text.push_str(policy);
-    text.push('"');
+/// Appends `"<scope>[.<i>]";<k>=<v>;<k>=<v>` to `text`, the policy named
+/// by its scope and, for a rule's further limit, its place `i`.
+fn push_member(text: &mut String, name: (&str, Option<usize>), params: [(&str, u64); 2]) {
     let mut digits = itoa::Buffer::new();
+    text.push('"');
+    text.push_str(name.0);
+    if let Some(i) = name.1 {
+        text.push('.');
+        text.push_str(digits.format(i));
+    }
+    text.push('"');
     for (key, value) in params {
         text.push(';');
         text.push_str(key);

@@ -405,7 +405,12 @@ impl<S: SharedStore> Limiter<S> {
                 for decision in &mut decisions {
                     decision.remaining += leased;
                 }
-                core.answers.remember(&key, &decisions);
+                // Decisions made without Redis (from a lease, or while the
+                // group is blocked) report this answer; a plain admission
+                // that leaves room needs none kept.
+                if leased > 0 || grant.block_ms > 0 {
+                    core.answers.remember(&key, &decisions);
+                }
                 (decisions, DecisionSource::Redis)
             }
             outcome => {
