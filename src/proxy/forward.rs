@@ -26,7 +26,7 @@ use tokio::net::TcpStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::body::{
-    Arrived, ClientCut, ClientFault, Held, ProxyBody, RequestBody, ResponseBody, Reuse, Upload,
+    Arrived, ClientFault, Held, ProxyBody, RequestBody, ResponseBody, Reuse, Upload,
 };
 use super::error::ProxyError;
 use super::headers::RateLimitHeaders;
@@ -228,14 +228,7 @@ impl Forwarder {
     ) -> Result<Response<ProxyBody>, ProxyError> {
         let upstream = Rc::clone(&self.upstreams[target.route.index]);
         let head = req.method() == Method::HEAD;
-        // On HTTP/2 a client that stops reading loses the stream (its body
-        // ends in an error, which resets it), not the connection its other
-        // streams share.
-        let cut = if req.version() == hyper::Version::HTTP_2 {
-            ClientCut::default()
-        } else {
-            client.cut.clone()
-        };
+        let cut = client.cut_for(req.version());
         let (request, upload) = self.upstream_request(req, client, target, &upstream);
         let exchange = async {
             let permit = Arc::clone(&self.connections)

@@ -68,7 +68,21 @@ pub(super) struct Client {
     /// The client's address (`X-Forwarded-For`).
     pub(super) peer: SocketAddr,
     /// Ends the connection from outside its task.
-    pub(super) cut: ClientCut,
+    cut: ClientCut,
+}
+
+impl Client {
+    /// What ends a response of a request in `version` whose client stops
+    /// reading: the connection for HTTP/1, nothing more than the stream
+    /// for HTTP/2 (its body ends in an error, which resets the stream),
+    /// whose other streams share the connection.
+    pub(super) fn cut_for(&self, version: hyper::Version) -> ClientCut {
+        if version == hyper::Version::HTTP_2 {
+            ClientCut::default()
+        } else {
+            self.cut.clone()
+        }
+    }
 }
 
 /// A running proxy listener.
