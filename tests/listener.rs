@@ -7,7 +7,8 @@
 mod common;
 
 use std::io::{ErrorKind, Read, Write};
-use std::net::TcpStream;
+use std::net::{TcpListener, TcpStream};
+use std::sync::mpsc;
 use std::thread;
 use std::time::Duration;
 
@@ -92,7 +93,11 @@ fn a_head_answer_keeps_the_upstreams_length_and_has_no_body() {
 
 #[test]
 fn shutdown_lets_a_request_in_flight_finish_and_accepts_no_more() {
-    let mut s = Stack::start("drain", "", |_, _| {});
+    let (upstream, held, release) = holding_upstream();
+    let mut s = Stack::start("drain", "", |c, _| {
+        c.routes =
+            format!("[[routes]]\nid = \"api\"\npath_prefix = \"/\"\nupstream = \"{upstream}\"\n");
+    });
     let addr = s.gw.addr;
     // Idle on a kept-alive connection when shutdown begins.
     let mut idle = TcpStream::connect(addr).unwrap();
@@ -103,8 +108,9 @@ fn shutdown_lets_a_request_in_flight_finish_and_accepts_no_more() {
     assert_eq!(&first[9..12], b"200");
 
     let in_flight =
-        thread::spawn(move || raw_http(addr, "GET /slow?ms=700 HTTP/1.1\r\nX-Api-Key: busy\r\n"));
-    thread::sleep(Duration::from_millis(150));
+        thread::spawn(move || raw_http(addr, "GET /hold HTTP/1.1\r\nX-Api-Key: busy\r\n"));
+    // The request is at the upstream, waiting for its answer.
+    held.recv_timeout(Duration::from_secs(5)).unwrap();
     s.gw.begin_stop();
     let clock = SystemClock::new();
     let stopping = clock.now_ms();
@@ -113,6 +119,10 @@ fn shutdown_lets_a_request_in_flight_finish_and_accepts_no_more() {
         wait_until(Duration::from_secs(1), || TcpStream::connect(addr).is_err()),
         "the listener still accepts after shutdown began"
     );
+    release.send(()).unwrap();
+    let answer = in_flight.join().unwrap();
+    assert_eq!(answer.status, 200);
+    assert_eq!(answer.body, "held");
     let rest = read_until_closed(&mut idle);
     assert!(
         !rest.is_empty(),
@@ -124,9 +134,49 @@ fn shutdown_lets_a_request_in_flight_finish_and_accepts_no_more() {
         closed_ms < 2000,
         "idle connection closed after {closed_ms} ms"
     );
-    let answer = in_flight.join().unwrap();
-    assert_eq!(answer.status, 200);
-    assert_eq!(answer.body, "slow");
+}
+
+/// An upstream on a raw socket that answers every request at once but
+/// `/hold`: that one it reports on the first receiver returned, and answers
+/// only once told on the sender.
+fn holding_upstream() -> (String, mpsc::Receiver<()>, mpsc::Sender<()>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let (held_tx, held) = mpsc::channel();
+    let (release, release_rx) = mpsc::channel::<()>();
+    let release_rx = std::sync::Arc::new(std::sync::Mutex::new(release_rx));
+    thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { return };
+            let (held_tx, release_rx) = (held_tx.clone(), release_rx.clone());
+            thread::spawn(move || {
+                let mut head = Vec::new();
+                let mut byte = [0u8; 1];
+                while stream.read(&mut byte).is_ok_and(|n| n == 1) {
+                    head.push(byte[0]);
+                    if !head.ends_with(b"\r\n\r\n") {
+                        continue;
+                    }
+                    let body: &[u8] = if head.starts_with(b"GET /hold") {
+                        let _ = held_tx.send(());
+                        let _ = release_rx.lock().unwrap().recv();
+                        b"held"
+                    } else {
+                        b"ok"
+                    };
+                    head.clear();
+                    let answer =
+                        format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n", body.len());
+                    if stream.write_all(answer.as_bytes()).is_err()
+                        || stream.write_all(body).is_err()
+                    {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (url, held, release)
 }
 
 /// `curl` with `args` against `url`: the HTTP version and status it saw,
