@@ -24,7 +24,7 @@ use crate::bucket::{
 };
 use crate::clock::{SharedClock, SystemClock};
 use crate::cluster::{LiveInstances, Membership};
-use crate::config::{self, Config, RedisTarget, RuleSource, ServerSettings};
+use crate::config::{self, Config, RedisTarget, RouteSpec, RuleSource, ServerSettings};
 use crate::proxy::forward::Forwarder;
 use crate::proxy::route::RouteTable;
 use crate::proxy::server::{ProxyServer, Serving};
@@ -35,6 +35,7 @@ use crate::region::model::{RegionSpec, Regions};
 use crate::region::shares::SharesHandle;
 use crate::rules::{self, RulesHandle};
 use crate::telemetry::{self, ClientNoise, Metrics, RequestCounters};
+use crate::tls::{ListenerTls, UpstreamTls};
 
 /// Period of metric upkeep and local-bucket eviction.
 const HOUSEKEEPING_PERIOD: Duration = Duration::from_secs(5);
@@ -304,11 +305,31 @@ pub async fn run(
         .map(|_| Arc::new(WarmWorkers::new(config.server.workers)));
     let warm_workers = warm.clone();
     let core = limiter.clone();
+    let listener_tls = match &config.server.tls {
+        Some(files) => {
+            let tls = Arc::new(
+                ListenerTls::load(&files.cert, &files.key)
+                    .context("cannot load the listener's certificate")?,
+            );
+            tls.clone().watch(files.reload);
+            Some(tls)
+        }
+        None => None,
+    };
+    let upstream_tls = if routes.iter().any(RouteSpec::is_tls) {
+        Some(
+            UpstreamTls::new(upstream.ca_file.as_deref())
+                .context("cannot load the CA certificates for https:// upstreams")?,
+        )
+    } else {
+        None
+    };
     let serving = Serving {
         workers: config.server.workers,
         header_timeout: config.client.header_timeout,
         grace: config.server.shutdown_timeout,
         h2c: config.server.h2c,
+        tls: listener_tls,
     };
     let proxy = ProxyServer::start(listeners.proxy, serving, move || {
         // Per worker: its own upstream pool and Redis connection, warmed
@@ -333,7 +354,14 @@ pub async fn run(
         Worker {
             state: proxy_state.clone(),
             limiter: Limiter::new(store, core.clone()),
-            forwarder: Forwarder::new(&upstream, client, &routes, &clock, metrics.clone()),
+            forwarder: Forwarder::new(
+                &upstream,
+                upstream_tls.clone(),
+                client,
+                &routes,
+                &clock,
+                metrics.clone(),
+            ),
         }
     })
     .context("cannot start the proxy workers")?;

@@ -43,3 +43,4 @@ pub mod redis_client;
 pub mod region;
 pub mod rules;
 pub mod telemetry;
+pub mod tls;

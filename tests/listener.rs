@@ -179,28 +179,6 @@ fn holding_upstream() -> (String, mpsc::Receiver<()>, mpsc::Sender<()>) {
     (url, held, release)
 }
 
-/// `curl` with `args` against `url`: the HTTP version and status it saw,
-/// then its output.
-fn curl(args: &[&str], url: &str) -> (String, String) {
-    let out = std::process::Command::new("curl")
-        .args([
-            "-s",
-            "-w",
-            "\n%{http_version} %{http_code}",
-            "-H",
-            "X-Api-Key: acme",
-        ])
-        .args(args)
-        .arg(url)
-        .output()
-        .unwrap_or_else(|e| {
-            panic!("cannot run curl ({e}); install it with `apt-get install -y curl`")
-        });
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    let (body, last) = text.rsplit_once('\n').unwrap_or(("", &text));
-    (last.to_owned(), body.to_owned())
-}
-
 #[test]
 fn with_h2c_the_listener_speaks_http2_and_still_http11() {
     let s = Stack::start("h2c", "", |c, _| {
@@ -213,7 +191,7 @@ fn with_h2c_the_listener_speaks_http2_and_still_http11() {
     );
     let gw = common::Gateway::start_toml(&toml);
     let url = gw.url("/thing?q=1");
-    let (seen, body) = curl(&["--http2-prior-knowledge"], &url);
+    let (seen, body) = common::curl(&["--http2-prior-knowledge"], &url);
     assert_eq!(seen, "2 200", "{body}");
     let echoed: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(echoed["path"], "/thing");
@@ -223,11 +201,11 @@ fn with_h2c_the_listener_speaks_http2_and_still_http11() {
         echoed["headers"]["x-forwarded-host"],
         format!("{}", gw.addr)
     );
-    let (seen, _) = curl(&["--http2-prior-knowledge", "-I"], &url);
+    let (seen, _) = common::curl(&["--http2-prior-knowledge", "-I"], &url);
     assert_eq!(seen, "2 200");
-    let (seen, _) = curl(&[], &url);
+    let (seen, _) = common::curl(&[], &url);
     assert_eq!(seen, "1.1 200", "HTTP/1.1 on the same listener");
     // Without h2c the preface gets no answer.
-    let (seen, _) = curl(&["--http2-prior-knowledge"], &s.gw.url("/thing"));
+    let (seen, _) = common::curl(&["--http2-prior-knowledge"], &s.gw.url("/thing"));
     assert_ne!(seen, "2 200");
 }

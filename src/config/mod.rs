@@ -14,6 +14,7 @@
 //!
 //! Invariant: a [`Config`] that exists is valid; nothing downstream re-checks it.
 
+mod proxying;
 mod raw;
 mod routes;
 mod settings;
@@ -29,7 +30,7 @@ use raw::{RawConfig, RawRoute};
 pub use settings::unknown_route;
 pub use settings::{
     AdminSettings, BreakerSettings, ClientSettings, Config, FallbackSettings, InstanceSettings,
-    LeaseSettings, LimitSettings, LogFormat, LogSettings, MetricsSettings, Pace,
+    LeaseSettings, LimitSettings, ListenerTlsFiles, LogFormat, LogSettings, MetricsSettings, Pace,
     RebalancerSettings, RedisSettings, RedisTarget, RouteSpec, RuleSource, RulesSettings,
     ServerSettings, UpstreamSettings,
 };

@@ -40,6 +40,9 @@ pub(crate) struct RawServer {
     pub(crate) workers: i64,
     pub(crate) shutdown_timeout_seconds: i64,
     pub(crate) h2c: bool,
+    pub(crate) tls_cert_file: String,
+    pub(crate) tls_key_file: String,
+    pub(crate) tls_reload_seconds: i64,
 }
 
 impl Default for RawServer {
@@ -50,6 +53,9 @@ impl Default for RawServer {
             workers: 2,
             shutdown_timeout_seconds: 10,
             h2c: false,
+            tls_cert_file: String::new(),
+            tls_key_file: String::new(),
+            tls_reload_seconds: 10,
         }
     }
 }
@@ -281,6 +287,7 @@ pub(crate) struct RawUpstream {
     pub(crate) max_connections_per_tenant: i64,
     pub(crate) max_connections_without_rule: i64,
     pub(crate) idle_timeout_ms: i64,
+    pub(crate) ca_file: String,
 }
 
 impl Default for RawUpstream {
@@ -292,6 +299,7 @@ impl Default for RawUpstream {
             max_connections_per_tenant: 64,
             max_connections_without_rule: 128,
             idle_timeout_ms: 4000,
+            ca_file: String::new(),
         }
     }
 }

@@ -1,7 +1,7 @@
 //! Route entries: each `[[routes]]` table checked into a [`RouteSpec`].
 //!
 //! Owns what makes a route usable: a valid, unique id, methods, a path
-//! prefix in normal form, an `http://` upstream and a cost.
+//! prefix in normal form, an `http://` or `https://` upstream and a cost.
 
 use std::collections::HashSet;
 
@@ -93,23 +93,21 @@ pub(super) fn route(
 /// Splits an upstream URL into origin and base path.
 fn upstream(c: &mut Check, key: &str, raw: &str) -> (String, String) {
     let parsed = raw.parse::<Uri>().ok().filter(|u| {
-        u.scheme_str() == Some("http") && u.authority().is_some() && u.query().is_none()
+        matches!(u.scheme_str(), Some("http" | "https"))
+            && u.authority().is_some_and(|a| !a.as_str().contains('@'))
+            && u.query().is_none()
     });
     match parsed {
         Some(uri) => {
+            let scheme = uri.scheme_str().unwrap_or_default();
             let authority = uri.authority().map(|a| a.as_str()).unwrap_or_default();
             let base = uri.path().trim_end_matches('/').to_owned();
-            (format!("http://{authority}"), base)
+            (format!("{scheme}://{authority}"), base)
         }
         None => {
-            let tls = if raw.starts_with("https://") {
-                " (https:// upstreams are not supported yet)"
-            } else {
-                ""
-            };
             c.bad(
                 key,
-                format!("expected http://host:port[/base-path], found {raw:?}{tls}"),
+                format!("expected http[s]://host[:port][/base-path], found {raw:?}"),
             );
             (String::new(), String::new())
         }

@@ -80,6 +80,20 @@ pub struct ServerSettings {
     /// Whether the proxy listener also speaks cleartext HTTP/2 to clients
     /// that start with its preface (prior knowledge).
     pub h2c: bool,
+    /// TLS on the proxy listener, when configured.
+    pub tls: Option<ListenerTlsFiles>,
+}
+
+/// The proxy listener's certificate: PEM files, read again every `reload`.
+#[derive(Debug, Clone)]
+pub struct ListenerTlsFiles {
+    /// The certificate chain, leaf first.
+    pub cert: PathBuf,
+    /// The leaf's private key.
+    pub key: PathBuf,
+    /// How often the files are read again; a changed, loadable pair serves
+    /// new connections.
+    pub reload: Duration,
 }
 
 /// `[instance]`.
@@ -255,6 +269,9 @@ pub struct UpstreamSettings {
     /// Longest time a kept upstream connection may stay idle and still be
     /// used; shorter than the upstreams' own keep-alive timeouts.
     pub idle_timeout: Duration,
+    /// The CA certificates trusted for `https://` upstreams instead of the
+    /// system's, when set.
+    pub ca_file: Option<PathBuf>,
 }
 
 /// `[client]`: how long the proxy waits for its clients.
@@ -311,10 +328,18 @@ pub struct RouteSpec {
     /// Path prefix, matched on whole segments (`/orders` matches `/orders`
     /// and `/orders/7`, not `/orders7`).
     pub path_prefix: String,
-    /// Upstream origin, `http://host:port`, without a trailing slash.
+    /// Upstream origin, `http://host[:port]` or `https://host[:port]`,
+    /// without a trailing slash.
     pub upstream_origin: String,
     /// Path prepended to forwarded paths (`""` or `/base`, no trailing slash).
     pub upstream_base_path: String,
     /// Tokens one request on this route takes.
     pub cost: NonZeroU32,
+}
+
+impl RouteSpec {
+    /// Whether the upstream is reached over TLS (`https://`).
+    pub fn is_tls(&self) -> bool {
+        self.upstream_origin.starts_with("https://")
+    }
 }

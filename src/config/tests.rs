@@ -401,16 +401,51 @@ fn edit_distance_counts_single_character_edits() {
 }
 
 #[test]
-fn an_https_upstream_is_refused_as_not_supported_yet() {
+fn an_https_upstream_needs_a_loadable_ca_file() {
+    let route =
+        "[[routes]]\nid = \"a\"\npath_prefix = \"/\"\nupstream = \"https://example.com/v1\"\n";
+    let config = load(route, &BTreeMap::new()).unwrap();
+    assert_eq!(config.routes[0].upstream_origin, "https://example.com");
+    assert_eq!(config.routes[0].upstream_base_path, "/v1");
+    assert!(config.routes[0].is_tls());
+
     let found = problems(
-        "[[routes]]\nid = \"a\"\npath_prefix = \"/\"\nupstream = \"https://example.com\"\n",
+        &format!("[upstream]\nca_file = \"/nonexistent/ca.pem\"\n{route}"),
+        &[],
+    );
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(
+        found[0].starts_with("upstream.ca_file: /nonexistent/ca.pem: "),
+        "{found:?}"
+    );
+    let found = problems(&route.replace("https://", "ftp://"), &[]);
+    assert_eq!(
+        found,
+        [
+            "routes[0].upstream: expected http[s]://host[:port][/base-path], found \"ftp://example.com/v1\""
+        ]
+    );
+}
+
+#[test]
+fn listener_tls_needs_both_files_and_they_must_load() {
+    let found = problems(
+        &format!("[server]\ntls_cert_file = \"cert.pem\"\n{MINIMAL}"),
         &[],
     );
     assert_eq!(
         found,
-        [
-            "routes[0].upstream: expected http://host:port[/base-path], found \"https://example.com\" \
-          (https:// upstreams are not supported yet)"
-        ]
+        ["server.tls_key_file: must be set with server.tls_cert_file"]
+    );
+    let found = problems(
+        &format!(
+            "[server]\ntls_cert_file = \"/nonexistent/c.pem\"\ntls_key_file = \"/nonexistent/k.pem\"\n{MINIMAL}"
+        ),
+        &[],
+    );
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(
+        found[0].starts_with("server.tls_cert_file: /nonexistent/c.pem: "),
+        "{found:?}"
     );
 }

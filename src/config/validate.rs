@@ -3,7 +3,8 @@
 //! Owns [`validate`], which checks every value of a [`RawConfig`] and
 //! collects a [`Problem`] for each bad one rather than stopping at the
 //! first, and the per-key conversions it uses ([`Check`]). Routes are
-//! checked in [`super::routes`].
+//! checked in [`super::routes`], the proxy's listener, upstream and client
+//! settings in [`super::proxying`].
 
 use std::collections::HashSet;
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -12,14 +13,14 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use super::Problem;
+use super::proxying;
 use super::raw::{RawConfig, RawLimit};
 use super::redact_url;
 use super::routes::route;
 use super::settings::{
-    AdminSettings, BreakerSettings, ClientSettings, Config, FallbackSettings, InstanceSettings,
-    LeaseSettings, LimitSettings, LogFormat, LogSettings, MetricsSettings, Pace,
-    RebalancerSettings, RedisSettings, RedisTarget, RouteSpec, RuleSource, RulesSettings,
-    ServerSettings, UpstreamSettings,
+    AdminSettings, BreakerSettings, Config, FallbackSettings, InstanceSettings, LeaseSettings,
+    LimitSettings, LogFormat, LogSettings, MetricsSettings, RebalancerSettings, RedisSettings,
+    RedisTarget, RouteSpec, RuleSource, RulesSettings,
 };
 use crate::key::validate_id;
 
@@ -48,11 +49,11 @@ impl Check {
         }
     }
 
-    fn millis(&mut self, key: &str, value: i64, max: i64) -> Duration {
+    pub(super) fn millis(&mut self, key: &str, value: i64, max: i64) -> Duration {
         Duration::from_millis(self.range(key, value, 1, max).unwrap_or(1))
     }
 
-    fn seconds(&mut self, key: &str, value: i64, max: i64) -> Duration {
+    pub(super) fn seconds(&mut self, key: &str, value: i64, max: i64) -> Duration {
         Duration::from_secs(self.range(key, value, 1, max).unwrap_or(1))
     }
 
@@ -66,7 +67,7 @@ impl Check {
     /// A listen address: `ip:port`, or `host:port` with a host name
     /// resolved once, here (the first IPv4 address it has, else its first
     /// IPv6 one: `localhost:8080` listens on 127.0.0.1).
-    fn socket(&mut self, key: &str, value: &str) -> SocketAddr {
+    pub(super) fn socket(&mut self, key: &str, value: &str) -> SocketAddr {
         match listen_address(value) {
             Ok(addr) => addr,
             Err(message) => {
@@ -119,27 +120,7 @@ pub(crate) fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
         problems: Vec::new(),
     };
 
-    let listen = c.socket("server.listen", &raw.server.listen);
-    let admin_listen = c.socket("server.admin_listen", &raw.server.admin_listen);
-    if listen == admin_listen && listen.port() != 0 {
-        c.bad("server.admin_listen", "must differ from server.listen");
-    }
-    let workers = match c.range("server.workers", raw.server.workers, 0, 1024) {
-        Some(0) => std::thread::available_parallelism().map_or(1, usize::from),
-        Some(n) => usize::try_from(n).unwrap_or(1),
-        None => 1,
-    };
-    let server = ServerSettings {
-        listen,
-        admin_listen,
-        workers,
-        shutdown_timeout: c.seconds(
-            "server.shutdown_timeout_seconds",
-            raw.server.shutdown_timeout_seconds,
-            3600,
-        ),
-        h2c: raw.server.h2c,
-    };
+    let server = proxying::server(&mut c, &raw.server);
 
     let instance = InstanceSettings {
         id: instance_id(&mut c, &raw.instance.id),
@@ -299,65 +280,7 @@ pub(crate) fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
         read_token: Some(raw.admin.read_token).filter(|t| !t.is_empty()),
     };
 
-    let upstream = UpstreamSettings {
-        connect_timeout: c.millis(
-            "upstream.connect_timeout_ms",
-            raw.upstream.connect_timeout_ms,
-            600_000,
-        ),
-        timeout: c.millis("upstream.timeout_ms", raw.upstream.timeout_ms, 3_600_000),
-        max_connections_per_worker: c
-            .range(
-                "upstream.max_connections_per_worker",
-                raw.upstream.max_connections_per_worker,
-                1,
-                100_000,
-            )
-            .and_then(|n| usize::try_from(n).ok())
-            .unwrap_or(1),
-        max_connections_per_tenant: c
-            .range(
-                "upstream.max_connections_per_tenant",
-                raw.upstream.max_connections_per_tenant,
-                1,
-                100_000,
-            )
-            .map_or(1, |n| u32::try_from(n).unwrap_or(1)),
-        max_connections_without_rule: c
-            .range(
-                "upstream.max_connections_without_rule",
-                raw.upstream.max_connections_without_rule,
-                1,
-                100_000,
-            )
-            .map_or(1, |n| u32::try_from(n).unwrap_or(1)),
-        idle_timeout: c.millis(
-            "upstream.idle_timeout_ms",
-            raw.upstream.idle_timeout_ms,
-            3_600_000,
-        ),
-    };
-
-    let cl = &raw.client;
-    let min_bytes_per_second = c
-        .range(
-            "client.min_bytes_per_second",
-            cl.min_bytes_per_second,
-            0,
-            1 << 40,
-        )
-        .unwrap_or(0);
-    let client = ClientSettings {
-        header_timeout: c.millis("client.header_timeout_ms", cl.header_timeout_ms, 3_600_000),
-        read: Pace {
-            timeout: c.millis("client.read_timeout_ms", cl.read_timeout_ms, 3_600_000),
-            min_bytes_per_second,
-        },
-        write: Pace {
-            timeout: c.millis("client.write_timeout_ms", cl.write_timeout_ms, 3_600_000),
-            min_bytes_per_second,
-        },
-    };
+    let client = proxying::client(&mut c, &raw.client);
 
     if let Err(e) = tracing_subscriber::EnvFilter::try_new(&raw.log.level) {
         c.bad("log.level", format!("not a valid tracing filter: {e}"));
@@ -401,6 +324,7 @@ pub(crate) fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
         .collect();
     let mut rules = rules;
     rules.routes = routes.iter().map(|r| r.id.clone()).collect();
+    let upstream = proxying::upstream(&mut c, &raw.upstream, &routes);
 
     if c.problems.is_empty() {
         Ok(Config {

@@ -1,7 +1,7 @@
 //! Forwarding an admitted request to its upstream and streaming the answer.
 //!
 //! Owns one worker's upstream connections (its own idle HTTP/1.1
-//! connections per upstream in a `pool::IdleList`, driven by tasks on that
+//! connections, over TLS to `https://` upstreams, per upstream in a `pool::IdleList`, driven by tasks on that
 //! worker's runtime, with a cap on how many it uses at once), the per-tenant
 //! bound on exchanges in flight (`slots`), and the upstream timeouts.
 //! Bodies stream in both directions under the client deadlines (`body`,
@@ -17,6 +17,7 @@ use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::future::Either;
 use hyper::body::{Body as _, Incoming};
 use hyper::client::conn::http1::{self, SendRequest};
 use hyper::header as hy;
@@ -40,6 +41,7 @@ use crate::clock::{SharedClock, millis};
 use crate::config::{ClientSettings, RouteSpec, UpstreamSettings};
 use crate::key::TenantId;
 use crate::telemetry::Metrics;
+use crate::tls::UpstreamTls;
 
 /// Largest read buffer of one upstream connection: bounds what a response
 /// whose client reads slowly holds in memory.
@@ -57,6 +59,9 @@ const WHOLE_BODY_MAX: u64 = 16 * 1024;
 struct Upstream {
     /// `host:port` to connect to.
     address: String,
+    /// The host name (or address) its certificate must carry, sent by SNI,
+    /// when it is reached over TLS.
+    tls_name: Option<String>,
     /// The `Host` header sent upstream.
     host: hy::HeaderValue,
     /// Idle connections.
@@ -69,13 +74,15 @@ impl Upstream {
     /// The upstream of `spec`, whose origin config validation has checked;
     /// connections idle longer than `max_idle` are not used again.
     fn new(spec: &RouteSpec, max_idle: Duration, clock: SharedClock) -> Self {
-        // expect: validation accepts only `http://host[:port]` origins, and
-        // their authority is a valid header value.
-        let authority: hyper::http::uri::Authority = spec
-            .upstream_origin
-            .trim_start_matches("http://")
-            .parse()
-            .expect("a validated upstream origin");
+        // expect: validation accepts only `http[s]://host[:port]` origins,
+        // and their authority is a valid header value.
+        let (authority, default_port) = match spec.upstream_origin.split_once("://") {
+            Some(("https", authority)) => (authority, 443),
+            Some((_, authority)) => (authority, 80),
+            None => (spec.upstream_origin.as_str(), 80),
+        };
+        let authority: hyper::http::uri::Authority =
+            authority.parse().expect("a validated upstream origin");
         let host = match authority.port() {
             Some(port) => format!("{}:{}", authority.host(), port.as_str()),
             None => authority.host().to_owned(),
@@ -84,8 +91,9 @@ impl Upstream {
             address: format!(
                 "{}:{}",
                 authority.host(),
-                authority.port_u16().unwrap_or(80)
+                authority.port_u16().unwrap_or(default_port)
             ),
+            tls_name: spec.is_tls().then(|| authority.host().to_owned()),
             host: hy::HeaderValue::try_from(host).expect("an authority is a header value"),
             idle: IdleList::new(millis(max_idle)),
             clock,
@@ -156,7 +164,9 @@ pub struct Forwarder {
     slots: Rc<Slots>,
     /// Responses whose clients may stop reading.
     watchdog: Rc<Watchdog<Held<Lease>>>,
-    /// Bound on one connection attempt.
+    /// TLS to `https://` upstreams, when a route has one.
+    tls: Option<UpstreamTls>,
+    /// Bound on one connection attempt (TLS handshake included).
     connect_timeout: Duration,
     /// Bound on waiting for a connection plus the upstream's response head,
     /// not counting time spent waiting on an uploading client.
@@ -174,6 +184,7 @@ impl Forwarder {
     /// starts that worker's watchdog).
     pub fn new(
         settings: &UpstreamSettings,
+        tls: Option<UpstreamTls>,
         client: ClientSettings,
         routes: &[RouteSpec],
         clock: &SharedClock,
@@ -196,6 +207,7 @@ impl Forwarder {
             connections: Arc::new(Semaphore::new(settings.max_connections_per_worker)),
             slots: Slots::new(settings),
             watchdog: Watchdog::start(sweep, clock.clone(), metrics),
+            tls,
             connect_timeout: settings.connect_timeout,
             timeout: settings.timeout,
             client,
@@ -360,25 +372,26 @@ impl Forwarder {
         }
     }
 
-    /// A new connection to `upstream`, its task running on this worker.
+    /// A new connection to `upstream` (over TLS for an `https://` one),
+    /// its task running on this worker.
     async fn connect(&self, upstream: &Upstream) -> Result<SendRequest<RequestBody>, ProxyError> {
-        let stream =
-            tokio::time::timeout(self.connect_timeout, TcpStream::connect(&upstream.address))
-                .await
-                .map_err(|_| ProxyError::UpstreamTimeout)?
-                .map_err(upstream_failure)?;
-        stream.set_nodelay(true).map_err(upstream_failure)?;
-        let (sender, connection) = http1::Builder::new()
-            .max_buf_size(UPSTREAM_READ_BUFFER)
-            .handshake(TokioIo::new(stream))
-            .await
-            .map_err(upstream_failure)?;
-        tokio::task::spawn_local(async move {
-            if let Err(e) = connection.await {
-                tracing::debug!(error = %e, "Upstream connection ended with an error.");
+        let opened = async {
+            let stream = TcpStream::connect(&upstream.address).await?;
+            stream.set_nodelay(true)?;
+            match (&upstream.tls_name, &self.tls) {
+                (Some(name), Some(tls)) => Ok(Either::Right(tls.connect(name, stream).await?)),
+                (Some(_), None) => Err(std::io::Error::other("no TLS for an https:// upstream")),
+                (None, _) => Ok(Either::Left(stream)),
             }
-        });
-        Ok(sender)
+        };
+        let stream = tokio::time::timeout(self.connect_timeout, opened)
+            .await
+            .map_err(|_| ProxyError::UpstreamTimeout)?
+            .map_err(upstream_failure)?;
+        match stream {
+            Either::Left(plain) => handshake(plain).await,
+            Either::Right(tls) => handshake(tls).await,
+        }
     }
 
     /// The upstream request for `req`: same method; the route's base path
@@ -399,7 +412,7 @@ impl Forwarder {
         parts.version = hyper::Version::HTTP_11;
         hop::forwarded_headers(
             &mut parts.headers,
-            client.peer.ip(),
+            (client.peer.ip(), client.tls),
             target.tenant,
             authority.as_ref().map(|a| a.as_str()),
         );
@@ -436,6 +449,24 @@ impl Lease {
             self.reuse();
         }
     }
+}
+
+/// Starts HTTP/1.1 on `io`, the connection's task running on this worker.
+async fn handshake<I>(io: I) -> Result<SendRequest<RequestBody>, ProxyError>
+where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + 'static,
+{
+    let (sender, connection) = http1::Builder::new()
+        .max_buf_size(UPSTREAM_READ_BUFFER)
+        .handshake(TokioIo::new(io))
+        .await
+        .map_err(upstream_failure)?;
+    tokio::task::spawn_local(async move {
+        if let Err(e) = connection.await {
+            tracing::debug!(error = %e, "Upstream connection ended with an error.");
+        }
+    });
+    Ok(sender)
 }
 
 /// Maps a connection-level failure to 502.

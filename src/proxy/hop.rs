@@ -62,10 +62,11 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
 /// go, `X-Api-Key` becomes exactly `tenant`, `X-Forwarded-For` gains the
 /// `peer`, `X-Forwarded-Host` takes the client's `Host` (which goes: the
 /// caller sets the upstream's), or else the request's `authority` (an
-/// HTTP/2 request's host), and `X-Forwarded-Proto` is `http`.
+/// HTTP/2 request's host), and `X-Forwarded-Proto` is `https` when the
+/// client came over TLS (`tls`), else `http`.
 pub(super) fn forwarded_headers(
     headers: &mut HeaderMap,
-    peer: IpAddr,
+    (peer, tls): (IpAddr, bool),
     tenant: &TenantId,
     authority: Option<&str>,
 ) {
@@ -84,7 +85,8 @@ pub(super) fn forwarded_headers(
     if let Ok(value) = HeaderValue::try_from(chain) {
         headers.insert(X_FORWARDED_FOR, value);
     }
-    headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
+    let proto = if tls { "https" } else { "http" };
+    headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static(proto));
     let host = headers
         .remove(hy::HOST)
         .or_else(|| authority.and_then(|a| HeaderValue::from_str(a).ok()));
@@ -144,7 +146,12 @@ mod tests {
     fn forwarded(pairs: &[(&'static str, &'static str)], tenant: &str) -> HeaderMap {
         let mut headers = client_headers(pairs);
         let peer = IpAddr::V4(Ipv4Addr::new(10, 0, 0, 7));
-        forwarded_headers(&mut headers, peer, &TenantId::parse(tenant).unwrap(), None);
+        forwarded_headers(
+            &mut headers,
+            (peer, false),
+            &TenantId::parse(tenant).unwrap(),
+            None,
+        );
         headers
     }
 

@@ -4,8 +4,11 @@
 //! single-threaded runtime), so that the worker's bucket-client actor, its
 //! upstream connections and its client connections share a thread and
 //! their messages never cross one. Every worker accepts from the one
-//! listening socket and serves each connection as HTTP/1.1 (hyper), with:
-//! - a header deadline (`client.header_timeout_ms`): a request's line and
+//! listening socket and serves each connection as HTTP/1.1 (hyper), or
+//! also HTTP/2 (cleartext with `server.h2c`; over TLS, as ALPN chooses),
+//! with:
+//! - a header deadline (`client.header_timeout_ms`): a TLS handshake, a
+//!   request's line and
 //!   headers, and on a kept-alive connection the next request, must arrive
 //!   within it, or the connection is closed;
 //! - a cut-off from outside: the watchdog ends the connection of a client
@@ -34,12 +37,14 @@ use hyper::service::service_fn;
 use hyper::{Request, Response};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, oneshot, watch};
 
 use super::Worker;
 use super::body::ClientCut;
 use crate::telemetry;
+use crate::tls::ListenerTls;
 
 /// Largest read and write buffer of one client connection: bounds a
 /// request's head (a larger one is answered 431) and what a response whose
@@ -51,7 +56,7 @@ const CLIENT_BUFFER: usize = 64 * 1024;
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
 /// How the proxy listener serves.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Serving {
     /// Worker threads (at least one).
     pub workers: usize,
@@ -61,12 +66,16 @@ pub struct Serving {
     pub grace: Duration,
     /// Cleartext HTTP/2 (prior knowledge) beside HTTP/1.1.
     pub h2c: bool,
+    /// TLS on every connection (HTTP/2 or HTTP/1.1 by ALPN), when set.
+    pub tls: Option<Arc<ListenerTls>>,
 }
 
 /// A client connection, as its requests see it.
 pub(super) struct Client {
     /// The client's address (`X-Forwarded-For`).
     pub(super) peer: SocketAddr,
+    /// Whether the client came over TLS (`X-Forwarded-Proto`).
+    pub(super) tls: bool,
     /// Ends the connection from outside its task.
     cut: ClientCut,
 }
@@ -121,6 +130,7 @@ impl ProxyServer {
             let socket = listener.try_clone()?;
             let (done, worker_drained) = oneshot::channel();
             let (make_worker, stop) = (make_worker.clone(), stop.subscribe());
+            let serving = serving.clone();
             let arbiter = Arbiter::new();
             let started = arbiter.spawn_fn(move || {
                 // On the worker's thread: what it builds stays there.
@@ -180,7 +190,7 @@ async fn accept(
     serving: Serving,
     mut stop: watch::Receiver<bool>,
 ) {
-    let http = Rc::new(Protocols::new(serving));
+    let http = Rc::new(Protocols::new(&serving));
     let open = Rc::new(Open::default());
     loop {
         let accepted = tokio::select! {
@@ -193,6 +203,8 @@ async fn accept(
                 let connection = Connection {
                     worker: worker.clone(),
                     http: http.clone(),
+                    tls: serving.tls.clone(),
+                    handshake_timeout: serving.header_timeout,
                     stop: stop.clone(),
                     _open: Open::enter(&open),
                 };
@@ -208,7 +220,8 @@ async fn accept(
     open.drained().await;
 }
 
-/// How connections are spoken to: HTTP/1.1 alone, or either protocol.
+/// How connections are spoken to: HTTP/1.1 alone, or either protocol
+/// (with `server.h2c`, and always over TLS, where ALPN has chosen).
 enum Protocols {
     /// HTTP/1.1.
     Http1(http1::Builder),
@@ -218,8 +231,8 @@ enum Protocols {
 
 impl Protocols {
     /// The settings `serving` asks for.
-    fn new(serving: Serving) -> Self {
-        if serving.h2c {
+    fn new(serving: &Serving) -> Self {
+        if serving.h2c || serving.tls.is_some() {
             let mut auto = auto::Builder::new(LocalExec);
             auto.http1()
                 .timer(TokioTimer::new())
@@ -262,8 +275,9 @@ trait Served: Future<Output = Result<(), Self::Error>> {
     fn timed_out(error: &Self::Error) -> bool;
 }
 
-impl<S> Served for http1::Connection<TokioIo<TcpStream>, S>
+impl<I, S> Served for http1::Connection<TokioIo<I>, S>
 where
+    I: AsyncRead + AsyncWrite + Unpin + 'static,
     S: hyper::service::HttpService<Incoming>,
     S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
     S::ResBody: 'static,
@@ -280,8 +294,9 @@ where
     }
 }
 
-impl<S, B> Served for auto::Connection<'_, TokioIo<TcpStream>, S, LocalExec>
+impl<I, S, B> Served for auto::Connection<'_, TokioIo<I>, S, LocalExec>
 where
+    I: AsyncRead + AsyncWrite + Unpin + 'static,
     S: hyper::service::Service<Request<Incoming>, Response = Response<B>>,
     S::Future: 'static,
     S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
@@ -308,6 +323,10 @@ struct Connection {
     worker: Rc<Worker>,
     /// Protocol settings.
     http: Rc<Protocols>,
+    /// TLS, when the listener has it.
+    tls: Option<Arc<ListenerTls>>,
+    /// Longest wait for a client's TLS handshake.
+    handshake_timeout: Duration,
     /// Turns `true` on shutdown.
     stop: watch::Receiver<bool>,
     /// Counts the connection as open until it ends.
@@ -322,9 +341,28 @@ impl Connection {
         if let Err(e) = stream.set_nodelay(true) {
             tracing::debug!(error = %e, "Cannot set TCP_NODELAY on a client connection.");
         }
+        let Some(tls) = self.tls.clone() else {
+            return self.speak(stream, peer, false).await;
+        };
+        // A client that stalls its handshake is closed like one that
+        // stalls its request's head.
+        let handshake = tls.acceptor().accept(stream);
+        match tokio::time::timeout(self.handshake_timeout, handshake).await {
+            Ok(Ok(stream)) => self.speak(stream, peer, true).await,
+            Ok(Err(e)) => ended_in_error(&e, peer),
+            Err(_) => {}
+        }
+    }
+
+    /// Speaks HTTP on `stream` (over TLS when `tls`) to `peer`.
+    async fn speak<I>(self, stream: I, peer: SocketAddr, tls: bool)
+    where
+        I: AsyncRead + AsyncWrite + Unpin + 'static,
+    {
         let cut = ClientCut::default();
         let client = Rc::new(Client {
             peer,
+            tls,
             cut: cut.clone(),
         });
         let worker = self.worker;

@@ -114,6 +114,7 @@ mod tests {
             max_connections_per_tenant: per_tenant,
             max_connections_without_rule: without_rule,
             idle_timeout: Duration::from_secs(1),
+            ca_file: None,
         })
     }
 

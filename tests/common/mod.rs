@@ -1326,3 +1326,25 @@ pub fn ratelimit_members(value: &str) -> Vec<(String, Vec<(String, i64)>)> {
         })
         .collect()
 }
+
+/// `curl` with `args` against `url`: the HTTP version and status it saw,
+/// then its output.
+pub fn curl(args: &[&str], url: &str) -> (String, String) {
+    let out = std::process::Command::new("curl")
+        .args([
+            "-s",
+            "-w",
+            "\n%{http_version} %{http_code}",
+            "-H",
+            "X-Api-Key: acme",
+        ])
+        .args(args)
+        .arg(url)
+        .output()
+        .unwrap_or_else(|e| {
+            panic!("cannot run curl ({e}); install it with `apt-get install -y curl`")
+        });
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, last) = text.rsplit_once('\n').unwrap_or(("", &text));
+    (last.to_owned(), body.to_owned())
+}

@@ -1,0 +1,150 @@
+//! The proxy's settings: its listener (`[server]`, TLS included), its
+//! upstreams (`[upstream]`) and the pace its clients must keep
+//! (`[client]`).
+//!
+//! Certificate and CA files are checked here by loading them as the
+//! gateway will (`crate::tls`), so a configuration that passes
+//! `check-config` never fails on its TLS files at start.
+
+use std::path::PathBuf;
+
+use super::raw::{RawClient, RawServer, RawUpstream};
+use super::settings::{
+    ClientSettings, ListenerTlsFiles, Pace, RouteSpec, ServerSettings, UpstreamSettings,
+};
+use super::validate::Check;
+use crate::tls;
+
+/// `[server]`.
+pub(super) fn server(c: &mut Check, raw: &RawServer) -> ServerSettings {
+    let listen = c.socket("server.listen", &raw.listen);
+    let admin_listen = c.socket("server.admin_listen", &raw.admin_listen);
+    if listen == admin_listen && listen.port() != 0 {
+        c.bad("server.admin_listen", "must differ from server.listen");
+    }
+    let workers = match c.range("server.workers", raw.workers, 0, 1024) {
+        Some(0) => std::thread::available_parallelism().map_or(1, usize::from),
+        Some(n) => usize::try_from(n).unwrap_or(1),
+        None => 1,
+    };
+    ServerSettings {
+        listen,
+        admin_listen,
+        workers,
+        shutdown_timeout: c.seconds(
+            "server.shutdown_timeout_seconds",
+            raw.shutdown_timeout_seconds,
+            3600,
+        ),
+        h2c: raw.h2c,
+        tls: listener_tls(c, raw),
+    }
+}
+
+/// The listener's certificate files, when both are set and load.
+fn listener_tls(c: &mut Check, raw: &RawServer) -> Option<ListenerTlsFiles> {
+    let reload = c.seconds("server.tls_reload_seconds", raw.tls_reload_seconds, 86_400);
+    match (raw.tls_cert_file.is_empty(), raw.tls_key_file.is_empty()) {
+        (true, true) => None,
+        (false, true) => {
+            c.bad(
+                "server.tls_key_file",
+                "must be set with server.tls_cert_file",
+            );
+            None
+        }
+        (true, false) => {
+            c.bad(
+                "server.tls_cert_file",
+                "must be set with server.tls_key_file",
+            );
+            None
+        }
+        (false, false) => {
+            let files = ListenerTlsFiles {
+                cert: PathBuf::from(&raw.tls_cert_file),
+                key: PathBuf::from(&raw.tls_key_file),
+                reload,
+            };
+            match tls::check_listener_files(&files.cert, &files.key) {
+                Ok(()) => Some(files),
+                Err(e) => {
+                    c.bad("server.tls_cert_file", e.to_string());
+                    None
+                }
+            }
+        }
+    }
+}
+
+/// `[upstream]`; `routes` tell whether any upstream is `https://`, which
+/// needs trusted roots.
+pub(super) fn upstream(c: &mut Check, raw: &RawUpstream, routes: &[RouteSpec]) -> UpstreamSettings {
+    let ca_file = Some(PathBuf::from(&raw.ca_file)).filter(|p| !p.as_os_str().is_empty());
+    let tls_upstreams = routes.iter().any(RouteSpec::is_tls);
+    if (tls_upstreams || ca_file.is_some())
+        && let Err(e) = tls::check_ca_file(ca_file.as_deref())
+    {
+        c.bad("upstream.ca_file", e.to_string());
+    }
+    UpstreamSettings {
+        connect_timeout: c.millis(
+            "upstream.connect_timeout_ms",
+            raw.connect_timeout_ms,
+            600_000,
+        ),
+        timeout: c.millis("upstream.timeout_ms", raw.timeout_ms, 3_600_000),
+        max_connections_per_worker: count(
+            c,
+            "upstream.max_connections_per_worker",
+            raw.max_connections_per_worker,
+        ),
+        max_connections_per_tenant: count32(
+            c,
+            "upstream.max_connections_per_tenant",
+            raw.max_connections_per_tenant,
+        ),
+        max_connections_without_rule: count32(
+            c,
+            "upstream.max_connections_without_rule",
+            raw.max_connections_without_rule,
+        ),
+        idle_timeout: c.millis("upstream.idle_timeout_ms", raw.idle_timeout_ms, 3_600_000),
+        ca_file,
+    }
+}
+
+/// A connection count in `1..=100_000`.
+fn count(c: &mut Check, key: &str, value: i64) -> usize {
+    c.range(key, value, 1, 100_000)
+        .and_then(|n| usize::try_from(n).ok())
+        .unwrap_or(1)
+}
+
+/// A connection count in `1..=100_000`, as `u32`.
+fn count32(c: &mut Check, key: &str, value: i64) -> u32 {
+    u32::try_from(count(c, key, value)).unwrap_or(1)
+}
+
+/// `[client]`.
+pub(super) fn client(c: &mut Check, raw: &RawClient) -> ClientSettings {
+    let min_bytes_per_second = c
+        .range(
+            "client.min_bytes_per_second",
+            raw.min_bytes_per_second,
+            0,
+            1 << 40,
+        )
+        .unwrap_or(0);
+    ClientSettings {
+        header_timeout: c.millis("client.header_timeout_ms", raw.header_timeout_ms, 3_600_000),
+        read: Pace {
+            timeout: c.millis("client.read_timeout_ms", raw.read_timeout_ms, 3_600_000),
+            min_bytes_per_second,
+        },
+        write: Pace {
+            timeout: c.millis("client.write_timeout_ms", raw.write_timeout_ms, 3_600_000),
+            min_bytes_per_second,
+        },
+    }
+}
