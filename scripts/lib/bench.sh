@@ -39,7 +39,7 @@ start_work_dir() {
   pids=()
   cleanup=()
   LOAD_PREFIX=()
-  trap 'for c in "${cleanup[@]}"; do eval "$c"; done; for pid in "${pids[@]}"; do kill -CONT "$pid" 2>/dev/null; kill "$pid" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$work"' EXIT
+  trap 'for c in "${cleanup[@]}"; do eval "$c" || true; done; for pid in "${pids[@]}"; do kill -CONT "$pid" 2>/dev/null || true; kill "$pid" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$work"' EXIT
 }
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
