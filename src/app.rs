@@ -24,7 +24,7 @@ use crate::bucket::{
 };
 use crate::clock::{SharedClock, SystemClock};
 use crate::cluster::{LiveInstances, Membership};
-use crate::config::{self, Config, RedisTarget, RouteSpec, RuleSource, ServerSettings};
+use crate::config::{self, Config, RedisTarget, RouteSpec, RuleSource};
 use crate::proxy::forward::Forwarder;
 use crate::proxy::route::RouteTable;
 use crate::proxy::server::{ProxyServer, Serving};
@@ -34,7 +34,7 @@ use crate::region;
 use crate::region::model::{RegionSpec, Regions};
 use crate::region::shares::SharesHandle;
 use crate::rules::{self, RulesHandle};
-use crate::telemetry::{self, ClientNoise, Metrics, RequestCounters};
+use crate::telemetry::{self, ClientNoise, Entry, Metrics, RequestCounters};
 use crate::tls::{ListenerTls, UpstreamTls};
 
 /// Period of metric upkeep and local-bucket eviction.
@@ -46,23 +46,48 @@ pub struct Listeners {
     pub proxy: TcpListener,
     /// `/live`, `/ready`, `/metrics`.
     pub admin: TcpListener,
+    /// Envoy's rate limit service, when `rls.listen` is set.
+    pub rls: Option<TcpListener>,
+    /// The HTTP check, when `check.listen` is set.
+    pub check: Option<TcpListener>,
+}
+
+/// Binds `addr`, the value of the config key `key`.
+fn bind(key: &str, addr: SocketAddr) -> anyhow::Result<TcpListener> {
+    TcpListener::bind(addr).with_context(|| format!("cannot listen on {key} {addr}"))
 }
 
 impl Listeners {
-    /// Binds both addresses of `server`.
+    /// Binds every listener `config` asks for.
     ///
     /// # Errors
-    /// When either address cannot be bound.
-    pub fn bind(server: &ServerSettings) -> anyhow::Result<Self> {
-        let proxy = TcpListener::bind(server.listen)
-            .with_context(|| format!("cannot listen on server.listen {}", server.listen))?;
-        let admin = TcpListener::bind(server.admin_listen).with_context(|| {
-            format!(
-                "cannot listen on server.admin_listen {}",
-                server.admin_listen
-            )
-        })?;
-        Ok(Self { proxy, admin })
+    /// When an address cannot be bound.
+    pub fn bind(config: &Config) -> anyhow::Result<Self> {
+        let server = &config.server;
+        Ok(Self {
+            proxy: bind("server.listen", server.listen)?,
+            admin: bind("server.admin_listen", server.admin_listen)?,
+            rls: config
+                .rls
+                .as_ref()
+                .map(|r| bind("rls.listen", r.listen))
+                .transpose()?,
+            check: config
+                .check
+                .as_ref()
+                .map(|c| bind("check.listen", c.listen))
+                .transpose()?,
+        })
+    }
+
+    /// The bound address of Envoy's rate limit service, when served.
+    pub fn rls_addr(&self) -> Option<SocketAddr> {
+        self.rls.as_ref().and_then(|l| l.local_addr().ok())
+    }
+
+    /// The bound address of the HTTP check, when served.
+    pub fn check_addr(&self) -> Option<SocketAddr> {
+        self.check.as_ref().and_then(|l| l.local_addr().ok())
     }
 
     /// The proxy's bound address.
@@ -170,8 +195,12 @@ pub async fn run(
     let metrics = Metrics::new();
     let clock = SystemClock::shared();
 
+    let mut entries = Vec::new();
+    entries.extend(config.rls.as_ref().map(|_| Entry::Rls));
+    entries.extend(config.check.as_ref().map(|_| Entry::Check));
     let requests = Arc::new(RequestCounters::new(
         config.routes.iter().map(|r| r.id.as_str()),
+        &entries,
         config.metrics.max_tenant_labels,
     ));
     let rules = rules::cache::start(
@@ -292,6 +321,8 @@ pub async fn run(
             .log
             .access_sample_percent
             .map(proxy::access::AccessLog::new),
+        rls: config.rls.clone(),
+        check: config.check,
     });
     let upstream = config.upstream.clone();
     let client = config.client;
@@ -331,7 +362,10 @@ pub async fn run(
         h2c: config.server.h2c,
         tls: listener_tls,
     };
-    let proxy = ProxyServer::start(listeners.proxy, serving, move || {
+    let mut listening = vec![(listeners.proxy, Entry::Proxy)];
+    listening.extend(listeners.rls.map(|l| (l, Entry::Rls)));
+    listening.extend(listeners.check.map(|l| (l, Entry::Check)));
+    let proxy = ProxyServer::start(listening, serving, move || {
         // Per worker: its own upstream pool and Redis connection, warmed
         // (connected, script loaded) before the gateway says it is ready.
         // Its bucket client (an actor on this worker) coalesces the

@@ -144,7 +144,7 @@ pub async fn run(mut config: crate::config::Config) -> anyhow::Result<()> {
     let echo_handle = echo.handle();
     actix_web::rt::spawn(echo);
 
-    let listeners = crate::app::Listeners::bind(&config.server)?;
+    let listeners = crate::app::Listeners::bind(&config)?;
     let gw = listeners.proxy_addr()?;
     let admin = listeners.admin_addr()?;
     println!(

@@ -101,7 +101,7 @@ fn serve(config: Config) -> ExitCode {
         return config_failure(&problems);
     }
     start_logging(&config);
-    let listeners = match app::Listeners::bind(&config.server) {
+    let listeners = match app::Listeners::bind(&config) {
         Ok(l) => l,
         Err(e) => {
             eprintln!("error: {e:#}");

@@ -41,12 +41,12 @@ async fn live_ready_and_metrics_report_the_gateway() {
     assert_eq!(res.status(), 200);
     let text = String::from_utf8(res.body().await.unwrap().to_vec()).unwrap();
     for needle in [
-        "tollgate_requests_total{route=\"api\",tenant=\"_other\",outcome=\"allowed\"}",
-        "tollgate_requests_total{route=\"api\",tenant=\"_other\",outcome=\"rejected\"}",
-        "tollgate_requests_total{route=\"api\",tenant=\"_other\",outcome=\"unauthorized\"}",
-        "tollgate_requests_total{route=\"api\",tenant=\"Tenant A\",outcome=\"allowed\"}",
+        "tollgate_requests_total{route=\"api\",tenant=\"_other\",outcome=\"allowed\",entry=\"proxy\"}",
+        "tollgate_requests_total{route=\"api\",tenant=\"_other\",outcome=\"rejected\",entry=\"proxy\"}",
+        "tollgate_requests_total{route=\"api\",tenant=\"_other\",outcome=\"unauthorized\",entry=\"proxy\"}",
+        "tollgate_requests_total{route=\"api\",tenant=\"Tenant A\",outcome=\"allowed\",entry=\"proxy\"}",
         &format!(
-            "tollgate_requests_total{{route=\"api\",tenant=\"{}\",outcome=\"allowed\"}}",
+            "tollgate_requests_total{{route=\"api\",tenant=\"{}\",outcome=\"allowed\",entry=\"proxy\"}}",
             tollgate::key::fingerprint("sk-unnamed")
         ),
         "tollgate_decision_duration_seconds_bucket{source=\"redis\"",

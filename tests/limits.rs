@@ -196,7 +196,9 @@ async fn statuses(gw: &Gateway, tenant: &str, n: usize) -> Vec<(u16, String, Opt
 /// `tollgate_requests_total` of `outcome` on route `api` for `tenant`'s
 /// label.
 fn outcome_series(tenant: &str, outcome: &str) -> String {
-    format!("tollgate_requests_total{{route=\"api\",tenant=\"{tenant}\",outcome=\"{outcome}\"}}")
+    format!(
+        "tollgate_requests_total{{route=\"api\",tenant=\"{tenant}\",outcome=\"{outcome}\",entry=\"proxy\"}}"
+    )
 }
 
 #[actix_web::test]

@@ -185,7 +185,7 @@ async fn a_rule_name_is_stored_and_labels_the_tenant_on_every_gateway() {
     // labels carry the name that travelled in the change event.
     let series = |outcome: &str| {
         format!(
-            "tollgate_requests_total{{route=\"api\",tenant=\"Pg Named Tenant\",outcome=\"{outcome}\"}}"
+            "tollgate_requests_total{{route=\"api\",tenant=\"Pg Named Tenant\",outcome=\"{outcome}\",entry=\"proxy\"}}"
         )
     };
     let before = metric(b, &series("allowed")).await + metric(b, &series("rejected")).await;

@@ -14,7 +14,7 @@ pub mod store;
 pub mod tokens;
 
 pub use coalesce::{BucketClient, Coalesced};
-pub use decision::{Ask, BucketSpec, Decision, Grant};
+pub use decision::{Ask, BucketSpec, Decision, Grant, GroupLimit};
 pub use lease::HotKeys;
 pub use limiter::{GroupVerdict, LimitVerdict, Limiter, LimiterCore, RedisState, Verdict};
 pub use local::LocalBuckets;

@@ -14,6 +14,7 @@
 //!
 //! Invariant: a [`Config`] that exists is valid; nothing downstream re-checks it.
 
+mod entries;
 mod proxying;
 mod raw;
 mod routes;
@@ -29,10 +30,10 @@ use toml::{Table, Value};
 use raw::{RawConfig, RawRoute};
 pub use settings::unknown_route;
 pub use settings::{
-    AdminSettings, BreakerSettings, ClientSettings, Config, FallbackSettings, InstanceSettings,
-    LeaseSettings, LimitSettings, ListenerTlsFiles, LogFormat, LogSettings, MetricsSettings, Pace,
-    RebalancerSettings, RedisSettings, RedisTarget, RouteSpec, RuleSource, RulesSettings,
-    ServerSettings, UpstreamSettings,
+    AdminSettings, BreakerSettings, CheckSettings, ClientSettings, Config, FallbackSettings,
+    InstanceSettings, LeaseSettings, LimitSettings, ListenerTlsFiles, LogFormat, LogSettings,
+    MetricsSettings, Pace, RebalancerSettings, RedisSettings, RedisTarget, RlsSettings, RouteSpec,
+    RuleSource, RulesSettings, ServerSettings, UpstreamSettings,
 };
 pub use validate::database_url;
 

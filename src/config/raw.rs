@@ -28,6 +28,8 @@ pub(crate) struct RawConfig {
     pub(crate) upstream: RawUpstream,
     pub(crate) client: RawClient,
     pub(crate) log: RawLog,
+    pub(crate) rls: RawRls,
+    pub(crate) check: RawCheck,
     pub(crate) routes: Vec<RawRoute>,
 }
 
@@ -342,6 +344,44 @@ impl Default for RawLog {
             format: "text".into(),
             access: false,
             access_sample_percent: 100,
+        }
+    }
+}
+
+/// `[rls]`: Envoy's rate limit service.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(crate) struct RawRls {
+    pub(crate) listen: String,
+    pub(crate) tenant_key: String,
+    pub(crate) route_key: String,
+    pub(crate) domain: String,
+}
+
+impl Default for RawRls {
+    fn default() -> Self {
+        Self {
+            listen: String::new(),
+            tenant_key: "api_key".into(),
+            route_key: "route".into(),
+            domain: String::new(),
+        }
+    }
+}
+
+/// `[check]`: the HTTP check endpoint.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(crate) struct RawCheck {
+    pub(crate) listen: String,
+    pub(crate) refused_status: i64,
+}
+
+impl Default for RawCheck {
+    fn default() -> Self {
+        Self {
+            listen: String::new(),
+            refused_status: 403,
         }
     }
 }

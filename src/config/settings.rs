@@ -49,8 +49,35 @@ pub struct Config {
     pub client: ClientSettings,
     /// Log verbosity.
     pub log: LogSettings,
+    /// Envoy's rate limit service, when served.
+    pub rls: Option<RlsSettings>,
+    /// The HTTP check endpoint, when served.
+    pub check: Option<CheckSettings>,
     /// The route table, in file order.
     pub routes: Vec<RouteSpec>,
+}
+
+/// `[rls]`: how Envoy's descriptors become decisions.
+#[derive(Debug, Clone)]
+pub struct RlsSettings {
+    /// The gRPC listener (HTTP/2).
+    pub listen: SocketAddr,
+    /// The descriptor entry whose value is the tenant.
+    pub tenant_key: String,
+    /// The descriptor entry whose value is the route id.
+    pub route_key: String,
+    /// The one domain served, when set; requests for another are refused.
+    pub domain: Option<String>,
+}
+
+/// `[check]`: the HTTP check endpoint.
+#[derive(Debug, Clone, Copy)]
+pub struct CheckSettings {
+    /// Its listener.
+    pub listen: SocketAddr,
+    /// The status of a refusal on `GET /v1/auth` (403 for nginx's
+    /// `auth_request`, 429 for Traefik's `forwardAuth`).
+    pub refused_status: u16,
 }
 
 /// Why a rule for `route` would never apply on a gateway with `routes`:

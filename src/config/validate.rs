@@ -13,7 +13,6 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use super::Problem;
-use super::proxying;
 use super::raw::{RawConfig, RawLimit};
 use super::redact_url;
 use super::routes::route;
@@ -22,6 +21,7 @@ use super::settings::{
     LimitSettings, LogFormat, LogSettings, MetricsSettings, RebalancerSettings, RedisSettings,
     RedisTarget, RouteSpec, RuleSource, RulesSettings,
 };
+use super::{entries, proxying};
 use crate::key::validate_id;
 
 /// Collects problems while converting fields.
@@ -121,6 +121,14 @@ pub(crate) fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
     };
 
     let server = proxying::server(&mut c, &raw.server);
+    let rls = entries::rls(&mut c, &raw.rls, &server);
+    let check = entries::check(&mut c, &raw.check, &server);
+    if let (Some(r), Some(k)) = (&rls, &check)
+        && r.listen == k.listen
+        && r.listen.port() != 0
+    {
+        c.bad("check.listen", "must differ from rls.listen");
+    }
 
     let instance = InstanceSettings {
         id: instance_id(&mut c, &raw.instance.id),
@@ -344,6 +352,8 @@ pub(crate) fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
             upstream,
             client,
             log,
+            rls,
+            check,
             routes,
         })
     } else {

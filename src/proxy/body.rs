@@ -372,13 +372,15 @@ impl<L: Reuse> Drop for ResponseBody<L> {
 }
 
 /// What the proxy answers with: a body in one piece (the gateway's own
-/// answers, and upstream answers that arrived whole), or an upstream's
-/// body streamed as it comes.
+/// answers, and upstream answers that arrived whole), an upstream's body
+/// streamed as it comes, or a body followed by trailers (gRPC's status).
 pub(super) enum ProxyBody {
     /// The whole body; `None` once handed over (or for no body).
     Whole(Option<Bytes>),
     /// The upstream's body, as it arrives.
     Streamed(ResponseBody<Lease>),
+    /// A body in one piece, then trailers; each `None` once handed over.
+    Trailed(Option<Bytes>, Option<hyper::HeaderMap>),
 }
 
 impl ProxyBody {
@@ -399,6 +401,12 @@ impl Body for ProxyBody {
         match self.get_mut() {
             Self::Whole(data) => Poll::Ready(data.take().map(|data| Ok(Frame::data(data)))),
             Self::Streamed(body) => Pin::new(body).poll_frame(cx),
+            Self::Trailed(data, trailers) => Poll::Ready(
+                data.take()
+                    .map(Frame::data)
+                    .or_else(|| trailers.take().map(Frame::trailers))
+                    .map(Ok),
+            ),
         }
     }
 
@@ -406,13 +414,43 @@ impl Body for ProxyBody {
         match self {
             Self::Whole(data) => data.is_none(),
             Self::Streamed(body) => body.is_end_stream(),
+            Self::Trailed(data, trailers) => data.is_none() && trailers.is_none(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match self {
-            Self::Whole(data) => SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64)),
+            Self::Whole(data) | Self::Trailed(data, _) => {
+                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+            }
             Self::Streamed(body) => body.size_hint(),
         }
     }
+}
+
+/// Why a small request body was not read whole.
+#[derive(Debug)]
+pub(super) enum SmallBodyError {
+    /// It is longer than allowed.
+    TooLarge,
+    /// It broke off.
+    Broken(hyper::Error),
+}
+
+/// The whole of a request body that may be at most `max` bytes (a check
+/// or a gRPC call: read into memory, never streamed).
+///
+/// # Errors
+/// When it is longer than `max` or breaks off.
+pub(super) async fn read_small(mut body: Incoming, max: usize) -> Result<Vec<u8>, SmallBodyError> {
+    let mut data = Vec::new();
+    while let Some(frame) = std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await {
+        if let Ok(chunk) = frame.map_err(SmallBodyError::Broken)?.into_data() {
+            if data.len() + chunk.len() > max {
+                return Err(SmallBodyError::TooLarge);
+            }
+            data.extend_from_slice(&chunk);
+        }
+    }
+    Ok(data)
 }

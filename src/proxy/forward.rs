@@ -215,6 +215,12 @@ impl Forwarder {
         }
     }
 
+    /// How long a client may keep its request body coming without
+    /// progress.
+    pub(super) fn read_timeout(&self) -> Duration {
+        self.client.read.timeout
+    }
+
     /// A place for one exchange of `tenant` (whose pair has a rule when
     /// `has_rule`); `None` when the tenant, or the default-rule group, has
     /// as many in flight as it may on this worker.

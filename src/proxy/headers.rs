@@ -13,7 +13,7 @@
 
 use hyper::header::{HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
 
-use crate::bucket::{GroupVerdict, LimitVerdict, Verdict};
+use crate::bucket::{GroupLimit, GroupVerdict, LimitVerdict, Verdict};
 
 /// `X-RateLimit-Limit`: the capacity in force for this request.
 pub const X_RATELIMIT_LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");
@@ -29,6 +29,18 @@ pub fn retry_after_seconds(ms: u64) -> u64 {
     ms.div_ceil(1000).max(1)
 }
 
+/// The limit the headers report (the most restrictive one), in numbers.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Binding {
+    /// The limit, after shares and fallback division (`None` only for a
+    /// group with no limit, which rules never make).
+    pub limit: Option<GroupLimit>,
+    /// Requests left (0 on a refusal).
+    pub remaining: u64,
+    /// Whole seconds until the next request may pass (0 when allowed).
+    pub wait: u64,
+}
+
 /// The headers of one limiter verdict, ready to attach to any response.
 pub struct RateLimitHeaders {
     /// Header name/value pairs, in emission order (built without the
@@ -36,6 +48,8 @@ pub struct RateLimitHeaders {
     pairs: [(HeaderName, HeaderValue); 4],
     /// `Retry-After`, on a rejection.
     retry_after: Option<HeaderValue>,
+    /// What they report.
+    binding: Binding,
 }
 
 impl RateLimitHeaders {
@@ -67,6 +81,11 @@ impl RateLimitHeaders {
                 ),
             ],
             retry_after: (!decision.allowed && !shadowed).then(|| HeaderValue::from(wait)),
+            binding: Binding {
+                limit: Some(GroupLimit::Bucket(verdict.spec)),
+                remaining,
+                wait,
+            },
         }
     }
 
@@ -98,16 +117,17 @@ impl RateLimitHeaders {
                 .iter()
                 .max_by_key(|l| l.decision.retry_after_ms)
         };
-        let (size, remaining, wait, policy) = match binding {
-            Some(l) if verdict.allowed => (l.limit.size(), l.decision.remaining, 0, name(l)),
+        let (limit, remaining, wait, policy) = match binding {
+            Some(l) if verdict.allowed => (Some(l.limit), l.decision.remaining, 0, name(l)),
             Some(l) => (
-                l.limit.size(),
+                Some(l.limit),
                 0,
                 retry_after_seconds(l.decision.retry_after_ms),
                 name(l),
             ),
-            None => (0, 0, 0, (route, None)),
+            None => (None, 0, 0, (route, None)),
         };
+        let size = limit.map_or(0, |l| l.size());
         let mut current = String::with_capacity(route.len() + 40);
         push_member(&mut current, policy, [("r", remaining), ("t", wait)]);
         Self {
@@ -118,7 +138,25 @@ impl RateLimitHeaders {
                 (RATELIMIT, header_value(current)),
             ],
             retry_after: (!verdict.allowed && !shadowed).then(|| HeaderValue::from(wait)),
+            binding: Binding {
+                limit,
+                remaining,
+                wait,
+            },
         }
+    }
+
+    /// The limit these headers report, in numbers.
+    pub fn binding(&self) -> Binding {
+        self.binding
+    }
+
+    /// Every header, in order, `Retry-After` last when present.
+    pub fn iter(&self) -> impl Iterator<Item = (&HeaderName, &HeaderValue)> {
+        self.pairs
+            .iter()
+            .map(|(name, value)| (name, value))
+            .chain(self.retry_after.iter().map(|value| (&RETRY_AFTER, value)))
     }
 
     /// Sets the headers on a response's `headers`, replacing any of the

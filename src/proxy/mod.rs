@@ -26,8 +26,12 @@ pub mod forward;
 pub mod headers;
 
 mod body;
+mod check;
+mod decide;
+mod grpc;
 mod hop;
 mod pool;
+mod rls;
 pub mod route;
 pub mod server;
 mod slots;
@@ -41,17 +45,17 @@ use hyper::{Method, Request, Response};
 
 use crate::bucket::Limiter;
 use crate::clock::SharedClock;
+use crate::config::{CheckSettings, RlsSettings};
 use crate::key::TenantId;
 use crate::path;
 use crate::region::shares::SharesHandle;
 use crate::rules::RulesHandle;
-use crate::rules::model::Mode;
-use crate::telemetry::{BodyDirection, Metrics, Outcome, RequestCounters, Unrouted};
+use crate::telemetry::{BodyDirection, Entry, Metrics, Outcome, RequestCounters, Unrouted};
 use access::{AccessLog, AccessNote};
 use body::ProxyBody;
+use decide::{Decided, decide};
 use error::ProxyError;
 use forward::{Forwarder, Target};
-use headers::RateLimitHeaders;
 use route::RouteTable;
 use server::Client;
 
@@ -76,6 +80,10 @@ pub struct ProxyState {
     pub shadow: bool,
     /// The access log, when `log.access` is on.
     pub access: Option<AccessLog>,
+    /// Envoy's rate limit service, when served.
+    pub rls: Option<RlsSettings>,
+    /// The HTTP check, when served.
+    pub check: Option<CheckSettings>,
 }
 
 /// One proxy worker: the state every worker shares, and the worker's own
@@ -89,9 +97,23 @@ pub struct Worker {
     pub forwarder: Forwarder,
 }
 
-/// Runs the phases for one request from `client`, and writes its access
-/// line when the access log is on and keeps this request.
-async fn handle(req: Request<Incoming>, client: &Client, worker: &Worker) -> Response<ProxyBody> {
+/// Answers one request from `client` that came in through `entry`.
+async fn handle(
+    entry: Entry,
+    req: Request<Incoming>,
+    client: &Client,
+    worker: &Worker,
+) -> Response<ProxyBody> {
+    match entry {
+        Entry::Proxy => proxy(req, client, worker).await,
+        Entry::Rls => rls::handle(req, worker).await,
+        Entry::Check => check::handle(req, worker).await,
+    }
+}
+
+/// Runs the phases for one proxied request from `client`, and writes its
+/// access line when the access log is on and keeps this request.
+async fn proxy(req: Request<Incoming>, client: &Client, worker: &Worker) -> Response<ProxyBody> {
     let state = &*worker.state;
     let Some(log) = state.access.as_ref().filter(|log| log.sampled()) else {
         return phases(req, client, worker, None).await;
@@ -121,9 +143,7 @@ async fn phases(
     mut note: Option<&mut AccessNote>,
 ) -> Response<ProxyBody> {
     let Worker {
-        state,
-        limiter,
-        forwarder,
+        state, forwarder, ..
     } = worker;
     if matches!(*req.method(), Method::CONNECT | Method::TRACE) {
         state.metrics.unrouted(Unrouted::BadRequest);
@@ -144,17 +164,9 @@ async fn phases(
         note.route = Some(route.index);
     }
 
-    let tenant = match identify(req.headers()) {
+    let tenant = match identify_counted(req.headers(), state, Entry::Proxy, route.index) {
         Ok(tenant) => tenant,
-        Err(e) => {
-            let outcome = if matches!(e, ProxyError::MissingKey) {
-                Outcome::Unauthorized
-            } else {
-                Outcome::BadKey
-            };
-            state.requests.count(None, route.index, outcome);
-            return e.response();
-        }
+        Err(e) => return e.response(),
     };
     if let Some(note) = note.as_deref_mut() {
         note.tenant = Some(tenant.clone());
@@ -162,7 +174,7 @@ async fn phases(
     let count = |outcome| {
         state
             .requests
-            .count(Some(tenant.as_str()), route.index, outcome);
+            .count(Entry::Proxy, Some(tenant.as_str()), route.index, outcome);
     };
 
     let rules = state.rules.snapshot();
@@ -172,32 +184,16 @@ async fn phases(
         return ProxyError::TooManyInFlight.response();
     };
     drop(rules);
-    let share = state
-        .shares
-        .snapshot()
-        .share_for(tenant.as_str(), route.spec.id.as_str());
-    let (id, cost) = (&route.spec.id, route.spec.cost);
-    let (refused, shadowed, source, headers) = if in_force.is_single() {
-        let verdict = limiter
-            .check(&tenant, id, in_force.limit, share, cost)
-            .await;
-        let refused = !verdict.decision.allowed;
-        let shadowed = refused && (state.shadow || in_force.limit.mode == Mode::Shadow);
-        let headers = RateLimitHeaders::new(id.as_str(), &verdict, shadowed);
-        (refused, shadowed, verdict.source, headers)
-    } else {
-        let verdict = limiter
-            .check_group(&tenant, id, &in_force, share, cost)
-            .await;
-        let refused = !verdict.allowed;
-        let shadowed = refused && (state.shadow || verdict.refused_in_shadow_only());
-        let headers = RateLimitHeaders::for_group(id.as_str(), &verdict, shadowed);
-        (refused, shadowed, verdict.source, headers)
-    };
+    let Decided {
+        refused,
+        shadowed,
+        source,
+        headers,
+    } = decide(worker, &tenant, &route.spec.id, &in_force, route.spec.cost).await;
     if let Some(note) = note.as_deref_mut() {
         note.source = Some(source);
     }
-    if refused && !shadowed {
+    if refused {
         count(Outcome::Rejected);
         let mut rejected = ProxyError::RateLimited.response();
         headers.apply(rejected.headers_mut());
@@ -233,6 +229,25 @@ async fn phases(
             response
         }
     }
+}
+
+/// The tenant of `headers` ([`identify`]); a missing or malformed key is
+/// counted for `entry` on route index `route`.
+fn identify_counted(
+    headers: &HeaderMap,
+    state: &ProxyState,
+    entry: Entry,
+    route: usize,
+) -> Result<TenantId, ProxyError> {
+    identify(headers).map_err(|e| {
+        let outcome = if matches!(e, ProxyError::MissingKey) {
+            Outcome::Unauthorized
+        } else {
+            Outcome::BadKey
+        };
+        state.requests.count(entry, None, route, outcome);
+        e
+    })
 }
 
 /// Reads and validates the tenant: exactly one `X-Api-Key` header holding

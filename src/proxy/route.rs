@@ -46,6 +46,17 @@ impl RouteTable {
         self.routes.get(index)
     }
 
+    /// The route whose id is `id`, if any.
+    pub fn by_id(&self, id: &str) -> Option<&Route> {
+        self.routes.iter().find(|r| r.spec.id.as_str() == id)
+    }
+
+    /// Every route id, in config order, for messages.
+    pub fn ids(&self) -> String {
+        let ids: Vec<&str> = self.routes.iter().map(|r| r.spec.id.as_str()).collect();
+        ids.join(", ")
+    }
+
     /// The route serving `method` on `path`, if any.
     pub fn find(&self, method: &Method, path: &str) -> Option<&Route> {
         let mut best: Option<&Route> = None;

@@ -3,8 +3,10 @@
 //! Owns serving. Each worker is an actix arbiter (one thread running one
 //! single-threaded runtime), so that the worker's bucket-client actor, its
 //! upstream connections and its client connections share a thread and
-//! their messages never cross one. Every worker accepts from the one
-//! listening socket and serves each connection as HTTP/1.1 (hyper), or
+//! their messages never cross one. Every worker accepts from each listening
+//! socket (the proxy's, and Envoy's rate limit service and the HTTP check
+//! when served: each connection is its socket's [`Entry`]) and serves each
+//! connection as HTTP/1.1 (hyper), or
 //! also HTTP/2 (cleartext with `server.h2c`; over TLS, as ALPN chooses),
 //! with:
 //! - a header deadline (`client.header_timeout_ms`): a TLS handshake, a
@@ -43,7 +45,7 @@ use tokio::sync::{Notify, oneshot, watch};
 
 use super::Worker;
 use super::body::ClientCut;
-use crate::telemetry;
+use crate::telemetry::{self, Entry};
 use crate::tls::ListenerTls;
 
 /// Largest read and write buffer of one client connection: bounds a
@@ -107,27 +109,33 @@ pub struct ProxyServer {
 }
 
 impl ProxyServer {
-    /// Serves `listener` on `serving.workers` threads; each builds its
+    /// Serves every socket of `listening` on `serving.workers` threads,
+    /// each connection as its socket's [`Entry`]; each worker builds its
     /// [`Worker`] with `make_worker`, on its own thread.
     ///
     /// # Errors
-    /// When the listening socket cannot be shared with the workers or a
+    /// When a listening socket cannot be shared with the workers or a
     /// worker thread cannot start.
     pub fn start<F>(
-        listener: std::net::TcpListener,
+        listening: Vec<(std::net::TcpListener, Entry)>,
         serving: Serving,
         make_worker: F,
     ) -> std::io::Result<Self>
     where
         F: Fn() -> Worker + Send + Sync + 'static,
     {
-        listener.set_nonblocking(true)?;
+        for (socket, _) in &listening {
+            socket.set_nonblocking(true)?;
+        }
         let make_worker = Arc::new(make_worker);
         let (stop, _) = watch::channel(false);
         let mut drained = Vec::new();
         let mut arbiters = Vec::new();
         for _ in 0..serving.workers.max(1) {
-            let socket = listener.try_clone()?;
+            let sockets = listening
+                .iter()
+                .map(|(socket, entry)| Ok((socket.try_clone()?, *entry)))
+                .collect::<std::io::Result<Vec<_>>>()?;
             let (done, worker_drained) = oneshot::channel();
             let (make_worker, stop) = (make_worker.clone(), stop.subscribe());
             let serving = serving.clone();
@@ -136,13 +144,19 @@ impl ProxyServer {
                 // On the worker's thread: what it builds stays there.
                 tokio::task::spawn_local(async move {
                     let worker = Rc::new(make_worker());
-                    match TcpListener::from_std(socket) {
-                        Ok(listener) => accept(listener, worker, serving, stop).await,
-                        Err(e) => tracing::error!(
-                            error = %e,
-                            "A proxy worker cannot use the listening socket."
-                        ),
-                    }
+                    let open = Rc::new(Open::default());
+                    let loops = sockets.into_iter().map(|(socket, entry)| {
+                        let listening = Listening::new(entry, &serving);
+                        accept(
+                            socket,
+                            listening,
+                            worker.clone(),
+                            open.clone(),
+                            stop.clone(),
+                        )
+                    });
+                    futures_util::future::join_all(loops).await;
+                    open.drained().await;
                     let _ = done.send(());
                 });
             });
@@ -182,16 +196,52 @@ impl ProxyServer {
     }
 }
 
-/// One worker's accept loop, until `stop`; then waits for its connections
-/// to end.
+/// How one listening socket's connections are served.
+struct Listening {
+    /// What its requests are.
+    entry: Entry,
+    /// Protocol settings.
+    http: Rc<Protocols>,
+    /// TLS, when this socket has it (the proxy's, when configured).
+    tls: Option<Arc<ListenerTls>>,
+    /// Longest wait for a client's TLS handshake.
+    handshake_timeout: Duration,
+}
+
+impl Listening {
+    /// The proxy's socket speaks as `serving` says; the others speak
+    /// HTTP/1.1 and cleartext HTTP/2 (gRPC needs it), without TLS.
+    fn new(entry: Entry, serving: &Serving) -> Self {
+        let tls = if entry == Entry::Proxy {
+            serving.tls.clone()
+        } else {
+            None
+        };
+        let h2c = serving.h2c || entry != Entry::Proxy;
+        Self {
+            entry,
+            http: Rc::new(Protocols::new(serving.header_timeout, h2c || tls.is_some())),
+            tls,
+            handshake_timeout: serving.header_timeout,
+        }
+    }
+}
+
+/// One worker's accept loop on `socket`, until `stop`.
 async fn accept(
-    listener: TcpListener,
+    socket: std::net::TcpListener,
+    listening: Listening,
     worker: Rc<Worker>,
-    serving: Serving,
+    open: Rc<Open>,
     mut stop: watch::Receiver<bool>,
 ) {
-    let http = Rc::new(Protocols::new(&serving));
-    let open = Rc::new(Open::default());
+    let listener = match TcpListener::from_std(socket) {
+        Ok(listener) => listener,
+        Err(e) => {
+            tracing::error!(error = %e, "A proxy worker cannot use a listening socket.");
+            return;
+        }
+    };
     loop {
         let accepted = tokio::select! {
             biased;
@@ -202,9 +252,10 @@ async fn accept(
             Ok((stream, peer)) => {
                 let connection = Connection {
                     worker: worker.clone(),
-                    http: http.clone(),
-                    tls: serving.tls.clone(),
-                    handshake_timeout: serving.header_timeout,
+                    entry: listening.entry,
+                    http: listening.http.clone(),
+                    tls: listening.tls.clone(),
+                    handshake_timeout: listening.handshake_timeout,
                     stop: stop.clone(),
                     _open: Open::enter(&open),
                 };
@@ -216,8 +267,6 @@ async fn accept(
             }
         }
     }
-    drop(listener);
-    open.drained().await;
 }
 
 /// How connections are spoken to: HTTP/1.1 alone, or either protocol
@@ -230,13 +279,13 @@ enum Protocols {
 }
 
 impl Protocols {
-    /// The settings `serving` asks for.
-    fn new(serving: &Serving) -> Self {
-        if serving.h2c || serving.tls.is_some() {
+    /// HTTP/1.1 with `header_timeout`, and HTTP/2 beside it when `http2`.
+    fn new(header_timeout: Duration, http2: bool) -> Self {
+        if http2 {
             let mut auto = auto::Builder::new(LocalExec);
             auto.http1()
                 .timer(TokioTimer::new())
-                .header_read_timeout(serving.header_timeout)
+                .header_read_timeout(header_timeout)
                 .max_buf_size(CLIENT_BUFFER);
             auto.http2().timer(TokioTimer::new());
             Self::Auto(auto)
@@ -244,7 +293,7 @@ impl Protocols {
             let mut http1 = http1::Builder::new();
             http1
                 .timer(TokioTimer::new())
-                .header_read_timeout(serving.header_timeout)
+                .header_read_timeout(header_timeout)
                 .max_buf_size(CLIENT_BUFFER);
             Self::Http1(http1)
         }
@@ -321,6 +370,8 @@ where
 struct Connection {
     /// Handles its requests.
     worker: Rc<Worker>,
+    /// What its requests are.
+    entry: Entry,
     /// Protocol settings.
     http: Rc<Protocols>,
     /// TLS, when the listener has it.
@@ -365,10 +416,10 @@ impl Connection {
             tls,
             cut: cut.clone(),
         });
-        let worker = self.worker;
+        let (worker, entry) = (self.worker, self.entry);
         let service = service_fn(move |req| {
             let (client, worker) = (client.clone(), worker.clone());
-            async move { Ok::<_, Infallible>(super::handle(req, &client, &worker).await) }
+            async move { Ok::<_, Infallible>(super::handle(entry, req, &client, &worker).await) }
         });
         let io = TokioIo::new(stream);
         match &*self.http {

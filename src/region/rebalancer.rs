@@ -470,7 +470,7 @@ mod tests {
     #[test]
     fn demand_is_mapped_from_labels_back_to_tenants() {
         crate::telemetry::install();
-        let labels = RequestCounters::new(["api"], 10);
+        let labels = RequestCounters::new(["api"], &[], 10);
         let name = crate::key::TenantName::parse("Acme").unwrap();
         labels.label_tenants([("sk-acme", Some(&name)), ("sk-beta", None)]);
         let demand = vec![

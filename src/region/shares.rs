@@ -547,7 +547,7 @@ mod tests {
                 .unwrap_or_else(|| panic!("no {line} in\n{text}"))
         };
         let (metrics, mut exported) = (Metrics::new(), BTreeSet::new());
-        let labels = RequestCounters::new(["api"], 10);
+        let labels = RequestCounters::new(["api"], &[], 10);
         let name = crate::key::TenantName::parse("Gauge T").unwrap();
         labels.label_tenants([("gauge-t", Some(&name))]);
         // Exports `eu`/`us` shares of `scope` and reads the scoped gauges.

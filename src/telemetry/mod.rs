@@ -90,7 +90,7 @@ const UPSTREAM_BUCKETS: &[f64] = &[
 
 pub use log::{ACCESS_TARGET, ClientNoise, count_client_noise, init_tracing, log_filter};
 pub use process::sample_process;
-pub use requests::{OTHER_TENANTS, Outcome, RequestCounters, RouteMetrics};
+pub use requests::{Entry, OTHER_TENANTS, Outcome, RequestCounters, RouteMetrics};
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 

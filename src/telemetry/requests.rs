@@ -1,8 +1,9 @@
 //! `tollgate_requests_total` and the per-route upstream histogram.
 //!
-//! Owns the outcome labels of a proxied request and the bounded `tenant`
-//! label: only tenants with an explicit rule get one, up to
-//! `metrics.max_tenant_labels`; everyone else counts as `_other`.
+//! Owns the outcome labels of a request, the entry point it came through
+//! (`entry`: the proxy, Envoy's rate limit service, the HTTP check) and
+//! the bounded `tenant` label: only tenants with an explicit rule get one,
+//! up to `metrics.max_tenant_labels`; everyone else counts as `_other`.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -75,6 +76,29 @@ impl Outcome {
     }
 }
 
+/// Where a request came in: the `entry` label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Entry {
+    /// The proxy listener (`server.listen`): limited and forwarded.
+    Proxy,
+    /// Envoy's rate limit service (`rls.listen`): one decision per
+    /// descriptor.
+    Rls,
+    /// The HTTP check (`check.listen`): a decision, nothing forwarded.
+    Check,
+}
+
+impl Entry {
+    /// The label value.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Proxy => "proxy",
+            Self::Rls => "rls",
+            Self::Check => "check",
+        }
+    }
+}
+
 /// Pre-registered series of one route.
 #[derive(Clone)]
 pub struct RouteMetrics {
@@ -96,7 +120,7 @@ impl RouteMetrics {
     }
 }
 
-/// `tollgate_requests_total{route, tenant, outcome}` with a bounded tenant
+/// `tollgate_requests_total{route, tenant, outcome, entry}` with a bounded tenant
 /// label: tenants that have an explicit rule get their own label, up to
 /// `metrics.max_tenant_labels`; every other request counts under
 /// `tenant="_other"`. The label is never the key: it is the tenant's name
@@ -107,7 +131,10 @@ impl RouteMetrics {
 pub struct RequestCounters {
     /// Route ids, by route index.
     routes: Vec<String>,
-    /// `tenant="_other"` counters, by route index then outcome.
+    /// The entry points served, each with its series.
+    entries: Vec<Entry>,
+    /// `tenant="_other"` counters, by entry and route (see [`slot`]), then
+    /// outcome.
     other: Vec<[Counter; OUTCOMES]>,
     /// The labelled tenants.
     labelled: ArcSwap<Labelled>,
@@ -124,32 +151,61 @@ struct Labelled {
     by_label: HashMap<Arc<str>, Arc<str>>,
 }
 
-/// One label's outcome counters, by route index then outcome.
+/// One label's outcome counters, by entry and route (see [`slot`]), then
+/// outcome.
 type RouteCounters = Vec<[Counter; OUTCOMES]>;
 
 /// Label value for tenants without a label of their own.
 pub const OTHER_TENANTS: &str = "_other";
 
 impl RequestCounters {
-    /// Registers the `_other` series of every route.
-    pub fn new<'a>(routes: impl IntoIterator<Item = &'a str>, max_tenants: usize) -> Self {
+    /// Registers the `_other` series of every route on every entry point
+    /// in `entries` (the proxy's always).
+    pub fn new<'a>(
+        routes: impl IntoIterator<Item = &'a str>,
+        entries: &[Entry],
+        max_tenants: usize,
+    ) -> Self {
         let routes: Vec<String> = routes.into_iter().map(str::to_owned).collect();
-        let other = routes.iter().map(|r| register(r, OTHER_TENANTS)).collect();
-        Self {
+        let mut served = vec![Entry::Proxy];
+        served.extend(entries.iter().filter(|e| **e != Entry::Proxy));
+        let mut this = Self {
             routes,
-            other,
+            entries: served,
+            other: Vec::new(),
             labelled: ArcSwap::from_pointee(Labelled::default()),
             max_tenants,
-        }
+        };
+        this.other = this.register_all(OTHER_TENANTS);
+        this
     }
 
-    /// Counts one request of `tenant` (when known) on route `route`.
-    pub fn count(&self, tenant: Option<&str>, route: usize, outcome: Outcome) {
+    /// The counters of `tenant` on every entry point and route.
+    fn register_all(&self, tenant: &str) -> RouteCounters {
+        self.entries
+            .iter()
+            .flat_map(|entry| self.routes.iter().map(|r| register(*entry, r, tenant)))
+            .collect()
+    }
+
+    /// Where the counters of `entry` and route index `route` are; `None`
+    /// for an entry point not served.
+    fn slot(&self, entry: Entry, route: usize) -> Option<usize> {
+        let e = self.entries.iter().position(|served| *served == entry)?;
+        (route < self.routes.len()).then(|| e * self.routes.len() + route)
+    }
+
+    /// Counts one request of `tenant` (when known) on route `route`, come
+    /// through `entry`.
+    pub fn count(&self, entry: Entry, tenant: Option<&str>, route: usize, outcome: Outcome) {
+        let Some(slot) = self.slot(entry, route) else {
+            return;
+        };
         let labelled = self.labelled.load();
         let counters = tenant
             .and_then(|t| labelled.by_tenant.get(t))
-            .and_then(|(_, per_route)| per_route.get(route))
-            .or_else(|| self.other.get(route));
+            .and_then(|(_, per_route)| per_route.get(slot))
+            .or_else(|| self.other.get(slot));
         if let Some(c) = counters {
             c[outcome as usize].increment(1);
         }
@@ -220,7 +276,7 @@ impl RequestCounters {
             let (tenant, label): (Arc<str>, Arc<str>) = (Arc::from(tenant), Arc::from(label));
             let counters = match current.by_tenant.get(&tenant) {
                 Some((now, counters)) if *now == label => counters.clone(),
-                _ => self.routes.iter().map(|r| register(r, &label)).collect(),
+                _ => self.register_all(&label),
             };
             next.by_label.insert(label.clone(), tenant.clone());
             next.by_tenant.insert(tenant, (label, counters));
@@ -229,14 +285,15 @@ impl RequestCounters {
     }
 }
 
-/// The outcome counters of one (route, tenant) label pair.
-fn register(route: &str, tenant: &str) -> [Counter; OUTCOMES] {
+/// The outcome counters of one (entry, route, tenant) label set.
+fn register(entry: Entry, route: &str, tenant: &str) -> [Counter; OUTCOMES] {
     Outcome::ALL.map(|o| {
         metrics::counter!(
             REQUESTS_TOTAL,
             "route" => route.to_owned(),
             "tenant" => tenant.to_owned(),
-            "outcome" => o.label()
+            "outcome" => o.label(),
+            "entry" => entry.label()
         )
     })
 }
@@ -249,7 +306,7 @@ mod tests {
     #[test]
     fn only_capped_rule_tenants_get_their_own_label() {
         let handle = install();
-        let counters = RequestCounters::new(["cap-route"], 2);
+        let counters = RequestCounters::new(["cap-route"], &[Entry::Rls], 2);
         let alpha = TenantName::parse("Alpha Inc").unwrap();
         counters.label_tenants([
             ("zeta", None),
@@ -257,16 +314,24 @@ mod tests {
             ("beta", None),
             ("alpha", None),
         ]);
-        counters.count(Some("alpha"), 0, Outcome::Allowed);
-        counters.count(Some("beta"), 0, Outcome::Allowed);
-        counters.count(Some("zeta"), 0, Outcome::Allowed);
-        counters.count(None, 0, Outcome::Unauthorized);
+        counters.count(Entry::Proxy, Some("alpha"), 0, Outcome::Allowed);
+        counters.count(Entry::Proxy, Some("beta"), 0, Outcome::Allowed);
+        counters.count(Entry::Proxy, Some("zeta"), 0, Outcome::Allowed);
+        counters.count(Entry::Proxy, None, 0, Outcome::Unauthorized);
+        counters.count(Entry::Rls, Some("alpha"), 0, Outcome::Rejected);
+        counters.count(Entry::Check, Some("alpha"), 0, Outcome::Rejected);
         let text = handle.render();
-        let series = |tenant: &str, outcome: &str| {
+        let on = |entry: &str, tenant: &str, outcome: &str| {
             format!(
-                "tollgate_requests_total{{route=\"cap-route\",tenant=\"{tenant}\",outcome=\"{outcome}\"}} 1"
+                "tollgate_requests_total{{route=\"cap-route\",tenant=\"{tenant}\",outcome=\"{outcome}\",entry=\"{entry}\"}} 1"
             )
         };
+        let series = |tenant: &str, outcome: &str| on("proxy", tenant, outcome);
+        assert!(text.contains(&on("rls", "Alpha Inc", "rejected")), "{text}");
+        assert!(
+            !text.contains("entry=\"check\""),
+            "an entry point not served has no series:\n{text}"
+        );
         assert!(text.contains(&series("Alpha Inc", "allowed")), "{text}");
         let beta = crate::key::fingerprint("beta");
         assert!(text.contains(&series(&beta, "allowed")), "{text}");
@@ -285,7 +350,7 @@ mod tests {
 
     #[test]
     fn a_name_two_tenants_share_is_told_apart() {
-        let counters = RequestCounters::new(["dup-route"], 10);
+        let counters = RequestCounters::new(["dup-route"], &[], 10);
         let shared = TenantName::parse("Shared").unwrap();
         counters.label_tenants([("one", Some(&shared)), ("two", Some(&shared))]);
         let (a, b) = (

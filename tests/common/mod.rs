@@ -462,11 +462,16 @@ impl RawResponse {
 /// reads the whole answer. For what a client library would normalise or
 /// refuse to send.
 pub fn raw_http(addr: SocketAddr, head: &str) -> RawResponse {
+    raw_http_with_body(addr, head, "")
+}
+
+/// [`raw_http`] with `body` after the head (which gives its length).
+pub fn raw_http_with_body(addr: SocketAddr, head: &str, body: &str) -> RawResponse {
     let mut stream = TcpStream::connect(addr).expect("gateway accepts");
     stream
         .set_read_timeout(Some(Duration::from_secs(10)))
         .unwrap();
-    write!(stream, "{head}Connection: close\r\n\r\n").unwrap();
+    write!(stream, "{head}Connection: close\r\n\r\n{body}").unwrap();
     let mut raw = Vec::new();
     stream
         .read_to_end(&mut raw)
@@ -658,6 +663,10 @@ impl GatewayConfig {
 pub struct Gateway {
     pub addr: SocketAddr,
     pub admin: SocketAddr,
+    /// Envoy's rate limit service, when `[rls] listen` is set.
+    pub rls: Option<SocketAddr>,
+    /// The HTTP check, when `[check] listen` is set.
+    pub check: Option<SocketAddr>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<JoinHandle<()>>,
 }
@@ -680,9 +689,10 @@ impl Gateway {
         let config = config::load(toml, &env)
             .unwrap_or_else(|e| panic!("test config is invalid: {e}\n{toml}"));
         app::check(&config).unwrap_or_else(|p| panic!("test rules are invalid: {p:?}"));
-        let listeners = Listeners::bind(&config.server).expect("ports for the gateway");
+        let listeners = Listeners::bind(&config).expect("ports for the gateway");
         let addr = listeners.proxy_addr().unwrap();
         let admin = listeners.admin_addr().unwrap();
+        let (rls, check) = (listeners.rls_addr(), listeners.check_addr());
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let thread = std::thread::spawn(move || {
             actix_web::rt::System::new().block_on(async move {
@@ -696,6 +706,8 @@ impl Gateway {
         let gateway = Self {
             addr,
             admin,
+            rls,
+            check,
             stop: Some(stop),
             thread: Some(thread),
         };
@@ -1347,4 +1359,9 @@ pub fn curl(args: &[&str], url: &str) -> (String, String) {
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     let (body, last) = text.rsplit_once('\n').unwrap_or(("", &text));
     (last.to_owned(), body.to_owned())
+}
+
+/// The gateway's `/metrics` text (a blocking read).
+pub fn metrics_text(gw: &Gateway) -> String {
+    raw_http(gw.admin, "GET /metrics HTTP/1.1\r\nHost: admin\r\n").body
 }

@@ -1,0 +1,218 @@
+//! The HTTP check endpoint (`check.listen`): a decision and nothing
+//! forwarded, for gateways that ask before they proxy.
+//!
+//! Owns two forms of the same question:
+//! - `POST /v1/check`, JSON `{"tenant", "route", "cost"}` (cost defaults
+//!   to 1): 200 when allowed, 429 when refused, a JSON body with the
+//!   numbers and the rate-limit headers either way;
+//! - `/v1/auth`, any method, for subrequests (nginx `auth_request`,
+//!   Traefik `forwardAuth`): the tenant from `X-Api-Key` (checked as the
+//!   proxy checks it), the route from `X-Tollgate-Route`, the cost from
+//!   `X-Tollgate-Cost` (default 1); 200 when allowed, `check.refused_status`
+//!   (403, what nginx understands; 429 for Traefik) when refused, with
+//!   `Retry-After` and the RateLimit fields as headers for the gateway to
+//!   copy. A missing or malformed key answers 401 (nginx passes 401 on,
+//!   and turns anything but 2xx/401/403 into a 500), so that the refused
+//!   status means only "over the limit".
+//!
+//! Malformed requests take nothing: every input is checked before the
+//! decision.
+
+use std::num::NonZeroU32;
+
+use hyper::body::Incoming;
+use hyper::header::{CACHE_CONTROL, CONTENT_TYPE, HeaderName, HeaderValue};
+use hyper::{Method, Request, Response, StatusCode};
+use serde::Deserialize;
+
+use super::body::{ProxyBody, SmallBodyError, read_small};
+use super::decide::decide_now;
+use super::route::Route;
+use super::{Worker, identify_counted};
+use crate::key::TenantId;
+use crate::telemetry::Entry;
+
+/// `X-Tollgate-Route`: the route a subrequest asks about.
+const ROUTE_HEADER: HeaderName = HeaderName::from_static("x-tollgate-route");
+/// `X-Tollgate-Cost`: the tokens a subrequest asks for.
+const COST_HEADER: HeaderName = HeaderName::from_static("x-tollgate-cost");
+/// Largest `POST /v1/check` body.
+const MAX_BODY: usize = 16 * 1024;
+
+/// Answers one request on the check listener.
+pub(super) async fn handle(req: Request<Incoming>, worker: &Worker) -> Response<ProxyBody> {
+    match (req.method(), req.uri().path()) {
+        (_, "/v1/auth") => auth(&req, worker).await,
+        (&Method::POST, "/v1/check") => check(req, worker).await,
+        (_, "/v1/check") => invalid(StatusCode::METHOD_NOT_ALLOWED, "POST /v1/check"),
+        _ => invalid(
+            StatusCode::NOT_FOUND,
+            "served here: POST /v1/check, /v1/auth",
+        ),
+    }
+}
+
+/// A JSON error answer.
+fn invalid(status: StatusCode, message: &str) -> Response<ProxyBody> {
+    json(
+        status,
+        &serde_json::json!({"error": "invalid_request", "message": message}),
+    )
+}
+
+/// A JSON answer.
+fn json(status: StatusCode, body: &serde_json::Value) -> Response<ProxyBody> {
+    let mut response = Response::new(ProxyBody::whole(format!("{body}\n").into()));
+    *response.status_mut() = status;
+    let headers = response.headers_mut();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    response
+}
+
+/// The configured route `id`, or why not.
+fn route<'a>(worker: &'a Worker, id: &str) -> Result<&'a Route, String> {
+    let routes = &worker.state.routes;
+    routes
+        .by_id(id)
+        .ok_or_else(|| format!("no route {id:?} (routes: {})", routes.ids()))
+}
+
+/// A cost of at least 1.
+fn cost(raw: u64) -> Result<NonZeroU32, String> {
+    u32::try_from(raw)
+        .ok()
+        .and_then(NonZeroU32::new)
+        .ok_or_else(|| format!("cost must be between 1 and {}, found {raw}", u32::MAX))
+}
+
+/// `/v1/auth`.
+async fn auth(req: &Request<Incoming>, worker: &Worker) -> Response<ProxyBody> {
+    let state = &*worker.state;
+    let header = |name: &HeaderName| req.headers().get(name).and_then(|v| v.to_str().ok());
+    let Some(route_id) = header(&ROUTE_HEADER) else {
+        return invalid(
+            StatusCode::BAD_REQUEST,
+            "the X-Tollgate-Route header is required",
+        );
+    };
+    let route = match route(worker, route_id) {
+        Ok(route) => route,
+        Err(message) => return invalid(StatusCode::BAD_REQUEST, &message),
+    };
+    let cost = match header(&COST_HEADER).map(|c| c.trim().parse::<u64>()) {
+        None => NonZeroU32::MIN,
+        Some(Ok(raw)) => match cost(raw) {
+            Ok(cost) => cost,
+            Err(message) => return invalid(StatusCode::BAD_REQUEST, &message),
+        },
+        Some(Err(_)) => {
+            return invalid(
+                StatusCode::BAD_REQUEST,
+                "X-Tollgate-Cost must be a whole number",
+            );
+        }
+    };
+    let tenant = match identify_counted(req.headers(), state, Entry::Check, route.index) {
+        Ok(tenant) => tenant,
+        Err(e) => {
+            let mut response = e.response();
+            *response.status_mut() = StatusCode::UNAUTHORIZED;
+            return response;
+        }
+    };
+    let decided = decide_now(worker, &tenant, &route.spec.id, cost).await;
+    state.requests.count(
+        Entry::Check,
+        Some(tenant.as_str()),
+        route.index,
+        decided.outcome(),
+    );
+    let mut response = Response::new(ProxyBody::Whole(None));
+    if decided.refused {
+        let refused = state.check.map_or(403, |c| c.refused_status);
+        *response.status_mut() = StatusCode::from_u16(refused).unwrap_or(StatusCode::FORBIDDEN);
+    }
+    decided.headers.apply(response.headers_mut());
+    response
+        .headers_mut()
+        .insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    response
+}
+
+/// The body of `POST /v1/check`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CheckRequest {
+    /// The API key to limit.
+    tenant: String,
+    /// A configured route id.
+    route: String,
+    /// Tokens to take (default 1).
+    #[serde(default)]
+    cost: Option<u64>,
+}
+
+/// `POST /v1/check`.
+async fn check(req: Request<Incoming>, worker: &Worker) -> Response<ProxyBody> {
+    let timeout = worker.forwarder.read_timeout();
+    let body = match tokio::time::timeout(timeout, read_small(req.into_body(), MAX_BODY)).await {
+        Ok(Ok(body)) => body,
+        Ok(Err(SmallBodyError::TooLarge)) => {
+            let message = format!("the body is larger than {MAX_BODY} bytes");
+            return invalid(StatusCode::PAYLOAD_TOO_LARGE, &message);
+        }
+        Ok(Err(SmallBodyError::Broken(e))) => {
+            return invalid(StatusCode::BAD_REQUEST, &format!("the body broke off: {e}"));
+        }
+        Err(_) => {
+            return invalid(
+                StatusCode::REQUEST_TIMEOUT,
+                "the body did not arrive in time",
+            );
+        }
+    };
+    let asked: CheckRequest = match serde_json::from_slice(&body) {
+        Ok(asked) => asked,
+        Err(e) => return invalid(StatusCode::BAD_REQUEST, &format!("body: {e}")),
+    };
+    let tenant = match TenantId::parse(&asked.tenant) {
+        Ok(tenant) => tenant,
+        Err(e) => return invalid(StatusCode::BAD_REQUEST, &format!("tenant: {e}")),
+    };
+    let route = match route(worker, &asked.route) {
+        Ok(route) => route,
+        Err(message) => return invalid(StatusCode::BAD_REQUEST, &format!("route: {message}")),
+    };
+    let cost = match cost(asked.cost.unwrap_or(1)) {
+        Ok(cost) => cost,
+        Err(message) => return invalid(StatusCode::BAD_REQUEST, &message),
+    };
+    let decided = decide_now(worker, &tenant, &route.spec.id, cost).await;
+    let state = &*worker.state;
+    state.requests.count(
+        Entry::Check,
+        Some(tenant.as_str()),
+        route.index,
+        decided.outcome(),
+    );
+    let binding = decided.headers.binding();
+    let status = if decided.refused {
+        StatusCode::TOO_MANY_REQUESTS
+    } else {
+        StatusCode::OK
+    };
+    let mut response = json(
+        status,
+        &serde_json::json!({
+            "allowed": !decided.refused,
+            "shadowed": decided.shadowed,
+            "limit": binding.limit.map_or(0, |l| l.size()),
+            "remaining": binding.remaining,
+            "retry_after_seconds": binding.wait,
+            "source": decided.source.label(),
+        }),
+    );
+    decided.headers.apply(response.headers_mut());
+    response
+}

@@ -1,0 +1,99 @@
+//! One rate-limit decision, as every entry point takes it.
+//!
+//! Owns the step from (tenant, route, cost) to an answer: the rules in
+//! force, this region's share, the limiter (one limit or several), shadow
+//! mode, and the rate-limit headers that report it. The proxy, Envoy's
+//! rate limit service and the HTTP check all decide here, so leases, the
+//! over-limit cache, the breaker's fallback, shares and policies apply to
+//! each alike.
+
+use std::num::NonZeroU32;
+
+use super::Worker;
+use super::headers::RateLimitHeaders;
+use crate::key::{RouteId, TenantId};
+use crate::rules::InForce;
+use crate::rules::model::Mode;
+use crate::telemetry::{DecisionSource, Outcome};
+
+/// What a decision came to.
+pub(super) struct Decided {
+    /// Refused, and enforced (not in shadow mode).
+    pub(super) refused: bool,
+    /// Refused by limits in shadow mode only: let through, and counted.
+    pub(super) shadowed: bool,
+    /// Which limiter decided.
+    pub(super) source: DecisionSource,
+    /// The headers that report it.
+    pub(super) headers: RateLimitHeaders,
+}
+
+impl Decided {
+    /// The outcome label of a decision that is the whole answer (nothing
+    /// is forwarded after it).
+    pub(super) fn outcome(&self) -> Outcome {
+        match (self.refused, self.shadowed) {
+            (true, _) => Outcome::Rejected,
+            (false, true) => Outcome::ShadowRejected,
+            (false, false) => Outcome::Allowed,
+        }
+    }
+}
+
+/// Takes `cost` for `tenant` on `route` under `in_force` (the rules the
+/// caller looked up), through `worker`'s limiter.
+pub(super) async fn decide(
+    worker: &Worker,
+    tenant: &TenantId,
+    route: &RouteId,
+    in_force: &InForce,
+    cost: NonZeroU32,
+) -> Decided {
+    let state = &*worker.state;
+    let share = state
+        .shares
+        .snapshot()
+        .share_for(tenant.as_str(), route.as_str());
+    if in_force.is_single() {
+        let verdict = worker
+            .limiter
+            .check(tenant, route, in_force.limit, share, cost)
+            .await;
+        let refused = !verdict.decision.allowed;
+        let shadowed = refused && (state.shadow || in_force.limit.mode == Mode::Shadow);
+        Decided {
+            refused: refused && !shadowed,
+            shadowed,
+            source: verdict.source,
+            headers: RateLimitHeaders::new(route.as_str(), &verdict, shadowed),
+        }
+    } else {
+        let verdict = worker
+            .limiter
+            .check_group(tenant, route, in_force, share, cost)
+            .await;
+        let refused = !verdict.allowed;
+        let shadowed = refused && (state.shadow || verdict.refused_in_shadow_only());
+        Decided {
+            refused: refused && !shadowed,
+            shadowed,
+            source: verdict.source,
+            headers: RateLimitHeaders::for_group(route.as_str(), &verdict, shadowed),
+        }
+    }
+}
+
+/// [`decide`] under the rules in force now for `tenant` on `route`.
+pub(super) async fn decide_now(
+    worker: &Worker,
+    tenant: &TenantId,
+    route: &RouteId,
+    cost: NonZeroU32,
+) -> Decided {
+    let in_force = worker
+        .state
+        .rules
+        .snapshot()
+        .in_force(tenant.as_str(), route.as_str());
+    decide(worker, tenant, route, &in_force, cost).await
+}

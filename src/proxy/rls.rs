@@ -1,0 +1,263 @@
+//! Envoy's rate limit service: `ShouldRateLimit` over gRPC
+//! (`envoy.service.ratelimit.v3`, Envoy's published protos through the
+//! `envoy-types` crate), on its own listener (`rls.listen`).
+//!
+//! Owns how a request's descriptors become decisions. Each descriptor is
+//! one: its entry `rls.tenant_key` (default `api_key`) names the tenant,
+//! its entry `rls.route_key` (default `route`) a configured route, and its
+//! `hits_addend`, else the request's, else 1, is the cost. Every
+//! descriptor is checked before any is decided, so a malformed request
+//! (`INVALID_ARGUMENT`, naming the descriptor) takes nothing. The
+//! decisions run together on the worker, so they share Redis calls. The
+//! answer is `OVER_LIMIT` when any descriptor is refused; statuses come
+//! in request order; the IETF RateLimit fields (and `Retry-After` on a
+//! refusal) of the most restrictive descriptor ride in
+//! `response_headers_to_add` for Envoy to pass on.
+
+use std::num::NonZeroU32;
+
+use envoy_types::pb::envoy::config::core::v3::HeaderValue as EnvoyHeader;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
+    Code as RlsCode, DescriptorStatus, RateLimit,
+};
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
+use hyper::body::Incoming;
+use hyper::{Request, Response};
+
+use super::Worker;
+use super::body::ProxyBody;
+use super::decide::{Decided, decide_now};
+use super::grpc::{self, Code, Status};
+use super::headers::Binding;
+use crate::bucket::GroupLimit;
+use crate::config::RlsSettings;
+use crate::key::{RouteId, TenantId};
+use crate::rules::Window;
+use crate::telemetry::Entry;
+
+/// The one method served.
+const SHOULD_RATE_LIMIT: &str = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
+
+/// Most descriptors one request may carry.
+pub(super) const MAX_DESCRIPTORS: usize = 64;
+
+/// Answers one call on the RLS listener.
+pub(super) async fn handle(req: Request<Incoming>, worker: &Worker) -> Response<ProxyBody> {
+    let Some(settings) = worker.state.rls.as_ref() else {
+        return Status::new(Code::Unimplemented, "rls is not configured").response();
+    };
+    let timeout = worker.forwarder.read_timeout();
+    let request: RateLimitRequest = match grpc::read_unary(req, SHOULD_RATE_LIMIT, timeout).await {
+        Ok(request) => request,
+        Err(response) => return response,
+    };
+    let asks = match parse(settings, worker, &request) {
+        Ok(asks) => asks,
+        Err(message) => return Status::new(Code::InvalidArgument, message).response(),
+    };
+    grpc::respond(&answer(worker, &asks).await)
+}
+
+/// One descriptor, checked.
+struct Ask {
+    /// Whose limit.
+    tenant: TenantId,
+    /// Which route's.
+    route: RouteId,
+    /// The route's index (for its counters).
+    route_index: usize,
+    /// Tokens to take.
+    cost: NonZeroU32,
+}
+
+/// Every descriptor of `request` as a decision to take.
+///
+/// # Errors
+/// What is wrong, naming the descriptor.
+fn parse(
+    settings: &RlsSettings,
+    worker: &Worker,
+    request: &RateLimitRequest,
+) -> Result<Vec<Ask>, String> {
+    if let Some(domain) = &settings.domain
+        && request.domain != *domain
+    {
+        return Err(format!(
+            "domain {:?} is not served here (rls.domain is {domain:?})",
+            request.domain
+        ));
+    }
+    if request.descriptors.is_empty() {
+        return Err("no descriptors".into());
+    }
+    if request.descriptors.len() > MAX_DESCRIPTORS {
+        return Err(format!(
+            "{} descriptors; at most {MAX_DESCRIPTORS} are served in one request",
+            request.descriptors.len()
+        ));
+    }
+    let default_cost = request.hits_addend.max(1);
+    request
+        .descriptors
+        .iter()
+        .enumerate()
+        .map(|(i, d)| {
+            ask(settings, worker, d, default_cost).map_err(|e| format!("descriptors[{i}]: {e}"))
+        })
+        .collect()
+}
+
+/// One descriptor as a decision; `default_cost` when it names no cost.
+fn ask(
+    settings: &RlsSettings,
+    worker: &Worker,
+    descriptor: &RateLimitDescriptor,
+    default_cost: u32,
+) -> Result<Ask, String> {
+    if descriptor.is_negative_hits {
+        return Err("negative hits (returning tokens) are not supported".into());
+    }
+    let value = |key: &str| {
+        let mut found = descriptor.entries.iter().filter(|e| e.key == key);
+        match (found.next(), found.next()) {
+            (Some(entry), None) => Ok(entry.value.as_str()),
+            (None, _) => Err(format!("no entry {key:?}")),
+            (Some(_), Some(_)) => Err(format!("more than one entry {key:?}")),
+        }
+    };
+    let tenant = value(&settings.tenant_key)?;
+    let tenant = TenantId::parse(tenant)
+        .map_err(|e| format!("{:?} {tenant:?}: {e}", settings.tenant_key))?;
+    let route = value(&settings.route_key)?;
+    let routes = &worker.state.routes;
+    let Some(route) = routes.by_id(route) else {
+        return Err(format!(
+            "{:?} {route:?} is no route of this gateway (routes: {})",
+            settings.route_key,
+            routes.ids()
+        ));
+    };
+    let cost = match &descriptor.hits_addend {
+        Some(hits) => u32::try_from(hits.value.max(1))
+            .map_err(|_| format!("hits_addend {} is too large", hits.value))?,
+        None => default_cost,
+    };
+    Ok(Ask {
+        tenant,
+        route: route.spec.id.clone(),
+        route_index: route.index,
+        cost: NonZeroU32::new(cost).unwrap_or(NonZeroU32::MIN),
+    })
+}
+
+/// Decides every ask, together.
+async fn answer(worker: &Worker, asks: &[Ask]) -> RateLimitResponse {
+    let decisions = futures_util::future::join_all(
+        asks.iter()
+            .map(|a| decide_now(worker, &a.tenant, &a.route, a.cost)),
+    )
+    .await;
+    let requests = &worker.state.requests;
+    for (a, decided) in asks.iter().zip(&decisions) {
+        requests.count(
+            Entry::Rls,
+            Some(a.tenant.as_str()),
+            a.route_index,
+            decided.outcome(),
+        );
+    }
+    let over = decisions.iter().any(|d| d.refused);
+    // The most restrictive: the refusal with the longest wait, else the
+    // fewest requests left.
+    let shown = if over {
+        decisions
+            .iter()
+            .filter(|d| d.refused)
+            .max_by_key(|d| d.headers.binding().wait)
+    } else {
+        decisions
+            .iter()
+            .min_by_key(|d| d.headers.binding().remaining)
+    };
+    RateLimitResponse {
+        overall_code: if over {
+            RlsCode::OverLimit
+        } else {
+            RlsCode::Ok
+        } as i32,
+        statuses: asks
+            .iter()
+            .zip(&decisions)
+            .map(|(a, d)| status(&a.route, d))
+            .collect(),
+        response_headers_to_add: shown.map_or_else(Vec::new, |d| {
+            d.headers
+                .iter()
+                .filter_map(|(name, value)| {
+                    Some(EnvoyHeader {
+                        key: name.as_str().to_owned(),
+                        value: value.to_str().ok()?.to_owned(),
+                        ..Default::default()
+                    })
+                })
+                .collect()
+        }),
+        ..Default::default()
+    }
+}
+
+/// One descriptor's status.
+fn status(route: &RouteId, decided: &Decided) -> DescriptorStatus {
+    let Binding {
+        limit,
+        remaining,
+        wait,
+    } = decided.headers.binding();
+    DescriptorStatus {
+        code: if decided.refused {
+            RlsCode::OverLimit
+        } else {
+            RlsCode::Ok
+        } as i32,
+        current_limit: limit.map(|limit| {
+            let (requests_per_unit, unit) = per_unit(limit);
+            RateLimit {
+                name: route.as_str().to_owned(),
+                requests_per_unit,
+                unit: unit as i32,
+            }
+        }),
+        limit_remaining: u32::try_from(remaining).unwrap_or(u32::MAX),
+        duration_until_reset: Some(ProtoDuration {
+            seconds: i64::try_from(wait).unwrap_or(i64::MAX),
+            nanos: 0,
+        }),
+        ..Default::default()
+    }
+}
+
+/// A limit in Envoy's terms: a token bucket as its refill per second
+/// (rounded, at least 1); a quota as its size per calendar unit, or per
+/// second when its window is a number of seconds that is no unit.
+fn per_unit(limit: GroupLimit) -> (u32, Unit) {
+    match limit {
+        GroupLimit::Bucket(spec) => {
+            // Saturating float-to-int cast of a finite, positive rate.
+            (spec.refill_per_second.round().max(1.0) as u32, Unit::Second)
+        }
+        GroupLimit::Quota { quota, window } => match window {
+            Window::Minute => (quota.get(), Unit::Minute),
+            Window::Hour => (quota.get(), Unit::Hour),
+            Window::Day => (quota.get(), Unit::Day),
+            Window::Month => (quota.get(), Unit::Month),
+            Window::Seconds(seconds) => {
+                let rate = f64::from(quota.get()) / f64::from(seconds.get());
+                // Saturating float-to-int cast of a finite, positive rate.
+                (rate.round().max(1.0) as u32, Unit::Second)
+            }
+        },
+    }
+}

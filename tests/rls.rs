@@ -1,0 +1,248 @@
+//! Envoy's rate limit service (`[rls]`), driven end to end by a gRPC client
+//! generated from Envoy's published protos (the `envoy-types` crate), as
+//! Envoy itself would call it: limits shared by two gateways through real
+//! Redis, `hits_addend`, several descriptors in one request, malformed
+//! requests refused without taking anything, and answers from the local
+//! fallback while Redis is paused.
+
+#![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
+
+mod common;
+
+use common::{Gateway, Stack};
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use envoy_types::pb::google::protobuf::UInt64Value;
+use tollgate::clock::{Clock, SystemClock};
+use tonic::transport::Channel;
+
+const RULES: &str =
+    "[[rule]]\ntenant = \"acme\"\nroute = \"api\"\ncapacity = 10\nrefill_per_second = 1\n";
+
+/// A stack whose gateways serve RLS on a free port, with `domain` when
+/// given and Redis calls bounded by `redis_timeout_ms`.
+fn stack(tag: &str, domain: &str, redis_timeout_ms: u64) -> Stack {
+    Stack::start(tag, RULES, |c, _| {
+        c.redis_timeout_ms = redis_timeout_ms;
+        c.extra = format!(
+            "[default_rule]\ncapacity = 20\nrefill_per_second = 1\n\
+             [rls]\nlisten = \"127.0.0.1:0\"\ndomain = \"{domain}\"\n"
+        );
+    })
+}
+
+async fn client(gw: &Gateway) -> RateLimitServiceClient<Channel> {
+    let addr = gw.rls.expect("the gateway serves RLS");
+    RateLimitServiceClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap()
+}
+
+/// A descriptor of `tenant` on `route`, with its own `hits` when given.
+fn descriptor(tenant: &str, route: &str, hits: Option<u64>) -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        entries: vec![
+            Entry {
+                key: "api_key".into(),
+                value: tenant.into(),
+            },
+            Entry {
+                key: "route".into(),
+                value: route.into(),
+            },
+        ],
+        hits_addend: hits.map(|value| UInt64Value { value }),
+        ..Default::default()
+    }
+}
+
+fn request(descriptors: Vec<RateLimitDescriptor>, hits_addend: u32) -> RateLimitRequest {
+    RateLimitRequest {
+        domain: "edge".into(),
+        descriptors,
+        hits_addend,
+    }
+}
+
+async fn ask(c: &mut RateLimitServiceClient<Channel>, r: RateLimitRequest) -> RateLimitResponse {
+    c.should_rate_limit(r).await.unwrap().into_inner()
+}
+
+fn header<'a>(res: &'a RateLimitResponse, name: &str) -> Option<&'a str> {
+    res.response_headers_to_add
+        .iter()
+        .find(|h| h.key == name)
+        .map(|h| h.value.as_str())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_limit_holds_across_two_gateways_over_envoys_protocol() {
+    let s = stack("rls-two", "", 1000);
+    let other = Gateway::start(&s.config);
+    let (mut a, mut b) = (client(&s.gw).await, client(&other).await);
+    let mut ok = 0;
+    let mut over = 0;
+    for i in 0..14 {
+        let c = if i % 2 == 0 { &mut a } else { &mut b };
+        let res = ask(c, request(vec![descriptor("acme", "api", None)], 0)).await;
+        assert_eq!(res.statuses.len(), 1);
+        let status = &res.statuses[0];
+        assert_eq!(res.overall_code, status.code);
+        let limit = status.current_limit.as_ref().unwrap();
+        assert_eq!(
+            (limit.requests_per_unit, limit.unit),
+            (1, Unit::Second as i32)
+        );
+        assert_eq!(limit.name, "api");
+        assert_eq!(header(&res, "ratelimit-policy"), Some("\"api\";q=10;w=10"));
+        if res.overall_code == Code::Ok as i32 {
+            ok += 1;
+            assert_eq!(status.limit_remaining, 10 - ok);
+            assert!(header(&res, "retry-after").is_none());
+        } else {
+            assert_eq!(res.overall_code, Code::OverLimit as i32);
+            over += 1;
+            assert_eq!(status.limit_remaining, 0);
+            let wait = status.duration_until_reset.as_ref().unwrap().seconds;
+            assert!((1..=2).contains(&wait), "wait {wait}");
+            assert_eq!(header(&res, "retry-after"), Some(wait.to_string().as_str()));
+        }
+    }
+    // 14 asks within a second or two: 10 of capacity, at most one refill.
+    assert!((10..=11).contains(&ok), "{ok} allowed");
+    assert_eq!(ok + over, 14);
+    let metrics = common::metrics_text(&s.gw);
+    assert!(
+        metrics.contains("outcome=\"allowed\",entry=\"rls\"}"),
+        "RLS decisions are counted with entry=\"rls\""
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hits_addend_and_several_descriptors_in_one_request() {
+    let s = stack("rls-hits", "", 1000);
+    let mut c = client(&s.gw).await;
+    // The request's hits_addend is every descriptor's cost but the one
+    // that names its own.
+    let res = ask(
+        &mut c,
+        request(
+            vec![
+                descriptor("acme", "api", None),
+                descriptor("beta", "api", Some(5)),
+            ],
+            3,
+        ),
+    )
+    .await;
+    assert_eq!(res.overall_code, Code::Ok as i32);
+    let remaining: Vec<u32> = res.statuses.iter().map(|s| s.limit_remaining).collect();
+    assert_eq!(remaining, [7, 15], "in request order: 10 - 3, then 20 - 5");
+    // The headers report the tighter of the two.
+    assert_eq!(header(&res, "ratelimit"), Some("\"api\";r=7;t=0"));
+
+    // One descriptor over, one not: OVER_LIMIT overall, each its own.
+    let res = ask(
+        &mut c,
+        request(
+            vec![
+                descriptor("beta", "api", Some(1)),
+                descriptor("acme", "api", Some(8)),
+            ],
+            0,
+        ),
+    )
+    .await;
+    assert_eq!(res.overall_code, Code::OverLimit as i32);
+    let codes: Vec<i32> = res.statuses.iter().map(|s| s.code).collect();
+    assert_eq!(codes, [Code::Ok as i32, Code::OverLimit as i32]);
+    assert_eq!(res.statuses[0].limit_remaining, 14);
+    assert!(header(&res, "retry-after").is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_requests_are_invalid_argument_and_take_nothing() {
+    let s = stack("rls-bad", "edge", 1000);
+    let mut c = client(&s.gw).await;
+    let good = || descriptor("acme", "api", None);
+    let mut no_tenant = good();
+    no_tenant.entries.remove(0);
+    let mut twice = good();
+    twice.entries.push(twice.entries[0].clone());
+    let negative = RateLimitDescriptor {
+        is_negative_hits: true,
+        ..good()
+    };
+    let cases = [
+        (
+            vec![good(), no_tenant],
+            "descriptors[1]: no entry \"api_key\"",
+        ),
+        (
+            vec![good(), twice],
+            "descriptors[1]: more than one entry \"api_key\"",
+        ),
+        (
+            vec![descriptor("acme", "nope", None)],
+            "descriptors[0]: \"route\" \"nope\" is no route of this gateway (routes: api)",
+        ),
+        (
+            vec![descriptor("ac me", "api", None)],
+            "descriptors[0]: \"api_key\" \"ac me\"",
+        ),
+        (vec![negative], "negative hits"),
+        (vec![], "no descriptors"),
+        (vec![good(); 65], "65 descriptors"),
+    ];
+    for (descriptors, expected) in cases {
+        let err = c
+            .should_rate_limit(request(descriptors, 0))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+        assert!(err.message().contains(expected), "{expected}: {err:?}");
+    }
+    let mut other_domain = request(vec![good()], 0);
+    other_domain.domain = "internal".into();
+    let err = c.should_rate_limit(other_domain).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    assert!(err.message().contains("domain \"internal\""), "{err:?}");
+
+    // Nothing was taken by any of them.
+    let res = ask(&mut c, request(vec![good()], 0)).await;
+    assert_eq!(res.statuses[0].limit_remaining, 9);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_redis_paused_answers_come_from_the_fallback_within_the_timeout() {
+    let s = stack("rls-paused", "", 50);
+    let mut c = client(&s.gw).await;
+    assert_eq!(
+        ask(&mut c, request(vec![descriptor("acme", "api", None)], 0))
+            .await
+            .overall_code,
+        Code::Ok as i32
+    );
+    s.redis.pause();
+    let clock = SystemClock::new();
+    for _ in 0..3 {
+        let started = clock.now_ms();
+        let res = ask(&mut c, request(vec![descriptor("acme", "api", None)], 0)).await;
+        let took = clock.now_ms() - started;
+        assert_eq!(res.overall_code, Code::Ok as i32, "the fallback admits");
+        assert!(
+            took < 1000,
+            "answered in {took} ms with redis.timeout_ms = 50"
+        );
+    }
+    let metrics = common::metrics_text(&s.gw);
+    s.redis.resume();
+    assert!(
+        metrics.contains("tollgate_fallback_decisions_total{outcome=\"allowed\"}"),
+        "the fallback decided"
+    );
+}
