@@ -147,12 +147,27 @@ pub async fn run(mut config: crate::config::Config) -> anyhow::Result<()> {
     let listeners = crate::app::Listeners::bind(&config)?;
     let gw = listeners.proxy_addr()?;
     let admin = listeners.admin_addr()?;
+    let rls = listeners.rls_addr().map_or_else(
+        || "off".to_owned(),
+        |a| format!("{a} (gRPC ShouldRateLimit; descriptor entries api_key and route)"),
+    );
+    let check = listeners.check_addr().map_or_else(
+        || "off".to_owned(),
+        |a| format!("http://{a} (POST /v1/check, /v1/auth)"),
+    );
+    let check_line = listeners.check_addr().map_or_else(String::new, |a| {
+        format!(
+            "  curl -s -X POST -d '{{\"tenant\":\"shop-a\",\"route\":\"create-order\"}}' http://{a}/v1/check   # the decision alone\n"
+        )
+    });
     println!(
         "\ntollgate demo\n\
          =============\n\
          gateway  http://{gw}\n\
          admin    http://{admin}\n\
          upstream http://{upstream_addr} (built-in echo)\n\
+         rls      {rls}\n\
+         check    {check}\n\
          buckets  {redis_line}\n\
          rules    {rules}\n\n\
          Try:\n\
@@ -161,6 +176,7 @@ pub async fn run(mut config: crate::config::Config) -> anyhow::Result<()> {
          \x20 curl -i http://{gw}/orders/42                      # 401: no X-Api-Key\n\
          \x20 curl -i -H 'X-Api-Key: {{bad}}' http://{gw}/orders/42  # 400: malformed key\n\
          \x20 curl -si -H 'X-Api-Key: shop-c' http://{gw}/search | grep -i ratelimit  # a burst limit and a daily quota\n\
+         {check_line}\
          \x20 curl -s http://{admin}/ready\n\
          \x20 curl -s http://{admin}/metrics | grep tollgate_requests_total\n\n\
          Edit the rules file and the change applies within seconds. Ctrl-C stops.\n",
