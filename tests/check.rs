@@ -125,6 +125,11 @@ struct Nginx {
 impl Nginx {
     fn start(listen: u16, check: SocketAddr, api: &str) -> Self {
         let snippet = std::fs::read_to_string("config/nginx-tollgate.conf").unwrap();
+        let readme = std::fs::read_to_string("README.md").unwrap();
+        assert!(
+            readme.contains(&snippet),
+            "the README shows config/nginx-tollgate.conf as it is"
+        );
         let api = api.trim_end_matches('/');
         let snippet = snippet
             .replace("server 127.0.0.1:8082;", &format!("server {check};"))
