@@ -35,6 +35,7 @@ mod rls;
 pub mod route;
 pub mod server;
 mod slots;
+mod speak;
 mod stall;
 
 use std::sync::Arc;

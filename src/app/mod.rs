@@ -9,7 +9,6 @@
 //! a gateway whenever they like.
 
 use std::future::Future;
-use std::net::{SocketAddr, TcpListener};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -31,146 +30,20 @@ use crate::proxy::server::{ProxyServer, Serving};
 use crate::proxy::{self, ProxyState, Worker};
 use crate::redis_client::RedisConnector;
 use crate::region;
-use crate::region::model::{RegionSpec, Regions};
 use crate::region::shares::SharesHandle;
 use crate::rules::{self, RulesHandle};
 use crate::telemetry::{self, ClientNoise, Entry, Metrics, RequestCounters};
 use crate::tls::{ListenerTls, UpstreamTls};
 
+mod checks;
+mod listeners;
+
+pub use checks::check;
+use checks::regions;
+pub use listeners::Listeners;
+
 /// Period of metric upkeep and local-bucket eviction.
 const HOUSEKEEPING_PERIOD: Duration = Duration::from_secs(5);
-
-/// The two bound sockets a gateway serves on.
-pub struct Listeners {
-    /// Tenant traffic.
-    pub proxy: TcpListener,
-    /// `/live`, `/ready`, `/metrics`.
-    pub admin: TcpListener,
-    /// Envoy's rate limit service, when `rls.listen` is set.
-    pub rls: Option<TcpListener>,
-    /// The HTTP check, when `check.listen` is set.
-    pub check: Option<TcpListener>,
-}
-
-/// Binds `addr`, the value of the config key `key`.
-fn bind(key: &str, addr: SocketAddr) -> anyhow::Result<TcpListener> {
-    TcpListener::bind(addr).with_context(|| format!("cannot listen on {key} {addr}"))
-}
-
-impl Listeners {
-    /// Binds every listener `config` asks for.
-    ///
-    /// # Errors
-    /// When an address cannot be bound.
-    pub fn bind(config: &Config) -> anyhow::Result<Self> {
-        let server = &config.server;
-        Ok(Self {
-            proxy: bind("server.listen", server.listen)?,
-            admin: bind("server.admin_listen", server.admin_listen)?,
-            rls: config
-                .rls
-                .as_ref()
-                .map(|r| bind("rls.listen", r.listen))
-                .transpose()?,
-            check: config
-                .check
-                .as_ref()
-                .map(|c| bind("check.listen", c.listen))
-                .transpose()?,
-        })
-    }
-
-    /// The bound address of Envoy's rate limit service, when served.
-    pub fn rls_addr(&self) -> Option<SocketAddr> {
-        self.rls.as_ref().and_then(|l| l.local_addr().ok())
-    }
-
-    /// The bound address of the HTTP check, when served.
-    pub fn check_addr(&self) -> Option<SocketAddr> {
-        self.check.as_ref().and_then(|l| l.local_addr().ok())
-    }
-
-    /// The proxy's bound address.
-    ///
-    /// # Errors
-    /// When the socket has no local address.
-    pub fn proxy_addr(&self) -> std::io::Result<SocketAddr> {
-        self.proxy.local_addr()
-    }
-
-    /// The admin listener's bound address.
-    ///
-    /// # Errors
-    /// When the socket has no local address.
-    pub fn admin_addr(&self) -> std::io::Result<SocketAddr> {
-        self.admin.local_addr()
-    }
-}
-
-/// Checks what the config file only names: the region files, when a region
-/// is set, and the rules file, when rules come from one (a database is not
-/// contacted: the gateway serves without it). Returns a one-line summary.
-///
-/// # Errors
-/// One line per problem, from all of them at once.
-pub fn check(config: &Config) -> Result<String, Vec<String>> {
-    let mut problems = Vec::new();
-    let regions = match regions(config) {
-        Ok(None) => String::new(),
-        Ok(Some((region, all))) => format!(", region {} of {}", region.id, all.all.len()),
-        Err(found) => {
-            problems.extend(found);
-            String::new()
-        }
-    };
-    let rules = match &config.rules.source {
-        RuleSource::Database(_) => "rules from PostgreSQL".to_owned(),
-        RuleSource::File(path) => match rules::file::read(path)
-            .and_then(|contents| rules::file::parse_for(path, &contents, &config.rules.routes))
-        {
-            Ok(file) => format!("{} rules in {}", file.rules.len(), path.display()),
-            Err(rules::file::RuleFileError::Invalid {
-                path,
-                problems: found,
-            }) => {
-                problems.extend(
-                    found
-                        .into_iter()
-                        .map(|p| format!("{}: {p}", path.display())),
-                );
-                String::new()
-            }
-            Err(e) => {
-                problems.push(e.to_string());
-                String::new()
-            }
-        },
-    };
-    if problems.is_empty() {
-        Ok(format!("{rules}{regions}"))
-    } else {
-        Err(problems)
-    }
-}
-
-/// This instance's region and every region, when `instance.region` is set.
-///
-/// # Errors
-/// One line per problem with the region files or the region id.
-fn regions(config: &Config) -> Result<Option<(RegionSpec, Arc<Regions>)>, Vec<String>> {
-    let Some(id) = &config.instance.region else {
-        return Ok(None);
-    };
-    let all = region::model::load_dir(&config.regions_dir).map_err(|e| e.problems)?;
-    let Some(this) = all.get(id).cloned() else {
-        return Err(vec![format!(
-            "instance.region: no region {id:?} in {} (found: {})",
-            config.regions_dir.display(),
-            all.ids().collect::<Vec<_>>().join(", ")
-        )]);
-    };
-    Ok(Some((this, Arc::new(all))))
-}
 
 /// Applies the SQL migrations to the database at `url`.
 ///
