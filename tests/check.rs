@@ -187,10 +187,15 @@ fn nginx_auth_request_limits_with_the_shipped_snippet() {
     let port = free_port();
     let _nginx = Nginx::start(port, s.gw.check.unwrap(), &s.up.url());
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    // A client's own X-Tollgate-* headers are replaced by the snippet's:
+    // each request still costs 1 on route api.
     let get = |key: &str| {
         raw_http(
             addr,
-            &format!("GET /thing HTTP/1.1\r\nHost: api\r\nX-Api-Key: {key}\r\n"),
+            &format!(
+                "GET /thing HTTP/1.1\r\nHost: api\r\nX-Api-Key: {key}\r\n\
+                 X-Tollgate-Cost: 3\r\nX-Tollgate-Route: nope\r\n"
+            ),
         )
     };
     for left in (0..3).rev() {

@@ -16,6 +16,10 @@ use tokio::io::{AsyncRead, AsyncWrite};
 /// client reads slowly holds in memory.
 const CLIENT_BUFFER: usize = 64 * 1024;
 
+/// How often an HTTP/2 connection is pinged, and how long a ping may go
+/// unanswered before the connection is closed.
+const H2_PING_INTERVAL: Duration = Duration::from_secs(20);
+
 /// How connections are spoken to: HTTP/1.1 alone, or either protocol
 /// (with `server.h2c`, and always over TLS, where ALPN has chosen).
 pub(super) enum Protocols {
@@ -34,7 +38,12 @@ impl Protocols {
                 .timer(TokioTimer::new())
                 .header_read_timeout(header_timeout)
                 .max_buf_size(CLIENT_BUFFER);
-            auto.http2().timer(TokioTimer::new());
+            // Pings find a peer that vanished without closing; an HTTP/2
+            // connection has no header deadline to end it otherwise.
+            auto.http2()
+                .timer(TokioTimer::new())
+                .keep_alive_interval(Some(H2_PING_INTERVAL))
+                .keep_alive_timeout(H2_PING_INTERVAL);
             Self::Auto(auto)
         } else {
             let mut http1 = http1::Builder::new();
