@@ -63,7 +63,10 @@ fn post_v1_check_answers_the_decision_and_refuses_bad_input() {
             r#"{"tenant": "acme", "route": "nope"}"#,
             "route: no route \"nope\" (routes: api)",
         ),
-        (r#"{"tenant": "ac me", "route": "api"}"#, "tenant:"),
+        (
+            r#"{"tenant": "ac me", "route": "api"}"#,
+            "tenant \"ac me\":",
+        ),
         (
             r#"{"tenant": "acme", "route": "api", "cost": 0}"#,
             "cost must be between 1",
@@ -108,6 +111,8 @@ fn v1_auth_reads_the_subrequest_headers() {
         401
     );
     assert_eq!(auth("X-Api-Key: acme\r\n").status, 400, "no route");
+    let twice = "X-Api-Key: beta\r\nX-Tollgate-Route: api\r\nX-Tollgate-Route: other\r\n";
+    assert_eq!(auth(twice).status, 400, "a route header twice");
     let res = auth("X-Api-Key: beta\r\nX-Tollgate-Route: api\r\nX-Tollgate-Cost: x\r\n");
     assert_eq!(res.status, 400);
     // None of the malformed ones took anything from beta.

@@ -61,6 +61,44 @@ fn a_request_head_that_does_not_arrive_in_time_loses_its_connection() {
 }
 
 #[test]
+fn a_client_that_sends_nothing_is_closed_on_every_listener() {
+    let s = Stack::start("silent", "", |c, _| {
+        c.extra.push_str(
+            "[client]\nheader_timeout_ms = 300\n[rls]\nlisten = \"127.0.0.1:0\"\n\
+             [check]\nlisten = \"127.0.0.1:0\"\n",
+        );
+    });
+    // h2c on the proxy: the protocol is chosen from the first bytes, so a
+    // client that sends none, or half the HTTP/2 preface, is not under
+    // HTTP/1's header deadline until the first-request deadline ends it.
+    let toml = s.config.toml().replacen(
+        "shutdown_timeout_seconds = 1\n",
+        "shutdown_timeout_seconds = 1\nh2c = true\n",
+        1,
+    );
+    let h2c = common::Gateway::start_toml(&toml);
+    let clock = SystemClock::new();
+    for (name, addr, sends) in [
+        ("rls", s.gw.rls.unwrap(), &b""[..]),
+        ("check", s.gw.check.unwrap(), b""),
+        ("h2c proxy", h2c.addr, b""),
+        ("h2c proxy, half a preface", h2c.addr, b"PRI * HTTP/2.0\r\n"),
+        (
+            "rls, the preface only",
+            s.gw.rls.unwrap(),
+            b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+        ),
+    ] {
+        let started = clock.now_ms();
+        let mut silent = TcpStream::connect(addr).unwrap();
+        silent.write_all(sends).unwrap();
+        read_until_closed(&mut silent);
+        let waited_ms = clock.now_ms() - started;
+        assert!(waited_ms < 3000, "{name}: closed after {waited_ms} ms");
+    }
+}
+
+#[test]
 fn a_malformed_request_is_answered_400_and_costs_nothing() {
     let s = Stack::start("malformed", "", |_, _| {});
     let mut bad = TcpStream::connect(s.gw.addr).unwrap();

@@ -188,13 +188,21 @@ async fn malformed_requests_are_invalid_argument_and_take_nothing() {
         ),
         (
             vec![descriptor("acme", "nope", None)],
-            "descriptors[0]: \"route\" \"nope\" is no route of this gateway (routes: api)",
+            "descriptors[0]: \"route\": no route \"nope\" (routes: api)",
         ),
         (
             vec![descriptor("ac me", "api", None)],
             "descriptors[0]: \"api_key\" \"ac me\"",
         ),
         (vec![negative], "negative hits"),
+        (
+            vec![descriptor("acme", "api", Some(0))],
+            "hits_addend 0 (asking without taking) is not supported",
+        ),
+        (
+            vec![descriptor(&"k".repeat(5000), "api", None)],
+            "… (5000 bytes)",
+        ),
         (vec![], "no descriptors"),
         (vec![good(); 65], "65 descriptors"),
     ];

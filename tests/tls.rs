@@ -294,6 +294,16 @@ fn a_client_that_stalls_its_handshake_is_closed() {
     let mut buf = [0u8; 16];
     // header_timeout_ms = 500: closed long before the 5 s read timeout.
     assert_eq!(silent.read(&mut buf).expect("closed, not timed out"), 0);
+
+    // Done with the handshake, then silent: the first request's deadline.
+    let ca = dir.0.join("ca.crt");
+    let mut quiet = TlsClient::connect(&ca, gw.addr);
+    let mut byte = [0u8; 1];
+    match quiet.0.read(&mut byte) {
+        Ok(0) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {}
+        other => panic!("the connection stayed open: {other:?}"),
+    }
 }
 
 /// `openssl s_server -www` on a free port: `default` for clients that

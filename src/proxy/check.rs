@@ -27,7 +27,7 @@ use serde::Deserialize;
 
 use super::body::{ProxyBody, SmallBodyError, read_small};
 use super::decide::decide_now;
-use super::route::Route;
+use super::route::quoted;
 use super::{Worker, identify_counted};
 use crate::key::TenantId;
 use crate::telemetry::Entry;
@@ -70,14 +70,6 @@ fn json(status: StatusCode, body: &serde_json::Value) -> Response<ProxyBody> {
     response
 }
 
-/// The configured route `id`, or why not.
-fn route<'a>(worker: &'a Worker, id: &str) -> Result<&'a Route, String> {
-    let routes = &worker.state.routes;
-    routes
-        .by_id(id)
-        .ok_or_else(|| format!("no route {id:?} (routes: {})", routes.ids()))
-}
-
 /// A cost of at least 1.
 fn cost(raw: u64) -> Result<NonZeroU32, String> {
     u32::try_from(raw)
@@ -89,18 +81,33 @@ fn cost(raw: u64) -> Result<NonZeroU32, String> {
 /// `/v1/auth`.
 async fn auth(req: &Request<Incoming>, worker: &Worker) -> Response<ProxyBody> {
     let state = &*worker.state;
-    let header = |name: &HeaderName| req.headers().get(name).and_then(|v| v.to_str().ok());
-    let Some(route_id) = header(&ROUTE_HEADER) else {
+    // One value each: a front proxy that appends its header to the
+    // client's must not let the client's copy decide.
+    let header = |name: &HeaderName| {
+        let mut values = req.headers().get_all(name).iter();
+        match (values.next(), values.next()) {
+            (Some(value), None) => value.to_str().map(Some).map_err(|_| ()),
+            (None, _) => Ok(None),
+            (Some(_), Some(_)) => Err(()),
+        }
+    };
+    let (Ok(route_id), Ok(cost_header)) = (header(&ROUTE_HEADER), header(&COST_HEADER)) else {
+        return invalid(
+            StatusCode::BAD_REQUEST,
+            "X-Tollgate-Route and X-Tollgate-Cost may each appear once, as text",
+        );
+    };
+    let Some(route_id) = route_id else {
         return invalid(
             StatusCode::BAD_REQUEST,
             "the X-Tollgate-Route header is required",
         );
     };
-    let route = match route(worker, route_id) {
+    let route = match worker.state.routes.named(route_id) {
         Ok(route) => route,
         Err(message) => return invalid(StatusCode::BAD_REQUEST, &message),
     };
-    let cost = match header(&COST_HEADER).map(|c| c.trim().parse::<u64>()) {
+    let cost = match cost_header.map(|c| c.trim().parse::<u64>()) {
         None => NonZeroU32::MIN,
         Some(Ok(raw)) => match cost(raw) {
             Ok(cost) => cost,
@@ -178,9 +185,12 @@ async fn check(req: Request<Incoming>, worker: &Worker) -> Response<ProxyBody> {
     };
     let tenant = match TenantId::parse(&asked.tenant) {
         Ok(tenant) => tenant,
-        Err(e) => return invalid(StatusCode::BAD_REQUEST, &format!("tenant: {e}")),
+        Err(e) => {
+            let message = format!("tenant {}: {e}", quoted(&asked.tenant));
+            return invalid(StatusCode::BAD_REQUEST, &message);
+        }
     };
-    let route = match route(worker, &asked.route) {
+    let route = match worker.state.routes.named(&asked.route) {
         Ok(route) => route,
         Err(message) => return invalid(StatusCode::BAD_REQUEST, &format!("route: {message}")),
     };

@@ -32,6 +32,7 @@ use super::body::ProxyBody;
 use super::decide::{Decided, decide_now};
 use super::grpc::{self, Code, Status};
 use super::headers::Binding;
+use super::route::quoted;
 use crate::bucket::GroupLimit;
 use crate::config::RlsSettings;
 use crate::key::{RouteId, TenantId};
@@ -124,24 +125,24 @@ fn ask(
         let mut found = descriptor.entries.iter().filter(|e| e.key == key);
         match (found.next(), found.next()) {
             (Some(entry), None) => Ok(entry.value.as_str()),
-            (None, _) => Err(format!("no entry {key:?}")),
-            (Some(_), Some(_)) => Err(format!("more than one entry {key:?}")),
+            (None, _) => Err(format!("no entry {}", quoted(key))),
+            (Some(_), Some(_)) => Err(format!("more than one entry {}", quoted(key))),
         }
     };
     let tenant = value(&settings.tenant_key)?;
     let tenant = TenantId::parse(tenant)
-        .map_err(|e| format!("{:?} {tenant:?}: {e}", settings.tenant_key))?;
-    let route = value(&settings.route_key)?;
-    let routes = &worker.state.routes;
-    let Some(route) = routes.by_id(route) else {
-        return Err(format!(
-            "{:?} {route:?} is no route of this gateway (routes: {})",
-            settings.route_key,
-            routes.ids()
-        ));
-    };
+        .map_err(|e| format!("{:?} {}: {e}", settings.tenant_key, quoted(tenant)))?;
+    let route = worker
+        .state
+        .routes
+        .named(value(&settings.route_key)?)
+        .map_err(|e| format!("{:?}: {e}", settings.route_key))?;
     let cost = match &descriptor.hits_addend {
-        Some(hits) => u32::try_from(hits.value.max(1))
+        // A check that takes nothing has no token bucket answer here.
+        Some(hits) if hits.value == 0 => {
+            return Err("hits_addend 0 (asking without taking) is not supported".into());
+        }
+        Some(hits) => u32::try_from(hits.value)
             .map_err(|_| format!("hits_addend {} is too large", hits.value))?,
         None => default_cost,
     };

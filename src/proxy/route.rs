@@ -19,6 +19,20 @@ pub struct Route {
     pub metrics: RouteMetrics,
 }
 
+/// A client-sent `value` for a message: quoted, and cut to its first 64
+/// bytes (a whole character) so an answer never echoes a flood.
+pub fn quoted(value: &str) -> String {
+    const SHOWN: usize = 64;
+    if value.len() <= SHOWN {
+        return format!("{value:?}");
+    }
+    let mut end = SHOWN;
+    while !value.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{:?}… ({} bytes)", &value[..end], value.len())
+}
+
 /// All routes, in config order.
 pub struct RouteTable {
     /// Routes as declared.
@@ -46,15 +60,19 @@ impl RouteTable {
         self.routes.get(index)
     }
 
-    /// The route whose id is `id`, if any.
-    pub fn by_id(&self, id: &str) -> Option<&Route> {
-        self.routes.iter().find(|r| r.spec.id.as_str() == id)
-    }
-
-    /// Every route id, in config order, for messages.
-    pub fn ids(&self) -> String {
-        let ids: Vec<&str> = self.routes.iter().map(|r| r.spec.id.as_str()).collect();
-        ids.join(", ")
+    /// The route whose id is `id` (a client's words), or a message saying
+    /// there is none and which there are.
+    ///
+    /// # Errors
+    /// When no route has that id.
+    pub fn named(&self, id: &str) -> Result<&Route, String> {
+        self.routes
+            .iter()
+            .find(|r| r.spec.id.as_str() == id)
+            .ok_or_else(|| {
+                let ids: Vec<&str> = self.routes.iter().map(|r| r.spec.id.as_str()).collect();
+                format!("no route {} (routes: {})", quoted(id), ids.join(", "))
+            })
     }
 
     /// The route serving `method` on `path`, if any.
@@ -88,6 +106,19 @@ fn prefix_matches(prefix: &str, path: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn client_values_are_quoted_and_cut_short() {
+        assert_eq!(quoted("api"), "\"api\"");
+        let long = "é".repeat(40);
+        let shown = quoted(&long);
+        assert!(
+            shown.starts_with(&format!("\"{}\"…", "é".repeat(32))),
+            "{shown}"
+        );
+        assert!(shown.ends_with("(80 bytes)"), "{shown}");
+    }
+
     use super::*;
     use crate::key::RouteId;
     use std::num::NonZeroU32;

@@ -312,7 +312,13 @@ impl Connection {
             cut: cut.clone(),
         });
         let (worker, entry) = (self.worker, self.entry);
+        let first = FirstRequest {
+            within: self.handshake_timeout,
+            asked: Rc::new(Cell::new(false)),
+        };
+        let asked = first.asked.clone();
         let service = service_fn(move |req| {
+            asked.set(true);
             let (client, worker) = (client.clone(), worker.clone());
             async move { Ok::<_, Infallible>(super::handle(entry, req, &client, &worker).await) }
         });
@@ -324,6 +330,7 @@ impl Connection {
                     &cut,
                     self.stop,
                     peer,
+                    first,
                 )
                 .await;
             }
@@ -333,6 +340,7 @@ impl Connection {
                     &cut,
                     self.stop,
                     peer,
+                    first,
                 )
                 .await;
             }
@@ -340,18 +348,41 @@ impl Connection {
     }
 }
 
-/// Drives `conn` until it ends, the watchdog cuts it off (`cut`), or
-/// shutdown (`stop`) has let its requests in flight finish.
+/// The deadline for a connection's first request: until one has begun,
+/// nothing else bounds a client that sends nothing after its TLS handshake,
+/// or only part of the HTTP/2 preface (the protocol is not yet chosen, so
+/// HTTP/1's header deadline does not run), or an HTTP/2 connection that
+/// never opens a stream.
+struct FirstRequest {
+    /// How long the client has (the header deadline).
+    within: Duration,
+    /// Set when the first request's head has arrived.
+    asked: Rc<Cell<bool>>,
+}
+
+/// Drives `conn` until it ends, the watchdog cuts it off (`cut`), no
+/// request has begun by the `first` deadline, or shutdown (`stop`) has let
+/// its requests in flight finish.
 async fn drive<C: Served>(
     mut conn: std::pin::Pin<&mut C>,
     cut: &ClientCut,
     mut stop: watch::Receiver<bool>,
     peer: SocketAddr,
+    first: FirstRequest,
 ) {
     let mut stopping = false;
+    let first_deadline = tokio::time::sleep(first.within);
+    tokio::pin!(first_deadline);
+    let mut awaiting_first = true;
     loop {
         tokio::select! {
             biased;
+            () = &mut first_deadline, if awaiting_first => {
+                if !first.asked.get() {
+                    return;
+                }
+                awaiting_first = false;
+            }
             served = conn.as_mut() => {
                 if let Err(e) = served
                     && !C::timed_out(&e)
