@@ -435,22 +435,35 @@ pub(super) enum SmallBodyError {
     TooLarge,
     /// It broke off.
     Broken(hyper::Error),
+    /// It did not arrive in time.
+    TimedOut,
 }
 
-/// The whole of a request body that may be at most `max` bytes (a check
-/// or a gRPC call: read into memory, never streamed).
+/// The whole of a request body that may be at most `max` bytes and must
+/// arrive within `timeout` (a check or a gRPC call: read into memory,
+/// never streamed).
 ///
 /// # Errors
-/// When it is longer than `max` or breaks off.
-pub(super) async fn read_small(mut body: Incoming, max: usize) -> Result<Vec<u8>, SmallBodyError> {
-    let mut data = Vec::new();
-    while let Some(frame) = std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await {
-        if let Ok(chunk) = frame.map_err(SmallBodyError::Broken)?.into_data() {
-            if data.len() + chunk.len() > max {
-                return Err(SmallBodyError::TooLarge);
+/// When it is longer than `max`, breaks off, or is late.
+pub(super) async fn read_small(
+    mut body: Incoming,
+    max: usize,
+    timeout: Duration,
+) -> Result<Vec<u8>, SmallBodyError> {
+    let read = async {
+        let mut data = Vec::new();
+        while let Some(frame) = std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await
+        {
+            if let Ok(chunk) = frame.map_err(SmallBodyError::Broken)?.into_data() {
+                if data.len() + chunk.len() > max {
+                    return Err(SmallBodyError::TooLarge);
+                }
+                data.extend_from_slice(&chunk);
             }
-            data.extend_from_slice(&chunk);
         }
-    }
-    Ok(data)
+        Ok(data)
+    };
+    tokio::time::timeout(timeout, read)
+        .await
+        .unwrap_or(Err(SmallBodyError::TimedOut))
 }

@@ -163,16 +163,16 @@ struct CheckRequest {
 /// `POST /v1/check`.
 async fn check(req: Request<Incoming>, worker: &Worker) -> Response<ProxyBody> {
     let timeout = worker.forwarder.read_timeout();
-    let body = match tokio::time::timeout(timeout, read_small(req.into_body(), MAX_BODY)).await {
-        Ok(Ok(body)) => body,
-        Ok(Err(SmallBodyError::TooLarge)) => {
+    let body = match read_small(req.into_body(), MAX_BODY, timeout).await {
+        Ok(body) => body,
+        Err(SmallBodyError::TooLarge) => {
             let message = format!("the body is larger than {MAX_BODY} bytes");
             return invalid(StatusCode::PAYLOAD_TOO_LARGE, &message);
         }
-        Ok(Err(SmallBodyError::Broken(e))) => {
+        Err(SmallBodyError::Broken(e)) => {
             return invalid(StatusCode::BAD_REQUEST, &format!("the body broke off: {e}"));
         }
-        Err(_) => {
+        Err(SmallBodyError::TimedOut) => {
             return invalid(
                 StatusCode::REQUEST_TIMEOUT,
                 "the body did not arrive in time",

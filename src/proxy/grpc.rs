@@ -8,6 +8,7 @@
 //! timeout. A status travels in trailers after a message, or alone in the
 //! response head ("trailers-only") when there is no message.
 
+use std::fmt::Write as _;
 use std::time::Duration;
 
 use hyper::body::{Bytes, Incoming};
@@ -86,7 +87,7 @@ fn percent_encode(text: &str) -> String {
         if (0x20..0x7f).contains(&b) && b != b'%' {
             out.push(char::from(b));
         } else {
-            out.push_str(&format!("%{b:02X}"));
+            let _ = write!(out, "%{b:02X}");
         }
     }
     out
@@ -138,25 +139,20 @@ pub(super) async fn read_unary<M: prost::Message + Default>(
         )
         .response());
     }
-    let read = tokio::time::timeout(timeout, read_small(req.into_body(), 5 + MAX_MESSAGE)).await;
-    let body = match read {
-        Ok(Ok(body)) => body,
-        Ok(Err(SmallBodyError::TooLarge)) => {
-            return Err(Status::new(Code::ResourceExhausted, too_large()).response());
-        }
-        Ok(Err(SmallBodyError::Broken(e))) => {
-            return Err(
-                Status::new(Code::InvalidArgument, format!("the request broke off: {e}"))
-                    .response(),
-            );
-        }
-        Err(_) => {
-            return Err(
-                Status::new(Code::DeadlineExceeded, "the request did not arrive in time")
-                    .response(),
-            );
-        }
-    };
+    let body = read_small(req.into_body(), 5 + MAX_MESSAGE, timeout)
+        .await
+        .map_err(|e| {
+            let status = match e {
+                SmallBodyError::TooLarge => Status::new(Code::ResourceExhausted, too_large()),
+                SmallBodyError::Broken(e) => {
+                    Status::new(Code::InvalidArgument, format!("the request broke off: {e}"))
+                }
+                SmallBodyError::TimedOut => {
+                    Status::new(Code::DeadlineExceeded, "the request did not arrive in time")
+                }
+            };
+            status.response()
+        })?;
     decode(&body).map_err(|status| status.response())
 }
 

@@ -32,7 +32,7 @@ use super::body::ProxyBody;
 use super::decide::{Decided, decide_now};
 use super::grpc::{self, Code, Status};
 use super::headers::Binding;
-use super::route::quoted;
+use super::route::{Route, quoted};
 use crate::bucket::GroupLimit;
 use crate::config::RlsSettings;
 use crate::key::{RouteId, TenantId};
@@ -63,13 +63,11 @@ pub(super) async fn handle(req: Request<Incoming>, worker: &Worker) -> Response<
 }
 
 /// One descriptor, checked.
-struct Ask {
+struct Ask<'a> {
     /// Whose limit.
     tenant: TenantId,
-    /// Which route's.
-    route: RouteId,
-    /// The route's index (for its counters).
-    route_index: usize,
+    /// On which configured route.
+    route: &'a Route,
     /// Tokens to take.
     cost: NonZeroU32,
 }
@@ -78,17 +76,17 @@ struct Ask {
 ///
 /// # Errors
 /// What is wrong, naming the descriptor.
-fn parse(
+fn parse<'a>(
     settings: &RlsSettings,
-    worker: &Worker,
+    worker: &'a Worker,
     request: &RateLimitRequest,
-) -> Result<Vec<Ask>, String> {
+) -> Result<Vec<Ask<'a>>, String> {
     if let Some(domain) = &settings.domain
         && request.domain != *domain
     {
         return Err(format!(
-            "domain {:?} is not served here (rls.domain is {domain:?})",
-            request.domain
+            "domain {} is not served here (rls.domain is {domain:?})",
+            quoted(&request.domain)
         ));
     }
     if request.descriptors.is_empty() {
@@ -112,12 +110,12 @@ fn parse(
 }
 
 /// One descriptor as a decision; `default_cost` when it names no cost.
-fn ask(
+fn ask<'a>(
     settings: &RlsSettings,
-    worker: &Worker,
+    worker: &'a Worker,
     descriptor: &RateLimitDescriptor,
     default_cost: u32,
-) -> Result<Ask, String> {
+) -> Result<Ask<'a>, String> {
     if descriptor.is_negative_hits {
         return Err("negative hits (returning tokens) are not supported".into());
     }
@@ -148,17 +146,16 @@ fn ask(
     };
     Ok(Ask {
         tenant,
-        route: route.spec.id.clone(),
-        route_index: route.index,
+        route,
         cost: NonZeroU32::new(cost).unwrap_or(NonZeroU32::MIN),
     })
 }
 
 /// Decides every ask, together.
-async fn answer(worker: &Worker, asks: &[Ask]) -> RateLimitResponse {
+async fn answer(worker: &Worker, asks: &[Ask<'_>]) -> RateLimitResponse {
     let decisions = futures_util::future::join_all(
         asks.iter()
-            .map(|a| decide_now(worker, &a.tenant, &a.route, a.cost)),
+            .map(|a| decide_now(worker, &a.tenant, &a.route.spec.id, a.cost)),
     )
     .await;
     let requests = &worker.state.requests;
@@ -166,7 +163,7 @@ async fn answer(worker: &Worker, asks: &[Ask]) -> RateLimitResponse {
         requests.count(
             Entry::Rls,
             Some(a.tenant.as_str()),
-            a.route_index,
+            a.route.index,
             decided.outcome(),
         );
     }
@@ -192,7 +189,7 @@ async fn answer(worker: &Worker, asks: &[Ask]) -> RateLimitResponse {
         statuses: asks
             .iter()
             .zip(&decisions)
-            .map(|(a, d)| status(&a.route, d))
+            .map(|(a, d)| status(&a.route.spec.id, d))
             .collect(),
         response_headers_to_add: shown.map_or_else(Vec::new, |d| {
             d.headers
