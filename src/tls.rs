@@ -288,20 +288,58 @@ impl UpstreamTls {
         Ok(Self(TlsConnector::from(Arc::new(config))))
     }
 
-    /// Opens TLS on `stream` to the upstream named `host`.
+    /// TLS to the upstream at `host`, whose certificate must carry that
+    /// name.
     ///
     /// # Errors
-    /// When `host` is not a name or address, or the handshake fails
-    /// (including an untrusted or mismatched certificate).
+    /// As [`server_name`].
+    pub fn to(&self, host: &str) -> Result<UpstreamTlsTo, String> {
+        Ok(UpstreamTlsTo {
+            connector: self.0.clone(),
+            name: server_name(host)?,
+        })
+    }
+}
+
+/// The name an upstream at `host` (a DNS name, or an address with IPv6 in
+/// brackets) is verified against, and sent by SNI when it is a name.
+///
+/// # Errors
+/// When `host` is neither a DNS name nor an address.
+pub fn server_name(host: &str) -> Result<ServerName<'static>, String> {
+    ServerName::try_from(host.trim_start_matches('[').trim_end_matches(']'))
+        .map(|name| name.to_owned())
+        .map_err(|e| format!("{host:?} cannot be checked against a certificate: {e}"))
+}
+
+/// TLS to one upstream: the trust and the name, settled once.
+#[derive(Clone)]
+pub struct UpstreamTlsTo {
+    /// Handshakes with the trusted roots.
+    connector: TlsConnector,
+    /// What the certificate must name.
+    name: ServerName<'static>,
+}
+
+impl fmt::Debug for UpstreamTlsTo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("UpstreamTlsTo")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl UpstreamTlsTo {
+    /// Opens TLS on `stream`.
+    ///
+    /// # Errors
+    /// When the handshake fails, an untrusted or mismatched certificate
+    /// included.
     pub async fn connect(
         &self,
-        host: &str,
         stream: tokio::net::TcpStream,
     ) -> std::io::Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>> {
-        let name = ServerName::try_from(host.trim_start_matches('[').trim_end_matches(']'))
-            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?
-            .to_owned();
-        self.0.connect(name, stream).await
+        self.connector.connect(self.name.clone(), stream).await
     }
 }
 

@@ -100,6 +100,11 @@ fn upstream(c: &mut Check, key: &str, raw: &str) -> (String, String) {
     match parsed {
         Some(uri) => {
             let scheme = uri.scheme_str().unwrap_or_default();
+            if scheme == "https"
+                && let Err(e) = crate::tls::server_name(uri.host().unwrap_or_default())
+            {
+                c.bad(key, e);
+            }
             let authority = uri.authority().map(|a| a.as_str()).unwrap_or_default();
             let base = uri.path().trim_end_matches('/').to_owned();
             (format!("{scheme}://{authority}"), base)

@@ -449,3 +449,16 @@ fn listener_tls_needs_both_files_and_they_must_load() {
         "{found:?}"
     );
 }
+
+#[test]
+fn an_https_upstream_host_must_be_a_certificate_name() {
+    let route = "[[routes]]\nid = \"a\"\npath_prefix = \"/\"\nupstream = \"https://-x.com\"\n";
+    assert_eq!(
+        problems(route, &[]),
+        [
+            "routes[0].upstream: \"-x.com\" cannot be checked against a certificate: invalid dns name"
+        ]
+    );
+    // Plain http:// needs no such name.
+    load(&route.replace("https", "http"), &BTreeMap::new()).unwrap();
+}

@@ -41,7 +41,7 @@ use crate::clock::{SharedClock, millis};
 use crate::config::{ClientSettings, RouteSpec, UpstreamSettings};
 use crate::key::TenantId;
 use crate::telemetry::Metrics;
-use crate::tls::UpstreamTls;
+use crate::tls::{UpstreamTls, UpstreamTlsTo};
 
 /// Largest read buffer of one upstream connection: bounds what a response
 /// whose client reads slowly holds in memory.
@@ -59,9 +59,8 @@ const WHOLE_BODY_MAX: u64 = 16 * 1024;
 struct Upstream {
     /// `host:port` to connect to.
     address: String,
-    /// The host name (or address) its certificate must carry, sent by SNI,
-    /// when it is reached over TLS.
-    tls_name: Option<String>,
+    /// TLS to it, for an `https://` upstream.
+    tls: Option<UpstreamTlsTo>,
     /// The `Host` header sent upstream.
     host: hy::HeaderValue,
     /// Idle connections.
@@ -71,9 +70,15 @@ struct Upstream {
 }
 
 impl Upstream {
-    /// The upstream of `spec`, whose origin config validation has checked;
-    /// connections idle longer than `max_idle` are not used again.
-    fn new(spec: &RouteSpec, max_idle: Duration, clock: SharedClock) -> Self {
+    /// The upstream of `spec`, whose origin config validation has checked,
+    /// reached over `tls` when it is `https://`; connections idle longer
+    /// than `max_idle` are not used again.
+    fn new(
+        spec: &RouteSpec,
+        tls: Option<&UpstreamTls>,
+        max_idle: Duration,
+        clock: SharedClock,
+    ) -> Self {
         // expect: validation accepts only `http[s]://host[:port]` origins,
         // and their authority is a valid header value.
         let (authority, default_port) = match spec.upstream_origin.split_once("://") {
@@ -93,7 +98,14 @@ impl Upstream {
                 authority.host(),
                 authority.port_u16().unwrap_or(default_port)
             ),
-            tls_name: spec.is_tls().then(|| authority.host().to_owned()),
+            // expect: the app builds the trust when a route is https://,
+            // and validation checked that the host can be a certificate's
+            // name.
+            tls: spec.is_tls().then(|| {
+                tls.expect("trust for https:// upstreams")
+                    .to(authority.host())
+                    .expect("a validated upstream host")
+            }),
             host: hy::HeaderValue::try_from(host).expect("an authority is a header value"),
             idle: IdleList::new(millis(max_idle)),
             clock,
@@ -164,8 +176,6 @@ pub struct Forwarder {
     slots: Rc<Slots>,
     /// Responses whose clients may stop reading.
     watchdog: Rc<Watchdog<Held<Lease>>>,
-    /// TLS to `https://` upstreams, when a route has one.
-    tls: Option<UpstreamTls>,
     /// Bound on one connection attempt (TLS handshake included).
     connect_timeout: Duration,
     /// Bound on waiting for a connection plus the upstream's response head,
@@ -178,8 +188,9 @@ pub struct Forwarder {
 }
 
 impl Forwarder {
-    /// Connection handling for `routes` with the configured caps, timeouts
-    /// and client pace, time measured by `clock`. Connects to nothing until
+    /// Connection handling for `routes` (over `tls` to `https://` ones)
+    /// with the configured caps, timeouts and client pace, time measured
+    /// by `clock`. Connects to nothing until
     /// the first request. Must be created on the worker that uses it (it
     /// starts that worker's watchdog).
     pub fn new(
@@ -197,7 +208,12 @@ impl Forwarder {
                 .position(|earlier| earlier.upstream_origin == spec.upstream_origin);
             upstreams.push(match same {
                 Some(j) => upstreams[j].clone(),
-                None => Rc::new(Upstream::new(spec, settings.idle_timeout, clock.clone())),
+                None => Rc::new(Upstream::new(
+                    spec,
+                    tls.as_ref(),
+                    settings.idle_timeout,
+                    clock.clone(),
+                )),
             });
         }
         let sweep =
@@ -207,7 +223,6 @@ impl Forwarder {
             connections: Arc::new(Semaphore::new(settings.max_connections_per_worker)),
             slots: Slots::new(settings),
             watchdog: Watchdog::start(sweep, clock.clone(), metrics),
-            tls,
             connect_timeout: settings.connect_timeout,
             timeout: settings.timeout,
             client,
@@ -384,11 +399,10 @@ impl Forwarder {
         let opened = async {
             let stream = TcpStream::connect(&upstream.address).await?;
             stream.set_nodelay(true)?;
-            match (&upstream.tls_name, &self.tls) {
-                (Some(name), Some(tls)) => Ok(Either::Right(tls.connect(name, stream).await?)),
-                (Some(_), None) => Err(std::io::Error::other("no TLS for an https:// upstream")),
-                (None, _) => Ok(Either::Left(stream)),
-            }
+            std::io::Result::Ok(match &upstream.tls {
+                Some(tls) => Either::Right(tls.connect(stream).await?),
+                None => Either::Left(stream),
+            })
         };
         let stream = tokio::time::timeout(self.connect_timeout, opened)
             .await
