@@ -234,7 +234,9 @@ impl ListenerTls {
     }
 
     /// Reloads every `period` on the current runtime, logging each change,
-    /// until the runtime stops.
+    /// until the runtime stops. The files are read on a blocking thread, so
+    /// a file system that pauses (a stalled network mount) holds up only
+    /// the reload, never the runtime's other tasks.
     pub fn watch(self: Arc<Self>, period: Duration) {
         tokio::spawn(async move {
             let mut ticks = tokio::time::interval(period);
@@ -242,7 +244,11 @@ impl ListenerTls {
             ticks.tick().await;
             loop {
                 ticks.tick().await;
-                match self.reload() {
+                let this = self.clone();
+                let Ok(reloaded) = tokio::task::spawn_blocking(move || this.reload()).await else {
+                    continue;
+                };
+                match reloaded {
                     Reload::Unchanged => {}
                     Reload::Installed => tracing::info!(
                         cert = %self.cert.display(),
