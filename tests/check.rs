@@ -120,62 +120,79 @@ fn v1_auth_reads_the_subrequest_headers() {
     assert_eq!(res.header("ratelimit"), Some("\"api\";r=19;t=0"));
 }
 
-/// nginx with the shipped snippet, its addresses moved to `listen`, the
-/// check at `check` and the API at `api`.
+/// nginx with the shipped snippet, on a port of its own, asking the check
+/// at `check` in front of the API at `api`.
 struct Nginx {
     child: Child,
+    /// Where it listens.
+    addr: SocketAddr,
     _dir: TempDir,
 }
 
 impl Nginx {
-    fn start(listen: u16, check: SocketAddr, api: &str) -> Self {
+    fn start(check: SocketAddr, api: &str) -> Self {
         let snippet = std::fs::read_to_string("config/nginx-tollgate.conf").unwrap();
         let readme = std::fs::read_to_string("README.md").unwrap();
         assert!(
             readme.contains(&snippet),
             "the README shows config/nginx-tollgate.conf as it is"
         );
-        let api = api.trim_end_matches('/');
-        let snippet = snippet
-            .replace("server 127.0.0.1:8082;", &format!("server {check};"))
-            .replace(
-                "listen 127.0.0.1:8000;",
-                &format!("listen 127.0.0.1:{listen};"),
-            )
-            .replace(
-                "proxy_pass http://127.0.0.1:9000;",
-                &format!("proxy_pass {api};"),
+        // A port found free may be taken before nginx binds it: nginx then
+        // exits without writing its pid file, and another port is tried.
+        for _ in 0..3 {
+            let listen = free_port();
+            let dir = TempDir::new("nginx");
+            let prefix = dir.0.display().to_string();
+            dir.file(
+                "tollgate.conf",
+                &snippet
+                    .replace("server 127.0.0.1:8082;", &format!("server {check};"))
+                    .replace(
+                        "listen 127.0.0.1:8000;",
+                        &format!("listen 127.0.0.1:{listen};"),
+                    )
+                    .replace(
+                        "proxy_pass http://127.0.0.1:9000;",
+                        &format!("proxy_pass {};", api.trim_end_matches('/')),
+                    ),
             );
-        let dir = TempDir::new("nginx");
-        let prefix = dir.0.display().to_string();
-        dir.file("tollgate.conf", &snippet);
-        let conf = dir.file(
-            "nginx.conf",
-            &format!(
-                "daemon off;\nworker_processes 1;\nerror_log {prefix}/error.log warn;\n\
-                 pid {prefix}/nginx.pid;\nevents {{ worker_connections 64; }}\n\
-                 http {{\n  access_log off;\n  include {prefix}/tollgate.conf;\n}}\n"
-            ),
-        );
-        let child = Command::new("nginx")
-            .args(["-p", &prefix, "-c"])
-            .arg(&conf)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!("cannot run nginx ({e}); install it: apt-get install -y nginx-light")
+            let conf = dir.file(
+                "nginx.conf",
+                &format!(
+                    "daemon off;\nworker_processes 1;\nerror_log {prefix}/error.log warn;\n\
+                     pid {prefix}/nginx.pid;\nevents {{ worker_connections 64; }}\n\
+                     http {{\n  access_log off;\n  include {prefix}/tollgate.conf;\n}}\n"
+                ),
+            );
+            let mut child = Command::new("nginx")
+                .args(["-p", &prefix, "-c"])
+                .arg(&conf)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap_or_else(|e| {
+                    panic!("cannot run nginx ({e}); install it: apt-get install -y nginx-light")
+                });
+            // nginx writes its pid file once its sockets are bound.
+            let pid = dir.0.join("nginx.pid");
+            wait_until(Duration::from_secs(10), || {
+                pid.exists() || child.try_wait().is_ok_and(|exited| exited.is_some())
             });
-        assert!(
-            wait_until(Duration::from_secs(5), || std::net::TcpStream::connect((
-                "127.0.0.1",
-                listen
-            ))
-            .is_ok()),
-            "nginx did not start: {}",
-            std::fs::read_to_string(dir.0.join("error.log")).unwrap_or_default()
-        );
-        Self { child, _dir: dir }
+            if pid.exists() {
+                return Self {
+                    child,
+                    addr: SocketAddr::from(([127, 0, 0, 1], listen)),
+                    _dir: dir,
+                };
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+            eprintln!(
+                "nginx did not start on port {listen}: {}",
+                std::fs::read_to_string(dir.0.join("error.log")).unwrap_or_default()
+            );
+        }
+        panic!("nginx did not start in three tries");
     }
 }
 
@@ -189,9 +206,8 @@ impl Drop for Nginx {
 #[test]
 fn nginx_auth_request_limits_with_the_shipped_snippet() {
     let s = stack("check-nginx", 403);
-    let port = free_port();
-    let _nginx = Nginx::start(port, s.gw.check.unwrap(), &s.up.url());
-    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let nginx = Nginx::start(s.gw.check.unwrap(), &s.up.url());
+    let addr = nginx.addr;
     // A client's own X-Tollgate-* headers are replaced by the snippet's:
     // each request still costs 1 on route api.
     let get = |key: &str| {

@@ -7,14 +7,14 @@
 
 mod common;
 
-use std::io::{Read, Write};
+use std::io::{BufRead, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{Gateway, Stack, TempDir, free_port, wait_until};
+use common::{Gateway, Stack, TempDir, wait_until};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName};
 
@@ -316,9 +316,10 @@ struct TlsUpstream {
 
 impl TlsUpstream {
     fn start(dir: &Path, default: (&Path, &Path), named: (&Path, &Path)) -> Self {
-        let port = free_port();
-        let child = Command::new("openssl")
-            .args(["s_server", "-www", "-quiet", "-accept", &port.to_string()])
+        // Port 0: s_server binds a free port itself and prints it, so no
+        // other process can take it in between.
+        let mut child = Command::new("openssl")
+            .args(["s_server", "-www", "-accept", "127.0.0.1:0"])
             .arg("-cert")
             .arg(default.0)
             .arg("-key")
@@ -329,20 +330,21 @@ impl TlsUpstream {
             .arg(named.1)
             .current_dir(dir)
             .stdin(Stdio::piped())
-            .stdout(Stdio::null())
+            .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
             .unwrap_or_else(|e| {
                 panic!("cannot run openssl ({e}); install it: apt-get install -y openssl")
             });
-        assert!(
-            wait_until(Duration::from_secs(5), || TcpStream::connect((
-                "127.0.0.1",
-                port
-            ))
-            .is_ok()),
-            "openssl s_server did not listen"
-        );
+        let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+        let port = lines
+            .by_ref()
+            .map_while(Result::ok)
+            .find_map(|line| line.strip_prefix("ACCEPT 127.0.0.1:")?.trim().parse().ok())
+            .expect("openssl s_server says where it listens");
+        // What it prints per connection is read, so it never blocks on a
+        // full pipe.
+        std::thread::spawn(move || lines.for_each(drop));
         Self { child, port }
     }
 }
