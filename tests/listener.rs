@@ -79,7 +79,8 @@ fn a_client_that_sends_nothing_is_closed_on_every_listener() {
     let h2c = common::Gateway::start_toml(&toml);
     let clock = SystemClock::new();
     for (name, addr, sends) in [
-        ("rls", s.gw.rls.unwrap(), &b""[..]),
+        ("HTTP/1.1 proxy", s.gw.addr, &b""[..]),
+        ("rls", s.gw.rls.unwrap(), b""),
         ("check", s.gw.check.unwrap(), b""),
         ("h2c proxy", h2c.addr, b""),
         ("h2c proxy, half a preface", h2c.addr, b"PRI * HTTP/2.0\r\n"),

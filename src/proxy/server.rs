@@ -312,13 +312,17 @@ impl Connection {
             cut: cut.clone(),
         });
         let (worker, entry) = (self.worker, self.entry);
-        let first = FirstRequest {
+        // HTTP/1 alone has its header deadline from the first byte; only a
+        // connection whose protocol is still to be chosen needs this one.
+        let first = matches!(*self.http, Protocols::Auto(_)).then(|| FirstRequest {
             within: self.handshake_timeout,
             asked: Rc::new(Cell::new(false)),
-        };
-        let asked = first.asked.clone();
+        });
+        let asked = first.as_ref().map(|f| f.asked.clone());
         let service = service_fn(move |req| {
-            asked.set(true);
+            if let Some(asked) = &asked {
+                asked.set(true);
+            }
             let (client, worker) = (client.clone(), worker.clone());
             async move { Ok::<_, Infallible>(super::handle(entry, req, &client, &worker).await) }
         });
@@ -361,24 +365,25 @@ struct FirstRequest {
 }
 
 /// Drives `conn` until it ends, the watchdog cuts it off (`cut`), no
-/// request has begun by the `first` deadline, or shutdown (`stop`) has let
-/// its requests in flight finish.
+/// request has begun by the `first` deadline (when there is one), or
+/// shutdown (`stop`) has let its requests in flight finish.
 async fn drive<C: Served>(
     mut conn: std::pin::Pin<&mut C>,
     cut: &ClientCut,
     mut stop: watch::Receiver<bool>,
     peer: SocketAddr,
-    first: FirstRequest,
+    first: Option<FirstRequest>,
 ) {
     let mut stopping = false;
-    let first_deadline = tokio::time::sleep(first.within);
+    // Never polled (so never armed) without a first-request deadline.
+    let first_deadline = tokio::time::sleep(first.as_ref().map_or(Duration::ZERO, |f| f.within));
     tokio::pin!(first_deadline);
-    let mut awaiting_first = true;
+    let mut awaiting_first = first.is_some();
     loop {
         tokio::select! {
             biased;
             () = &mut first_deadline, if awaiting_first => {
-                if !first.asked.get() {
+                if first.as_ref().is_some_and(|f| !f.asked.get()) {
                     return;
                 }
                 awaiting_first = false;
