@@ -119,7 +119,7 @@ impl Plain {
 fn main() {
     actix::System::new().block_on(async {
         let spec = BucketSpec::of(NonZeroU32::new(100).unwrap(), NonZeroU32::new(10).unwrap());
-        let client = BucketClient::start(Instant, None, Metrics::new(), false, 16);
+        let client = BucketClient::start(Instant, Metrics::new(), false, 16);
         let clock = SystemClock::new();
         let plain = Plain::new();
         let (mut via_actor, mut via_plain, mut direct) = (Vec::new(), Vec::new(), Vec::new());

@@ -24,7 +24,7 @@ use actix::{
 use redis::Script;
 
 use crate::clock::millis;
-use crate::redis_client::RedisConn;
+use crate::redis_client::{RedisConn, Route};
 use crate::telemetry::Metrics;
 
 /// The heartbeat script, compiled into the binary.
@@ -127,30 +127,33 @@ impl Heartbeat {
     fn beat(&mut self, ctx: &mut Context<Self>) {
         let mut invocation = HEARTBEAT.key(&self.key);
         invocation.arg(&self.id).arg(millis(self.ttl));
-        let (conn, timeout) = (self.conn.clone(), self.timeout);
+        let (conn, timeout, key) = (self.conn.clone(), self.timeout, self.key.clone());
         ctx.spawn(
-            async move { conn.invoke::<u32>(&invocation, timeout).await }
-                .into_actor(self)
-                .map(|result, beat, _| match result {
-                    Ok(n) => {
-                        let n = NonZeroU32::new(n).unwrap_or(NonZeroU32::MIN);
-                        if beat.live.set(n) {
-                            tracing::info!(live = n.get(), "Live gateway instances changed.");
-                        }
-                        beat.metrics.live_instances(n.get());
-                        beat.reachable = true;
+            async move {
+                conn.invoke::<u32>(Route::Key(&key), &invocation, timeout)
+                    .await
+            }
+            .into_actor(self)
+            .map(|result, beat, _| match result {
+                Ok(n) => {
+                    let n = NonZeroU32::new(n).unwrap_or(NonZeroU32::MIN);
+                    if beat.live.set(n) {
+                        tracing::info!(live = n.get(), "Live gateway instances changed.");
                     }
-                    Err(e) => {
-                        if beat.reachable {
-                            tracing::warn!(
-                                error = %e,
-                                live = beat.live.get().get(),
-                                "Membership heartbeat failed; keeping the last instance count."
-                            );
-                        }
-                        beat.reachable = false;
+                    beat.metrics.live_instances(n.get());
+                    beat.reachable = true;
+                }
+                Err(e) => {
+                    if beat.reachable {
+                        tracing::warn!(
+                            error = %e,
+                            live = beat.live.get().get(),
+                            "Membership heartbeat failed; keeping the last instance count."
+                        );
                     }
-                }),
+                    beat.reachable = false;
+                }
+            }),
         );
     }
 }
@@ -179,9 +182,9 @@ impl Handler<Leave> for Heartbeat {
         }
         let mut cmd = redis::cmd("ZREM");
         cmd.arg(&self.key).arg(&self.id);
-        let (conn, timeout) = (self.conn.clone(), self.timeout);
+        let (conn, timeout, key) = (self.conn.clone(), self.timeout, self.key.clone());
         Box::pin(
-            async move { conn.query::<()>(&cmd, timeout).await }
+            async move { conn.query::<()>(Route::Key(&key), &cmd, timeout).await }
                 .into_actor(self)
                 .map(|_, _, ctx| ctx.stop()),
         )

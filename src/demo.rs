@@ -131,6 +131,7 @@ pub async fn run(mut config: crate::config::Config) -> anyhow::Result<()> {
         }
         RedisTarget::LocalOnly => "LOCAL-ONLY limiting (redis.url is empty)".to_owned(),
         RedisTarget::Cluster(_) => "a Redis Cluster".to_owned(),
+        RedisTarget::Sentinel { master, .. } => format!("the primary {master:?} found by Sentinel"),
     };
 
     let upstream_addr = config

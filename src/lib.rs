@@ -17,8 +17,8 @@
 //! ```
 //!
 //! Layers, lowest first; a module uses only its own layer or lower ones:
-//! 1. [`config`], [`clock`], [`key`], [`path`], [`telemetry`], [`redis_client`]
-//! 2. [`rules`], [`breaker`], [`cluster`], [`region`]
+//! 1. [`config`], [`clock`], [`key`], [`path`], [`telemetry`]
+//! 2. [`rules`], [`breaker`], [`redis_client`], [`cluster`], [`region`]
 //! 3. [`bucket`]
 //! 4. [`proxy`], [`admin`]
 //! 5. [`app`], [`demo`]

@@ -1,5 +1,6 @@
-//! TLS material: the proxy listener's certificate and the trust placed in
-//! `https://` upstreams.
+//! TLS material: the proxy listener's certificate, the trust placed in
+//! `https://` upstreams, and the CA and client certificate of `rediss://`
+//! connections.
 //!
 //! Owns reading PEM files, for configuration checks and for serving alike,
 //! so that a file `check-config` accepts is one the gateway can load. The
@@ -34,6 +35,11 @@ pub struct TlsError {
 }
 
 impl TlsError {
+    /// The file at fault.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
     /// `problem` with the file at `path`.
     fn new(path: &Path, problem: impl fmt::Display) -> Self {
         Self {
@@ -100,23 +106,69 @@ pub fn check_ca_file(ca_file: Option<&Path>) -> Result<(), TlsError> {
     roots(ca_file).map(drop)
 }
 
+/// The CA and client certificate for `rediss://` connections: `ca_file`'s
+/// certificates trusted instead of the system's roots, and a client
+/// certificate chain with its key for mutual TLS; `None` when neither is
+/// set (the system's roots, no client certificate).
+///
+/// # Errors
+/// When a file cannot be read, holds no usable certificate, or the key
+/// does not belong to the client certificate.
+pub fn redis_certificates(
+    ca_file: Option<&Path>,
+    client: Option<(&Path, &Path)>,
+) -> Result<Option<redis::TlsCertificates>, TlsError> {
+    if ca_file.is_none() && client.is_none() {
+        return Ok(None);
+    }
+    let root_cert = match ca_file {
+        Some(path) => {
+            let pem = read(path)?;
+            roots_from(path, &pem)?;
+            Some(pem)
+        }
+        None => None,
+    };
+    let client_tls = match client {
+        Some((cert_path, key_path)) => {
+            let (cert, key) = (read(cert_path)?, read(key_path)?);
+            certified_key((cert_path, &cert), (key_path, &key))?;
+            Some(redis::ClientTlsConfig {
+                client_cert: cert,
+                client_key: key,
+            })
+        }
+        None => None,
+    };
+    Ok(Some(redis::TlsCertificates {
+        client_tls,
+        root_cert,
+    }))
+}
+
 /// The roots trusted for upstreams: those in `ca_file` alone when given,
 /// else the system's.
 fn roots(ca_file: Option<&Path>) -> Result<RootCertStore, TlsError> {
+    match ca_file {
+        Some(path) => roots_from(path, &read(path)?),
+        None => trusted(
+            Path::new("the system's trusted certificates"),
+            rustls_native_certs::load_native_certs().certs,
+        ),
+    }
+}
+
+/// The CA certificates in the PEM text `pem`, read from `path`.
+fn roots_from(path: &Path, pem: &[u8]) -> Result<RootCertStore, TlsError> {
+    trusted(path, certificates(path, pem)?)
+}
+
+/// A root store of `certs` (from `source`); at least one must be usable.
+fn trusted(source: &Path, certs: Vec<CertificateDer<'static>>) -> Result<RootCertStore, TlsError> {
     let mut roots = RootCertStore::empty();
-    let (certs, source) = match ca_file {
-        Some(path) => (certificates(path, &read(path)?)?, path.to_owned()),
-        None => {
-            let found = rustls_native_certs::load_native_certs();
-            (
-                found.certs,
-                PathBuf::from("the system's trusted certificates"),
-            )
-        }
-    };
     let (added, _) = roots.add_parsable_certificates(certs);
     if added == 0 {
-        return Err(TlsError::new(&source, "no usable CA certificate"));
+        return Err(TlsError::new(source, "no usable CA certificate"));
     }
     Ok(roots)
 }

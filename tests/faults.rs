@@ -93,12 +93,13 @@ async fn healthy(setup: &Setup) {
     );
 }
 
-/// During the fault: the breaker opens, each instance holds 1/N, and no
-/// request waits on Redis any more.
+/// During the fault: the breaker opens (every primary's, on a Cluster
+/// that refuses every slot once one is lost), each instance holds 1/N,
+/// and no request waits on Redis any more.
 async fn degraded(setup: &Setup, tenant: &str) {
-    all_ready(setup, "breaker", "open".into(), Duration::from_secs(5)).await;
+    all_ready(setup, "redis", "down".into(), Duration::from_secs(5)).await;
     for gw in &setup.gateways {
-        assert_eq!(ready(gw).await["redis"], "down");
+        assert_eq!(ready(gw).await["breaker"], "open");
         assert_eq!(
             limit_of(gw, tenant).await.as_deref(),
             Some("10"),
@@ -195,6 +196,10 @@ async fn a_killed_redis_restarted_empty_serves_full_buckets_again() {
     assert!(redis.command_calls("script|load") >= 1);
 }
 
+/// Without replicas, a Cluster that loses a primary refuses every slot
+/// (`CLUSTERDOWN`, as `cluster-require-full-coverage` defaults to yes):
+/// every primary's breaker opens, and each closes again once the Cluster
+/// serves.
 #[actix_web::test]
 async fn a_cluster_losing_a_master_falls_back_and_recovers() {
     let mut cluster = RedisCluster::start();

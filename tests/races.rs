@@ -30,6 +30,9 @@ async fn parallel_script_calls_from_separate_connections_never_overspend() {
         timeout: std::time::Duration::from_secs(5),
         connect_timeout: std::time::Duration::from_secs(1),
         max_keys_per_call: 16,
+        credentials: Default::default(),
+        sentinel_credentials: Default::default(),
+        tls: Default::default(),
     };
     // Four clients, each with its own connection, like four gateways.
     let connector = RedisConnector::new(&settings).unwrap().unwrap();

@@ -26,6 +26,9 @@ fn bucket(redis: &RedisServer, timeout: Duration) -> RedisBucket {
         timeout,
         connect_timeout: Duration::from_secs(1),
         max_keys_per_call: 16,
+        credentials: Default::default(),
+        sentinel_credentials: Default::default(),
+        tls: Default::default(),
     };
     let conn = RedisConnector::new(&settings).unwrap().unwrap().connect();
     RedisBucket::new(conn, timeout, Metrics::new(), SystemClock::shared())

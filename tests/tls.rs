@@ -9,112 +9,15 @@ mod common;
 
 use std::io::{BufRead, Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::certs::{make_ca, make_leaf};
 use common::{Gateway, Stack, TempDir, wait_until};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName};
-
-/// Runs `openssl` with `args`; fails with how to install it when missing.
-fn openssl(args: &[&str], dir: &Path) {
-    let out = Command::new("openssl")
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .unwrap_or_else(|e| {
-            panic!("cannot run openssl ({e}); install it: apt-get install -y openssl")
-        });
-    assert!(
-        out.status.success(),
-        "openssl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// A test CA in `dir` (`ca.crt`, `ca.key`).
-fn make_ca(dir: &Path) -> PathBuf {
-    openssl(
-        &[
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-days",
-            "2",
-            "-subj",
-            "/CN=tollgate test CA",
-            "-keyout",
-            "ca.key",
-            "-out",
-            "ca.crt",
-        ],
-        dir,
-    );
-    dir.join("ca.crt")
-}
-
-/// A server certificate for `host` signed by the CA in
-/// `dir`: `<file>.crt`, `<file>.key`.
-fn make_leaf(dir: &Path, file: &str, host: &str) -> (PathBuf, PathBuf) {
-    let ext = dir.join(format!("{file}.ext"));
-    std::fs::write(
-        &ext,
-        format!(
-            "subjectAltName=DNS:{host}\nbasicConstraints=CA:FALSE\n\
-             extendedKeyUsage=serverAuth\n"
-        ),
-    )
-    .unwrap();
-    let (key, csr, crt) = (
-        format!("{file}.key"),
-        format!("{file}.csr"),
-        format!("{file}.crt"),
-    );
-    openssl(
-        &[
-            "req",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-subj",
-            &format!("/CN={host}"),
-            "-keyout",
-            &key,
-            "-out",
-            &csr,
-        ],
-        dir,
-    );
-    openssl(
-        &[
-            "x509",
-            "-req",
-            "-in",
-            &csr,
-            "-CA",
-            "ca.crt",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-days",
-            "2",
-            "-out",
-            &crt,
-            "-extfile",
-            ext.to_str().unwrap(),
-        ],
-        dir,
-    );
-    (dir.join(crt), dir.join(key))
-}
 
 /// `toml` with the listener's TLS files and `client.header_timeout_ms`
 /// (which also ends idle kept-alive connections).

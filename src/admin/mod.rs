@@ -22,6 +22,7 @@ use serde_json::json;
 use crate::bucket::{LimiterCore, RedisState, WarmWorkers};
 use crate::clock::unix_now_seconds;
 use crate::key::RouteId;
+use crate::redis_client::{Mode, Topology};
 use crate::region::shares::SharesHandle;
 use crate::rules::RulesHandle;
 use error::AdminError;
@@ -182,6 +183,7 @@ async fn ready(state: web::Data<AdminState>) -> HttpResponse {
         "region": state.region,
         "redis": redis.as_str(),
         "breaker": state.limiter.breaker_state().map(|b| b.as_str()),
+        "redis_topology": state.limiter.topology().map(|t| topology(t)),
         "redis_failures": state.limiter.redis_failures(),
         "live_instances": state.limiter.instances().get(),
         "rules": {
@@ -196,11 +198,40 @@ async fn ready(state: web::Data<AdminState>) -> HttpResponse {
     }))
 }
 
+/// Redis's layout without secrets: the mode, each primary with its
+/// breaker (and its slot count on a Cluster), and the failovers followed.
+fn topology(t: &Topology) -> serde_json::Value {
+    let layout = t.layout();
+    let cluster = t.mode() == Mode::Cluster;
+    let primaries: Vec<serde_json::Value> = layout
+        .shards
+        .iter()
+        .map(|shard| {
+            let mut node = json!({
+                "address": shard.addr.to_string(),
+                "breaker": shard.gate.state().as_str(),
+            });
+            if cluster {
+                node["slots"] = shard.slots.into();
+            }
+            node
+        })
+        .collect();
+    json!({
+        "mode": t.mode().as_str(),
+        "primaries": primaries,
+        "failovers": t.failovers(),
+        "last_failover_unix": t.last_failover_unix(),
+    })
+}
+
 /// Whether the gateway is ready: without Redis at once; with Redis once
-/// every worker's connection is warm, or once Redis is known to be down
-/// (requests are then decided locally, which is the best it can do).
+/// every worker's connection is warm, or once some of Redis is known to
+/// be down (requests for it are then decided locally, which is the best
+/// it can do).
 fn is_ready(redis: RedisState, warm: Option<&WarmWorkers>) -> bool {
-    redis == RedisState::Down || warm.is_none_or(WarmWorkers::all_warm)
+    matches!(redis, RedisState::Down | RedisState::Partial)
+        || warm.is_none_or(WarmWorkers::all_warm)
 }
 
 /// Prometheus text exposition.
@@ -220,6 +251,7 @@ mod tests {
         let cold = WarmWorkers::new(2);
         assert!(!is_ready(RedisState::Up, Some(&cold)), "starting");
         assert!(is_ready(RedisState::Down, Some(&cold)), "serving locally");
+        assert!(is_ready(RedisState::Partial, Some(&cold)), "a node down");
         assert!(is_ready(RedisState::Disabled, None));
         assert!(is_ready(RedisState::Up, Some(&WarmWorkers::new(0))));
     }

@@ -1,29 +1,41 @@
 //! What `check-config` verifies beyond the configuration file itself: the
-//! region files and the rules file it names.
+//! region files, the rules file, and the Redis client's files (password,
+//! CA, client certificate) it names.
 
 use std::sync::Arc;
 
 use crate::config::{Config, RuleSource};
+use crate::redis_client::RedisConnector;
 use crate::region;
 use crate::region::model::{RegionSpec, Regions};
 use crate::rules;
 
 /// Checks what the config file only names: the region files, when a region
-/// is set, and the rules file, when rules come from one (a database is not
-/// contacted: the gateway serves without it). Returns a one-line summary.
+/// is set, the rules file, when rules come from one (a database is not
+/// contacted: the gateway serves without it), and the Redis client's files,
+/// read as the gateway reads them (Redis is not contacted). Returns a
+/// one-line summary.
 ///
 /// # Errors
 /// One line per problem, from all of them at once.
 pub fn check(config: &Config) -> Result<String, Vec<String>> {
     let mut problems = Vec::new();
-    let regions = match regions(config) {
-        Ok(None) => String::new(),
-        Ok(Some((region, all))) => format!(", region {} of {}", region.id, all.all.len()),
+    let (regions, redis) = match regions(config) {
+        Ok(None) => (String::new(), Some(config.redis.clone())),
+        Ok(Some((region, all))) => (
+            format!(", region {} of {}", region.id, all.all.len()),
+            Some(region.redis_settings(&config.redis)),
+        ),
         Err(found) => {
             problems.extend(found);
-            String::new()
+            (String::new(), None)
         }
     };
+    if let Some(settings) = redis
+        && let Err(e) = RedisConnector::new(&settings)
+    {
+        problems.push(e.to_string());
+    }
     let rules = match &config.rules.source {
         RuleSource::Database(_) => "rules from PostgreSQL".to_owned(),
         RuleSource::File(path) => match rules::file::read(path)

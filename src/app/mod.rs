@@ -2,7 +2,7 @@
 //! shuts down gracefully.
 //!
 //! Owns startup order (telemetry → rules → regions and shares → Redis
-//! client → membership and breaker actors → limiter → rebalancer →
+//! client and its topology watcher → membership and breaker actors → limiter → rebalancer →
 //! scheduled jobs → proxy and admin listeners) and shutdown order (stop
 //! accepting, drain in-flight requests, stop jobs). [`run`] takes its
 //! listeners and shutdown signal as arguments, so tests bind port 0 and stop
@@ -17,7 +17,7 @@ use anyhow::Context as _;
 use tokio_cron_scheduler::{Job, JobScheduler};
 
 use crate::admin::{self, AdminState};
-use crate::breaker::{self, BreakerGate};
+use crate::breaker;
 use crate::bucket::{
     BucketClient, HotKeys, Limiter, LimiterCore, LocalBuckets, RedisBucket, WarmWorkers,
 };
@@ -113,6 +113,11 @@ pub async fn run(
         RedisTarget::Cluster(nodes) => {
             tracing::info!(seeds = nodes.len(), "Buckets live in a Redis Cluster.")
         }
+        RedisTarget::Sentinel { nodes, master } => tracing::info!(
+            sentinels = nodes.len(),
+            master = %master,
+            "Buckets live in the Redis primary that Sentinel names."
+        ),
     }
     // Control-plane calls (membership, probes) may wait a little longer
     // than request-path calls.
@@ -127,18 +132,22 @@ pub async fn run(
         control_timeout,
         metrics.clone(),
     );
+    if let Some(connector) = &redis {
+        connector
+            .watch(clock.clone())
+            .context("cannot follow the Redis deployment")?;
+    }
     let breaker = redis.as_ref().map(|connector| {
-        let gate = Arc::new(BreakerGate::new());
         breaker::prober::start(
-            gate.clone(),
+            connector.topology().clone(),
             config.breaker,
             connector.connect(),
-            format!("tollgate:{{probe}}:{}", config.instance.id),
+            config.instance.id.clone(),
             control_timeout,
             clock.clone(),
             metrics.clone(),
         );
-        gate
+        connector.topology().clone()
     });
     let limiter = Arc::new(LimiterCore::new(
         LocalBuckets::new(config.fallback.max_keys, clock.clone()),
@@ -203,7 +212,6 @@ pub async fn run(
     let request_timeout = redis_settings.timeout;
     let max_keys_per_call = redis_settings.max_keys_per_call;
     let cluster = matches!(redis_settings.target, RedisTarget::Cluster(_));
-    let gate = breaker.clone();
     let warm = redis
         .as_ref()
         .map(|_| Arc::new(WarmWorkers::new(config.server.workers)));
@@ -244,19 +252,17 @@ pub async fn run(
         // Its bucket client (an actor on this worker) coalesces the
         // worker's decisions into shared script calls.
         let store = redis.as_ref().map(|r| {
-            let bucket =
-                RedisBucket::new(r.connect(), request_timeout, metrics.clone(), clock.clone());
+            let bucket = RedisBucket::new(
+                r.connect_reporting(),
+                request_timeout,
+                metrics.clone(),
+                clock.clone(),
+            );
             if let Some(warm) = &warm_workers {
                 let (bucket, warm) = (bucket.clone(), warm.clone());
                 actix_web::rt::spawn(async move { bucket.warm_up(control_timeout, &warm).await });
             }
-            BucketClient::start(
-                bucket,
-                gate.clone(),
-                metrics.clone(),
-                cluster,
-                max_keys_per_call,
-            )
+            BucketClient::start(bucket, metrics.clone(), cluster, max_keys_per_call)
         });
         Worker {
             state: proxy_state.clone(),

@@ -1,16 +1,25 @@
-//! The actor that drives the breaker off the request path.
+//! The actor that drives the breakers off the request path.
 //!
-//! Every [`TICK`] it drains the gate's counters into the state machine and
-//! publishes the result. Probes are a bounded `SET` of a short-lived key on
-//! the actor's own connection (a keyed write, so a cluster that refuses
-//! keys or a server that refuses writes does not pass), one at a time:
+//! One state machine per shard of the Redis topology (the single server,
+//! the primary Sentinel names, or each Cluster primary), so a node that
+//! fails opens only its own breaker. Every [`TICK`] the actor follows the
+//! current layout (a primary new to it starts closed, one gone from it
+//! is forgotten), drains each gate's counters into its machine and
+//! publishes the result. Probes are a bounded `SET` of a short-lived key
+//! whose slot the shard serves, sent to that shard on the actor's own
+//! connection (a keyed write, so a server that refuses keys or writes
+//! does not pass), one at a time per shard:
 //! - while closed, a health probe every [`HEALTH_PERIOD`], traffic or not,
 //!   from the moment the gateway starts: an unreachable Redis opens the
 //!   breaker within about a second, so `/ready` tells the truth without
 //!   traffic;
 //! - while half-open, one probe: success closes the breaker, failure
 //!   re-opens it for another cool-down.
+//!
+//! A failed probe also marks the layout suspect, so a failover is looked
+//! for at once.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -21,132 +30,202 @@ use super::BreakerGate;
 use super::state::{Machine, State, Transition};
 use crate::clock::{SharedClock, millis};
 use crate::config::BreakerSettings;
-use crate::redis_client::RedisConn;
+use crate::redis_client::{Mode, NodeAddr, RedisConn, Route, Topology};
 use crate::telemetry::Metrics;
 
-/// How often the state machine is advanced.
+/// How often the state machines are advanced.
 pub const TICK: Duration = Duration::from_millis(50);
 
-/// How often a closed breaker probes Redis in the background.
+/// How often a closed breaker probes its shard in the background.
 pub const HEALTH_PERIOD: Duration = Duration::from_millis(500);
 
 /// Starts the breaker actor on the current arbiter.
 ///
-/// `probe` is a connection of its own; `probe_key` names the key the probe
-/// writes (one per instance).
+/// `probe` is a connection of its own; `instance` names the keys probes
+/// write (one per instance and shard).
 pub fn start(
-    gate: Arc<BreakerGate>,
+    topology: Arc<Topology>,
     settings: BreakerSettings,
     probe: RedisConn,
-    probe_key: String,
+    instance: String,
     probe_timeout: Duration,
     clock: SharedClock,
     metrics: Metrics,
 ) {
-    let machine = Machine::new(settings, clock.now_ms());
     metrics.breaker_state(State::Closed as u8);
     BreakerActor {
-        gate,
-        machine,
+        topology,
+        settings,
+        shards: HashMap::new(),
         probe,
-        probe_key,
+        instance,
         probe_timeout,
-        probing: false,
-        last_health_ms: None,
         clock,
         metrics,
+        worst: State::Closed,
     }
     .start();
 }
 
-/// Owns the state machine.
-struct BreakerActor {
-    /// Published state and outcome counters.
+/// One shard's breaker.
+struct ShardBreaker {
+    /// What the request path reads and reports to.
     gate: Arc<BreakerGate>,
     /// Transitions.
     machine: Machine,
-    /// Connection for probes.
-    probe: RedisConn,
-    /// Key the probe writes.
+    /// The key the probe writes (its slot served by this shard).
     probe_key: String,
-    /// Bound on one probe.
-    probe_timeout: Duration,
     /// Whether a probe is in flight.
     probing: bool,
     /// When the last health probe was sent.
     last_health_ms: Option<u64>,
+}
+
+/// Owns the state machines.
+struct BreakerActor {
+    /// The shards, with their gates.
+    topology: Arc<Topology>,
+    /// Thresholds and durations of every machine.
+    settings: BreakerSettings,
+    /// Each known primary's breaker.
+    shards: HashMap<NodeAddr, ShardBreaker>,
+    /// Connection for probes.
+    probe: RedisConn,
+    /// This instance's id, in probe keys.
+    instance: String,
+    /// Bound on one probe.
+    probe_timeout: Duration,
     /// Time.
     clock: SharedClock,
     /// State gauge and transition counter.
     metrics: Metrics,
+    /// The worst state published to the gauge.
+    worst: State,
 }
 
 impl BreakerActor {
     fn tick(&mut self, ctx: &mut Context<Self>) {
-        let seen = self.gate.drain();
+        let layout = self.topology.layout();
         let now = self.clock.now_ms();
-        if let Some(t) = self.machine.observe(seen, now) {
-            self.apply(t);
-        }
-        if self.probing {
-            return;
-        }
-        let health_due = self
-            .last_health_ms
-            .is_none_or(|last| now.saturating_sub(last) >= millis(HEALTH_PERIOD));
-        match self.machine.state() {
-            State::HalfOpen => self.probe(ctx, Machine::probe_result),
-            State::Closed if health_due => {
-                self.last_health_ms = Some(now);
-                self.probe(ctx, Machine::health_result);
+        self.shards
+            .retain(|addr, _| layout.shard_at(addr).is_some());
+        let mut due = Vec::new();
+        for shard in &layout.shards {
+            let breaker = self
+                .shards
+                .entry(shard.addr.clone())
+                .or_insert_with(|| ShardBreaker {
+                    gate: shard.gate.clone(),
+                    machine: Machine::new(self.settings, now),
+                    probe_key: format!("tollgate:{}:{}", shard.probe_tag, self.instance),
+                    probing: false,
+                    last_health_ms: None,
+                });
+            let seen = breaker.gate.drain();
+            let transition = breaker.machine.observe(seen, now);
+            if let Some(t) = transition {
+                self.apply(&shard.addr, t);
             }
-            _ => {}
+            // unwrap: inserted above.
+            let breaker = self.shards.get_mut(&shard.addr).expect("just inserted");
+            if breaker.probing {
+                continue;
+            }
+            let health_due = breaker
+                .last_health_ms
+                .is_none_or(|last| now.saturating_sub(last) >= millis(HEALTH_PERIOD));
+            match breaker.machine.state() {
+                State::HalfOpen => due.push((shard.addr.clone(), Machine::probe_result as Judge)),
+                State::Closed if health_due => {
+                    breaker.last_health_ms = Some(now);
+                    due.push((shard.addr.clone(), Machine::health_result as Judge));
+                }
+                _ => {}
+            }
         }
+        for (addr, judge) in due {
+            self.probe(ctx, addr, judge);
+        }
+        self.publish_worst();
     }
 
-    /// Sends one probe and hands its result to `judge`.
-    fn probe(
-        &mut self,
-        ctx: &mut Context<Self>,
-        judge: fn(&mut Machine, bool, u64) -> Option<Transition>,
-    ) {
-        self.probing = true;
+    /// Sends one probe to the shard at `addr` and hands its result to
+    /// `judge`.
+    fn probe(&mut self, ctx: &mut Context<Self>, addr: NodeAddr, judge: Judge) {
+        let Some(breaker) = self.shards.get_mut(&addr) else {
+            return;
+        };
+        breaker.probing = true;
         let (conn, timeout) = (self.probe.clone(), self.probe_timeout);
         let mut cmd = redis::cmd("SET");
-        cmd.arg(&self.probe_key).arg(1).arg("PX").arg(10_000);
+        cmd.arg(&breaker.probe_key).arg(1).arg("PX").arg(10_000);
         ctx.spawn(
-            async move { conn.query::<()>(&cmd, timeout).await }
-                .into_actor(self)
-                .map(move |result, actor, _| {
-                    actor.probing = false;
-                    if let Err(e) = &result {
-                        tracing::debug!(error = %e, "Redis probe failed.");
-                    }
-                    let now = actor.clock.now_ms();
-                    if let Some(t) = judge(&mut actor.machine, result.is_ok(), now) {
-                        actor.apply(t);
-                    }
-                }),
+            async move {
+                let result = conn.query::<()>(Route::Node(&addr), &cmd, timeout).await;
+                (addr, result)
+            }
+            .into_actor(self)
+            .map(move |(addr, result), actor, _| {
+                if let Err(e) = &result {
+                    tracing::debug!(node = %addr, error = %e, "Redis probe failed.");
+                    actor.topology.suspect();
+                }
+                let now = actor.clock.now_ms();
+                let Some(breaker) = actor.shards.get_mut(&addr) else {
+                    return;
+                };
+                breaker.probing = false;
+                if let Some(t) = judge(&mut breaker.machine, result.is_ok(), now) {
+                    actor.apply(&addr, t);
+                    actor.publish_worst();
+                }
+            }),
         );
     }
 
-    /// Publishes a transition, counts and logs it.
-    fn apply(&mut self, (from, to): Transition) {
-        self.gate.publish(to);
-        self.metrics.breaker_state(to as u8);
+    /// Publishes a shard's transition, counts and logs it.
+    fn apply(&mut self, addr: &NodeAddr, (from, to): Transition) {
+        if let Some(breaker) = self.shards.get(addr) {
+            breaker.gate.publish(to);
+        }
         self.metrics.breaker_transition(to.as_str());
+        let node = addr.to_string();
+        let cluster = self.topology.mode() == Mode::Cluster;
         match to {
+            State::Open if from == State::Closed && cluster => tracing::warn!(
+                node,
+                "Redis circuit breaker opened for one Cluster node: its slots are decided locally at 1/N of each limit."
+            ),
             State::Open if from == State::Closed => tracing::warn!(
+                node,
                 "Redis circuit breaker opened: requests are decided locally at 1/N of each limit."
             ),
-            State::Open => tracing::warn!("Redis is still unavailable; the breaker stays open."),
-            State::HalfOpen => tracing::warn!("Redis circuit breaker half-open: probing Redis."),
+            State::Open => {
+                tracing::warn!(node, "Redis is still unavailable; the breaker stays open.")
+            }
+            State::HalfOpen => {
+                tracing::warn!(node, "Redis circuit breaker half-open: probing Redis.")
+            }
             State::Closed => tracing::warn!(
+                node,
                 "Redis circuit breaker closed: limits are shared cluster-wide again."
             ),
         }
     }
+
+    /// Sets the state gauge to the worst shard's state (open when no
+    /// shard is known), when it changed.
+    fn publish_worst(&mut self) {
+        let worst = self.topology.worst_state().unwrap_or(State::Open);
+        if worst != self.worst {
+            self.worst = worst;
+            self.metrics.breaker_state(worst as u8);
+        }
+    }
 }
+
+/// How a probe's result moves a machine.
+type Judge = fn(&mut Machine, bool, u64) -> Option<Transition>;
 
 impl Actor for BreakerActor {
     type Context = Context<Self>;

@@ -17,15 +17,15 @@
 //! group is never split; all its keys share the tenant's slot); each key
 //! counts against the cap.
 //!
-//! Each call is bounded by `redis.timeout_ms` and reported to the breaker
-//! once, success or failure; when it fails every decision in it hears
+//! Each call is bounded by `redis.timeout_ms` and reported (by the store)
+//! to the breaker of the primary it went to, once, success or failure;
+//! when it fails every decision in it hears
 //! [`RedisCallError::CallFailed`] and is decided locally. A decision waits
 //! at most two timeouts in all (the call in flight ahead of it, then its
 //! own), whatever befalls the client; one that gives up while still queued
 //! is decided locally and never sent, so it spends no tokens nobody uses.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::Arc;
 use std::time::Duration;
 
 use actix::fut::{ActorFutureExt, WrapFuture};
@@ -36,7 +36,6 @@ use tokio::sync::oneshot;
 use super::decision::{Ask, BucketSpec, Grant, GroupGrant, GroupLimit};
 use super::redis::RedisBucket;
 use super::store::{Answer, BatchStore, Item, SharedStore};
-use crate::breaker::BreakerGate;
 use crate::redis_client::RedisCallError;
 use crate::telemetry::Metrics;
 
@@ -159,8 +158,6 @@ struct Queue {
 pub struct BucketClient<B: BatchStore = RedisBucket> {
     /// This worker's script client.
     redis: B,
-    /// Told about every call's outcome; `None` without a breaker.
-    gate: Option<Arc<BreakerGate>>,
     /// Error counts and keys per call.
     metrics: Metrics,
     /// Whether keys are grouped by Cluster slot.
@@ -174,17 +171,10 @@ pub struct BucketClient<B: BatchStore = RedisBucket> {
 impl<B: BatchStore> BucketClient<B> {
     /// Starts a client on the current arbiter (call it on the worker that
     /// will use it) and returns the store the worker's limiter uses.
-    pub fn start(
-        redis: B,
-        gate: Option<Arc<BreakerGate>>,
-        metrics: Metrics,
-        cluster: bool,
-        max_keys: usize,
-    ) -> Coalesced<B> {
+    pub fn start(redis: B, metrics: Metrics, cluster: bool, max_keys: usize) -> Coalesced<B> {
         let timeout = redis.timeout();
         let addr = Self {
             redis,
-            gate,
             metrics,
             cluster,
             max_keys: max_keys.max(1),
@@ -230,20 +220,10 @@ impl<B: BatchStore> BucketClient<B> {
         self.send(ctx, group, batch, keys);
     }
 
-    /// Reports a call's outcome to the breaker and the error counter.
+    /// Counts a failed call (the store told the breaker).
     fn report(&self, result: Result<(), &RedisCallError>) {
-        match result {
-            Ok(()) => {
-                if let Some(gate) = &self.gate {
-                    gate.success();
-                }
-            }
-            Err(e) => {
-                if let Some(gate) = &self.gate {
-                    gate.failure();
-                }
-                self.metrics.redis_error(e.kind());
-            }
+        if let Err(e) = result {
+            self.metrics.redis_error(e.kind());
         }
     }
 
@@ -395,7 +375,10 @@ mod tests {
 
     use futures_util::future::join_all;
 
+    use std::sync::Arc;
+
     use super::*;
+    use crate::breaker::BreakerGate;
     use crate::bucket::decision::GroupLimit;
     use crate::bucket::store::fake::{FakeStore, Fault};
     use crate::clock::TokioClock;
@@ -408,13 +391,7 @@ mod tests {
     ) -> (FakeStore, Arc<BreakerGate>, Coalesced<FakeStore>) {
         let gate = Arc::new(BreakerGate::new());
         let store = FakeStore::new(TokioClock::shared(), TIMEOUT, gate.clone());
-        let client = BucketClient::start(
-            store.clone(),
-            Some(gate.clone()),
-            Metrics::new(),
-            cluster,
-            max_keys,
-        );
+        let client = BucketClient::start(store.clone(), Metrics::new(), cluster, max_keys);
         (store, gate, client)
     }
 

@@ -3,7 +3,8 @@
 //! Owns the order in which a request's tokens are sought, and the bucket in
 //! force for the answer:
 //! 1. sub-bucket: a sharded rule picks one of its sub-buckets ([`super::shard`]);
-//! 2. breaker: while it is open, the local limiter decides;
+//! 2. breaker: while the breaker of the primary serving the key is open
+//!    (on a Cluster, each primary has its own), the local limiter decides;
 //! 3. hot keys ([`super::lease`]): the over-limit cache rejects, or a lease
 //!    admits, without calling Redis (fetching the next lease in the
 //!    background when this one runs low);
@@ -31,10 +32,11 @@ use super::lease::{HotKeys, Plan};
 use super::local::LocalBuckets;
 use super::shard;
 use super::store::SharedStore;
-use crate::breaker::{BreakerGate, State};
+use crate::breaker::State;
 use crate::clock::SharedClock;
 use crate::cluster::LiveInstances;
 use crate::key::{BucketKey, RouteId, TenantId};
+use crate::redis_client::{Health, Topology};
 use crate::rules::Limit;
 use crate::telemetry::{DecisionSource, Metrics};
 
@@ -54,9 +56,16 @@ pub struct Verdict {
 pub enum RedisState {
     /// No Redis configured: local-only limiting.
     Disabled,
-    /// The breaker is closed: decisions are shared.
+    /// The primaries of a Cluster or Sentinel are being looked up for the
+    /// first time.
+    Starting,
+    /// Every primary's breaker is closed: decisions are shared.
     Up,
-    /// The breaker is open or probing: decisions are local.
+    /// Some Cluster primaries' breakers are open or probing: their keys
+    /// are decided locally, the others' shared.
+    Partial,
+    /// No primary's breaker is closed (or none is known yet): decisions
+    /// are local.
     Down,
 }
 
@@ -65,7 +74,9 @@ impl RedisState {
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Disabled => "disabled",
+            Self::Starting => "starting",
             Self::Up => "up",
+            Self::Partial => "partial",
             Self::Down => "down",
         }
     }
@@ -82,8 +93,9 @@ pub struct LimiterCore {
     answers: GroupMemory,
     /// N, the divisor of the local share.
     live: Arc<LiveInstances>,
-    /// The breaker in front of Redis; `None` without Redis.
-    breaker: Option<Arc<BreakerGate>>,
+    /// Redis's primaries, each with the breaker in front of it; `None`
+    /// without Redis.
+    breaker: Option<Arc<Topology>>,
     /// Decision timings.
     clock: SharedClock,
     /// Decision, error and fallback counters.
@@ -91,12 +103,13 @@ pub struct LimiterCore {
 }
 
 impl LimiterCore {
-    /// Shared state; `breaker` is `None` in local-only mode.
+    /// Shared state; `breaker` (Redis's topology, with a breaker per
+    /// primary) is `None` in local-only mode.
     pub fn new(
         local: LocalBuckets,
         hot: HotKeys,
         live: Arc<LiveInstances>,
-        breaker: Option<Arc<BreakerGate>>,
+        breaker: Option<Arc<Topology>>,
         clock: SharedClock,
         metrics: Metrics,
     ) -> Self {
@@ -113,22 +126,32 @@ impl LimiterCore {
 
     /// Whether Redis is configured and in use.
     pub fn redis_state(&self) -> RedisState {
-        match self.breaker_state() {
+        match self.breaker.as_ref().map(|t| t.health()) {
             None => RedisState::Disabled,
-            Some(State::Closed) => RedisState::Up,
-            Some(_) => RedisState::Down,
+            Some(Health::Unknown) => RedisState::Starting,
+            Some(Health::Up) => RedisState::Up,
+            Some(Health::Partial) => RedisState::Partial,
+            Some(Health::Down) => RedisState::Down,
         }
     }
 
-    /// The breaker's state; `None` without Redis.
+    /// The worst primary's breaker state (open while no primary is
+    /// known); `None` without Redis.
     pub fn breaker_state(&self) -> Option<State> {
-        self.breaker.as_ref().map(|b| b.state())
+        self.breaker
+            .as_ref()
+            .map(|t| t.worst_state().unwrap_or(State::Open))
+    }
+
+    /// Redis's topology; `None` without Redis.
+    pub fn topology(&self) -> Option<&Arc<Topology>> {
+        self.breaker.as_ref()
     }
 
     /// Redis calls of this gateway that failed or timed out since start;
     /// `None` without Redis.
     pub fn redis_failures(&self) -> Option<u64> {
-        self.breaker.as_ref().map(|b| b.total_failures())
+        self.breaker.as_ref().map(|t| t.total_failures())
     }
 
     /// Live gateway instances (N of the 1/N local share).
@@ -192,10 +215,8 @@ impl<S: SharedStore> Limiter<S> {
         let started = core.clock.now_micros();
         let whole = BucketSpec::of(limit.capacity, limit.refill_per_second).scaled(share);
         let verdict = match (&self.redis, &core.breaker) {
-            (Some(redis), Some(gate)) if gate.allows() => {
-                self.shared(redis, tenant, route, limit, whole, cost).await
-            }
-            (Some(_), _) => core.fallback(&BucketKey::new(tenant, route), &whole, cost),
+            (Some(redis), Some(_)) => self.shared(redis, tenant, route, limit, whole, cost).await,
+            (Some(_), None) => core.fallback(&BucketKey::new(tenant, route), &whole, cost),
             (None, _) => core.local(&BucketKey::new(tenant, route), &whole, cost),
         };
         let elapsed = core.clock.now_micros().saturating_sub(started);
@@ -203,8 +224,7 @@ impl<S: SharedStore> Limiter<S> {
         verdict
     }
 
-    /// Steps 1 and 3–5 with the breaker closed; `whole` is this region's
-    /// share of `limit`.
+    /// Steps 1–5; `whole` is this region's share of `limit`.
     async fn shared(
         &self,
         redis: &S,
@@ -229,6 +249,14 @@ impl<S: SharedStore> Limiter<S> {
                 whole.divided(shards),
             )
         };
+        // The breaker of the primary serving the key.
+        if !core
+            .breaker
+            .as_ref()
+            .is_some_and(|t| t.allows(key.as_str()))
+        {
+            return core.fallback(&BucketKey::new(tenant, route), &whole, cost);
+        }
         // Remaining tokens of one sub-bucket, scaled to the whole limit.
         let verdict = |mut decision: Decision, source| {
             decision.remaining =

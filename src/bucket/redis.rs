@@ -18,7 +18,7 @@ use redis::Script;
 use super::decision::{Ask, BucketSpec, Decision, Grant, GroupGrant, GroupLimit};
 use super::store::{Answer, Item};
 use crate::clock::SharedClock;
-use crate::redis_client::{RedisCallError, RedisConn};
+use crate::redis_client::{RedisCallError, RedisConn, Route};
 use crate::telemetry::Metrics;
 
 /// The token bucket script's source, compiled into the binary.
@@ -88,19 +88,15 @@ impl RedisBucket {
         self.timeout
     }
 
-    /// Connects this worker's connection and loads the script through it
-    /// (`SCRIPT LOAD` reaches every node of a Cluster), each attempt
-    /// bounded by `attempt_timeout`, retrying with backoff until Redis
-    /// answers; then counts this worker in `workers`.
+    /// Connects this worker's connections and loads the script through
+    /// them (on every primary known), each attempt bounded by
+    /// `attempt_timeout`, retrying with backoff until Redis answers; then
+    /// counts this worker in `workers`.
     pub async fn warm_up(&self, attempt_timeout: Duration, workers: &WarmWorkers) {
         let mut load = redis::cmd("SCRIPT");
         load.arg("LOAD").arg(TOKEN_BUCKET_SOURCE);
         let mut backoff = Duration::from_millis(50);
-        while let Err(e) = self
-            .conn
-            .query::<redis::Value>(&load, attempt_timeout)
-            .await
-        {
+        while let Err(e) = self.conn.query_each(&load, attempt_timeout).await {
             tracing::debug!(error = %e, "Redis not ready for this worker yet; retrying.");
             tokio::time::sleep(backoff).await;
             backoff = (backoff * 2).min(MAX_WARM_UP_BACKOFF);
@@ -141,13 +137,18 @@ impl RedisBucket {
         }
     }
 
-    /// Runs one script invocation under the timeout, timing it.
+    /// Runs one script invocation on the primary serving `key` under the
+    /// timeout, timing it.
     async fn call(
         &self,
+        key: &str,
         invocation: &redis::ScriptInvocation<'_>,
     ) -> Result<Vec<i64>, RedisCallError> {
         let started = self.clock.now_micros();
-        let reply = self.conn.invoke(invocation, self.timeout).await?;
+        let reply = self
+            .conn
+            .invoke(Route::Key(key), invocation, self.timeout)
+            .await?;
         let elapsed = self.clock.now_micros().saturating_sub(started);
         self.metrics.redis_call(elapsed as f64 / 1e6);
         Ok(reply)
@@ -230,7 +231,11 @@ impl RedisBucket {
                 }
             }
         }
-        let reply = self.call(&invocation).await?;
+        let first = batch.first().map_or("", |item| match *item {
+            Item::One(key, ..) => key,
+            Item::Group(group, _) => group.first().map_or("", |(key, _)| key.as_str()),
+        });
+        let reply = self.call(first, &invocation).await?;
         let mut rest = reply.as_slice();
         let mut answers = Vec::with_capacity(batch.len());
         for item in batch {

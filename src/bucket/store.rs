@@ -3,7 +3,8 @@
 //! Owns [`SharedStore`], what the [`super::Limiter`] needs of it: one atomic
 //! take per decision, bounded by the store's own timeout, each call's
 //! outcome reported to the breaker by the store; and [`BatchStore`], what
-//! the coalescer needs below it: several takes in one call. In production
+//! the coalescer needs below it: several takes in one call, each call's
+//! outcome reported to the breaker of the primary it went to. In production
 //! the limiter's store is [`super::Coalesced`] (this worker's bucket-client
 //! actor) over [`RedisBucket`]; tests use an in-memory fake
 //! (`store::fake`, test builds only) that follows the script's arithmetic
@@ -250,7 +251,9 @@ pub(crate) mod fake {
         }
 
         async fn take_batch(&self, batch: &[Item<'_>]) -> Result<Vec<Answer>, RedisCallError> {
-            self.call(batch).await
+            let result = self.call(batch).await;
+            self.tell_gate(result.is_ok());
+            result
         }
     }
 
@@ -258,11 +261,17 @@ pub(crate) mod fake {
         /// One call of `item` alone, its outcome told to the breaker.
         async fn reported(&self, item: Item<'_>) -> Result<Answer, RedisCallError> {
             let result = self.call(&[item]).await;
-            match &result {
-                Ok(_) => self.gate.success(),
-                Err(_) => self.gate.failure(),
-            }
+            self.tell_gate(result.is_ok());
             result.and_then(|mut answers| answers.pop().ok_or(RedisCallError::BadReply))
+        }
+
+        /// Tells the breaker how a call went, as the real store does.
+        fn tell_gate(&self, ok: bool) {
+            if ok {
+                self.gate.success();
+            } else {
+                self.gate.failure();
+            }
         }
 
         /// What the script answers for `item`.

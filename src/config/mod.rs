@@ -14,6 +14,7 @@
 //!
 //! Invariant: a [`Config`] that exists is valid; nothing downstream re-checks it.
 
+mod bucket_store;
 mod entries;
 mod proxying;
 mod raw;
@@ -27,13 +28,15 @@ use std::path::{Path, PathBuf};
 
 use toml::{Table, Value};
 
+pub use bucket_store::redis_target;
 use raw::{RawConfig, RawRoute};
 pub use settings::unknown_route;
 pub use settings::{
     AdminSettings, BreakerSettings, CheckSettings, ClientSettings, Config, FallbackSettings,
     InstanceSettings, LeaseSettings, LimitSettings, ListenerTlsFiles, LogFormat, LogSettings,
-    MetricsSettings, Pace, RebalancerSettings, RedisSettings, RedisTarget, RlsSettings, RouteSpec,
-    RuleSource, RulesSettings, ServerSettings, UpstreamSettings,
+    MetricsSettings, Pace, RebalancerSettings, RedisCredentials, RedisSettings, RedisTarget,
+    RedisTlsFiles, RlsSettings, RouteSpec, RuleSource, RulesSettings, ServerSettings,
+    UpstreamSettings,
 };
 pub use validate::database_url;
 

@@ -92,6 +92,15 @@ pub(crate) struct RawRedis {
     pub(crate) timeout_ms: i64,
     pub(crate) connect_timeout_ms: i64,
     pub(crate) max_keys_per_call: i64,
+    pub(crate) sentinel_nodes: Vec<String>,
+    pub(crate) sentinel_master: String,
+    pub(crate) username: String,
+    pub(crate) password_file: String,
+    pub(crate) sentinel_username: String,
+    pub(crate) sentinel_password_file: String,
+    pub(crate) ca_file: String,
+    pub(crate) tls_cert_file: String,
+    pub(crate) tls_key_file: String,
 }
 
 impl Default for RawRedis {
@@ -102,6 +111,15 @@ impl Default for RawRedis {
             timeout_ms: 5,
             connect_timeout_ms: 200,
             max_keys_per_call: 16,
+            sentinel_nodes: Vec::new(),
+            sentinel_master: String::new(),
+            username: String::new(),
+            password_file: String::new(),
+            sentinel_username: String::new(),
+            sentinel_password_file: String::new(),
+            ca_file: String::new(),
+            tls_cert_file: String::new(),
+            tls_key_file: String::new(),
         }
     }
 }

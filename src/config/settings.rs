@@ -138,7 +138,8 @@ pub struct InstanceSettings {
     pub heartbeat: Duration,
 }
 
-/// Which Redis deployment holds bucket state.
+/// Which Redis deployment holds bucket state. Every URL is `redis://` or
+/// `rediss://` (TLS); the URLs of one list agree on which.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RedisTarget {
     /// No Redis: every decision is local to this instance.
@@ -147,6 +148,56 @@ pub enum RedisTarget {
     Single(String),
     /// A Redis Cluster, reached through these seed URLs.
     Cluster(Vec<String>),
+    /// A primary found through Redis Sentinel, and followed across its
+    /// failovers.
+    Sentinel {
+        /// The sentinels' URLs (the primary is reached with their scheme).
+        nodes: Vec<String>,
+        /// The name the sentinels monitor the primary under.
+        master: String,
+    },
+}
+
+impl RedisTarget {
+    /// Every URL the target names.
+    pub fn urls(&self) -> &[String] {
+        match self {
+            Self::LocalOnly => &[],
+            Self::Single(url) => std::slice::from_ref(url),
+            Self::Cluster(nodes) | Self::Sentinel { nodes, .. } => nodes,
+        }
+    }
+
+    /// Whether the Redis servers are reached over TLS.
+    pub fn is_tls(&self) -> bool {
+        self.urls().iter().any(|u| u.starts_with("rediss://"))
+    }
+}
+
+/// Who tollgate is to a Redis server (or to Sentinel): an ACL user and
+/// the file its password is read from. Unset parts come from the URL.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RedisCredentials {
+    /// The ACL user name.
+    pub username: Option<String>,
+    /// The file holding the password (its first line).
+    pub password_file: Option<PathBuf>,
+}
+
+/// TLS material for `rediss://` connections.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RedisTlsFiles {
+    /// PEM certificates trusted for Redis instead of the system's roots.
+    pub ca_file: Option<PathBuf>,
+    /// PEM client certificate and its private key, for mutual TLS.
+    pub client: Option<(PathBuf, PathBuf)>,
+}
+
+impl RedisTlsFiles {
+    /// Whether any file is set.
+    pub fn is_set(&self) -> bool {
+        self.ca_file.is_some() || self.client.is_some()
+    }
 }
 
 /// `[redis]`.
@@ -160,6 +211,12 @@ pub struct RedisSettings {
     pub connect_timeout: Duration,
     /// Most decisions one coalesced script call carries.
     pub max_keys_per_call: usize,
+    /// Credentials for the Redis servers.
+    pub credentials: RedisCredentials,
+    /// Credentials for the sentinels.
+    pub sentinel_credentials: RedisCredentials,
+    /// TLS material for `rediss://` targets.
+    pub tls: RedisTlsFiles,
 }
 
 /// Where rules are loaded from.

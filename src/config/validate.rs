@@ -18,8 +18,8 @@ use super::redact_url;
 use super::routes::route;
 use super::settings::{
     AdminSettings, BreakerSettings, Config, FallbackSettings, InstanceSettings, LeaseSettings,
-    LimitSettings, LogFormat, LogSettings, MetricsSettings, RebalancerSettings, RedisSettings,
-    RedisTarget, RouteSpec, RuleSource, RulesSettings,
+    LimitSettings, LogFormat, LogSettings, MetricsSettings, RebalancerSettings, RouteSpec,
+    RuleSource, RulesSettings,
 };
 use super::{entries, proxying};
 use crate::key::validate_id;
@@ -137,24 +137,7 @@ pub(crate) fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
         heartbeat: c.millis("instance.heartbeat_ms", raw.instance.heartbeat_ms, 60_000),
     };
 
-    let redis = RedisSettings {
-        target: redis_target(&mut c, &raw.redis.url, &raw.redis.cluster_nodes),
-        timeout: c.millis("redis.timeout_ms", raw.redis.timeout_ms, 60_000),
-        connect_timeout: c.millis(
-            "redis.connect_timeout_ms",
-            raw.redis.connect_timeout_ms,
-            60_000,
-        ),
-        max_keys_per_call: c
-            .range(
-                "redis.max_keys_per_call",
-                raw.redis.max_keys_per_call,
-                1,
-                1024,
-            )
-            .and_then(|n| usize::try_from(n).ok())
-            .unwrap_or(1),
-    };
+    let redis = super::bucket_store::redis(&mut c, &raw.redis);
 
     let source = if raw.rules.database_url.is_empty() {
         if raw.rules.file.trim().is_empty() {
@@ -386,46 +369,6 @@ fn optional_id(c: &mut Check, key: &str, raw: &str) -> Option<String> {
             None
         }
     }
-}
-
-/// Resolves `redis.url` and `redis.cluster_nodes` into one target.
-fn redis_target(c: &mut Check, url: &str, nodes: &[String]) -> RedisTarget {
-    if !nodes.is_empty() {
-        let urls = nodes
-            .iter()
-            .enumerate()
-            .map(|(i, node)| {
-                let url = if node.contains("://") {
-                    node.clone()
-                } else {
-                    format!("redis://{node}")
-                };
-                if redis::Client::open(url.as_str()).is_err() || !url.starts_with("redis://") {
-                    c.bad(
-                        format!("redis.cluster_nodes[{i}]"),
-                        format!("expected host:port, found {:?}", redact_url(node)),
-                    );
-                }
-                url
-            })
-            .collect();
-        return RedisTarget::Cluster(urls);
-    }
-    if url.is_empty() {
-        return RedisTarget::LocalOnly;
-    }
-    if !url.starts_with("redis://") {
-        c.bad(
-            "redis.url",
-            format!(
-                "expected redis://host:port[/db], found {:?}",
-                redact_url(url)
-            ),
-        );
-    } else if let Err(e) = redis::Client::open(url) {
-        c.bad("redis.url", format!("not a usable Redis URL: {e}"));
-    }
-    RedisTarget::Single(url.to_owned())
 }
 
 /// Checks a PostgreSQL URL's form (the server is not contacted).

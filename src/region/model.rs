@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use crate::config::{RedisSettings, RedisTarget};
+use crate::config::{self, RedisSettings, RedisTarget};
 use crate::key::validate_id;
 
 /// Tolerance when checking that shares sum to 1.
@@ -26,36 +26,15 @@ pub struct RegionSpec {
     /// Share of every limit held here unless a `region_share` row says
     /// otherwise.
     pub default_share: f64,
-    /// The region's Redis: one URL, or Redis Cluster seeds; both empty
-    /// means local-only limiting.
-    pub redis_url: String,
-    /// Redis Cluster seeds (`host:port`); non-empty wins over `redis_url`.
-    pub cluster_nodes: Vec<String>,
+    /// The region's Redis (local-only when its file names none).
+    pub redis: RedisTarget,
 }
 
 impl RegionSpec {
     /// The gateway's Redis settings with this region's target.
     pub fn redis_settings(&self, base: &RedisSettings) -> RedisSettings {
-        let target = if !self.cluster_nodes.is_empty() {
-            RedisTarget::Cluster(
-                self.cluster_nodes
-                    .iter()
-                    .map(|n| {
-                        if n.contains("://") {
-                            n.clone()
-                        } else {
-                            format!("redis://{n}")
-                        }
-                    })
-                    .collect(),
-            )
-        } else if self.redis_url.is_empty() {
-            RedisTarget::LocalOnly
-        } else {
-            RedisTarget::Single(self.redis_url.clone())
-        };
         RedisSettings {
-            target,
+            target: self.redis.clone(),
             ..base.clone()
         }
     }
@@ -106,6 +85,10 @@ struct RawRegionRedis {
     url: String,
     #[serde(default)]
     cluster_nodes: Vec<String>,
+    #[serde(default)]
+    sentinel_nodes: Vec<String>,
+    #[serde(default)]
+    sentinel_master: String,
 }
 
 /// Loads every `*.toml` in `dir`, reporting every problem at once.
@@ -170,18 +153,21 @@ fn parse(path: &Path) -> Result<RegionSpec, Vec<String>> {
             raw.default_share
         ));
     }
-    if !raw.redis.url.is_empty() && redis::Client::open(raw.redis.url.as_str()).is_err() {
-        problems.push(format!(
-            "{at}: redis.url {:?} is not a Redis URL",
-            raw.redis.url
-        ));
-    }
+    let redis = config::redis_target(
+        &raw.redis.url,
+        &raw.redis.cluster_nodes,
+        &raw.redis.sentinel_nodes,
+        &raw.redis.sentinel_master,
+    )
+    .unwrap_or_else(|found| {
+        problems.extend(found.into_iter().map(|p| format!("{at}: {p}")));
+        RedisTarget::LocalOnly
+    });
     if problems.is_empty() {
         Ok(RegionSpec {
             id: raw.id,
             default_share: raw.default_share,
-            redis_url: raw.redis.url,
-            cluster_nodes: raw.redis.cluster_nodes,
+            redis,
         })
     } else {
         Err(problems)

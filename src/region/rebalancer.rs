@@ -436,8 +436,7 @@ mod tests {
         let spec = |id: &str, share| RegionSpec {
             id: id.into(),
             default_share: share,
-            redis_url: String::new(),
-            cluster_nodes: Vec::new(),
+            redis: crate::config::RedisTarget::LocalOnly,
         };
         Regions {
             all: vec![spec("eu", 0.5), spec("us", 0.5)],

@@ -531,8 +531,7 @@ mod tests {
         let spec = |id: &str, default_share| RegionSpec {
             id: id.into(),
             default_share,
-            redis_url: String::new(),
-            cluster_nodes: Vec::new(),
+            redis: crate::config::RedisTarget::LocalOnly,
         };
         let regions = Regions {
             all: vec![spec("gauge-eu", 0.5), spec("gauge-us", 0.5)],

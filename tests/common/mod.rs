@@ -4,7 +4,14 @@
 //! Every helper cleans up after itself on drop. A missing service binary
 //! fails the test with an install hint; nothing is skipped silently.
 
-#![allow(dead_code, unreachable_pub)] // Each test file uses a different subset.
+#![allow(dead_code, unreachable_pub, unused_imports)] // Each test file uses a different subset.
+
+pub mod certs;
+mod redis_shapes;
+
+pub use redis_shapes::{
+    Access, RedisCluster, RedisSentinel, RedisServer, SENTINEL_MASTER, TlsAccess,
+};
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
@@ -83,238 +90,6 @@ pub fn wait_until(limit: Duration, mut check: impl FnMut() -> bool) -> bool {
         std::thread::sleep(Duration::from_millis(20));
     }
     check()
-}
-
-/// A `redis-server` on a free port, killed on drop.
-pub struct RedisServer {
-    pub port: u16,
-    /// Extra server arguments (cluster mode, data directory).
-    args: Vec<String>,
-    child: Child,
-}
-
-impl RedisServer {
-    /// Starts a server that keeps nothing on disk.
-    ///
-    /// # Panics
-    /// When `redis-server` is not installed or does not come up.
-    pub fn start() -> Self {
-        Self::start_with(Vec::new())
-    }
-
-    /// Starts a server on a free port with extra arguments.
-    pub fn start_with(args: Vec<String>) -> Self {
-        for _ in 0..3 {
-            let port = free_port();
-            let child = spawn_redis(port, &args);
-            let mut server = Self {
-                port,
-                args: args.clone(),
-                child,
-            };
-            if wait_until(Duration::from_secs(5), || server.ping()) {
-                return server;
-            }
-            let _ = server.child.kill();
-        }
-        panic!("redis-server did not answer PING on a free port after 3 attempts");
-    }
-
-    /// Kills the server (SIGKILL): connections drop, state is lost.
-    pub fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-
-    /// Starts the server again on the same port (empty, unless its
-    /// arguments name a data directory).
-    pub fn restart(&mut self) {
-        self.child = spawn_redis(self.port, &self.args);
-        assert!(
-            wait_until(Duration::from_secs(5), || self.ping()),
-            "redis-server did not come back on port {}",
-            self.port
-        );
-    }
-
-    pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-
-    /// Whether the server answers PING right now.
-    pub fn ping(&self) -> bool {
-        redis_cli(self.port, &["PING"]).is_some_and(|r| r.contains("PONG"))
-    }
-
-    /// Runs one command and returns the raw RESP reply.
-    pub fn cmd(&self, args: &[&str]) -> String {
-        redis_cli(self.port, args).expect("redis answers")
-    }
-
-    /// An async connection for assertions.
-    pub async fn conn(&self) -> redis::aio::MultiplexedConnection {
-        redis::Client::open(self.url())
-            .unwrap()
-            .get_multiplexed_async_connection()
-            .await
-            .expect("test redis accepts connections")
-    }
-
-    /// Freezes the server (SIGSTOP), as a hung Redis would be.
-    pub fn pause(&self) {
-        signal(self.child.id(), "-STOP");
-    }
-
-    /// Thaws a paused server (SIGCONT).
-    pub fn resume(&self) {
-        signal(self.child.id(), "-CONT");
-    }
-
-    /// `calls` of one command in INFO commandstats (0 when never called).
-    pub fn command_calls(&self, command: &str) -> u64 {
-        let stats = self.cmd(&["INFO", "commandstats"]);
-        let prefix = format!("cmdstat_{command}:calls=");
-        stats
-            .lines()
-            .find_map(|l| l.strip_prefix(&prefix))
-            .and_then(|rest| rest.split(',').next())
-            .and_then(|n| n.parse().ok())
-            .unwrap_or(0)
-    }
-}
-
-impl Drop for RedisServer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Spawns `redis-server` on `port`, keeping nothing on disk.
-fn spawn_redis(port: u16, args: &[String]) -> Child {
-    Command::new("redis-server")
-        .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-        .args(["--save", "", "--appendonly", "no"])
-        .args(args)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap_or_else(|e| {
-            panic!(
-                "cannot run redis-server ({e}); install it with `apt-get install -y redis-server`"
-            )
-        })
-}
-
-/// A Redis Cluster of three masters (no replicas) on free ports, with a
-/// 1 s node timeout so failures are noticed quickly.
-pub struct RedisCluster {
-    pub nodes: Vec<RedisServer>,
-    _dir: TempDir,
-}
-
-impl RedisCluster {
-    pub fn start() -> Self {
-        let dir = TempDir::new("cluster");
-        let nodes: Vec<RedisServer> = (0..3)
-            .map(|i| {
-                let node_dir = dir.0.join(format!("node-{i}"));
-                std::fs::create_dir_all(&node_dir).unwrap();
-                RedisServer::start_with(vec![
-                    "--cluster-enabled".into(),
-                    "yes".into(),
-                    "--cluster-node-timeout".into(),
-                    "1000".into(),
-                    "--dir".into(),
-                    node_dir.display().to_string(),
-                ])
-            })
-            .collect();
-        let mut create = Command::new("redis-cli");
-        create.arg("--cluster").arg("create");
-        for node in &nodes {
-            create.arg(format!("127.0.0.1:{}", node.port));
-        }
-        let out = create
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
-            .output()
-            .unwrap_or_else(|e| {
-                panic!(
-                    "cannot run redis-cli ({e}); install it with `apt-get install -y redis-tools`"
-                )
-            });
-        assert!(
-            out.status.success(),
-            "cluster create failed: {}",
-            String::from_utf8_lossy(&out.stdout)
-        );
-        let cluster = Self { nodes, _dir: dir };
-        cluster.wait_healthy();
-        cluster
-    }
-
-    /// Seeds for `redis.cluster_nodes`.
-    pub fn seeds(&self) -> Vec<String> {
-        self.nodes
-            .iter()
-            .map(|n| format!("127.0.0.1:{}", n.port))
-            .collect()
-    }
-
-    /// Whether `key` exists on the node that owns it (the others answer
-    /// MOVED).
-    pub fn exists(&self, key: &str) -> bool {
-        self.nodes
-            .iter()
-            .any(|n| redis_cli(n.port, &["EXISTS", key]).is_some_and(|r| r.trim() == ":1"))
-    }
-
-    /// Waits until every running node reports `cluster_state:ok`.
-    pub fn wait_healthy(&self) {
-        assert!(
-            wait_until(Duration::from_secs(20), || self
-                .nodes
-                .iter()
-                .all(|n| redis_cli(n.port, &["CLUSTER", "INFO"])
-                    .is_some_and(|i| i.contains("cluster_state:ok")))),
-            "the cluster did not become healthy"
-        );
-    }
-}
-
-fn signal(pid: u32, sig: &str) {
-    let status = Command::new("kill")
-        .args([sig, &pid.to_string()])
-        .status()
-        .expect("kill(1) is available");
-    assert!(status.success(), "kill {sig} {pid} failed");
-}
-
-/// Sends one inline command over plain TCP (no client library involved).
-fn redis_cli(port: u16, args: &[&str]) -> Option<String> {
-    let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
-    stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
-    let mut request = format!("*{}\r\n", args.len());
-    for a in args {
-        request.push_str(&format!("${}\r\n{a}\r\n", a.len()));
-    }
-    stream.write_all(request.as_bytes()).ok()?;
-    let mut buf = vec![0u8; 64 * 1024];
-    let n = stream.read(&mut buf).ok()?;
-    let mut reply = String::from_utf8_lossy(&buf[..n]).into_owned();
-    // A bulk reply may arrive in several reads.
-    if let Some(len) = reply
-        .strip_prefix('$')
-        .and_then(|r| r.split("\r\n").next()?.parse::<usize>().ok())
-    {
-        while reply.len() < len + 8 {
-            match stream.read(&mut buf) {
-                Ok(0) | Err(_) => break,
-                Ok(n) => reply.push_str(&String::from_utf8_lossy(&buf[..n])),
-            }
-        }
-    }
-    Some(reply)
 }
 
 /// A mock upstream on a free port, in its own thread and runtime.
@@ -591,6 +366,8 @@ pub struct GatewayConfig {
     pub cluster_nodes: Vec<String>,
     /// `redis.timeout_ms`.
     pub redis_timeout_ms: u64,
+    /// More `[redis]` keys, one per line.
+    pub redis_extra: String,
     pub rules_file: PathBuf,
     /// `rules.database_url`; empty = file mode.
     pub database_url: String,
@@ -618,6 +395,7 @@ impl GatewayConfig {
             redis_url: redis_url.to_owned(),
             cluster_nodes: Vec::new(),
             redis_timeout_ms: 1000,
+            redis_extra: String::new(),
             rules_file,
             database_url: String::new(),
             rules_extra: String::new(),
@@ -637,7 +415,7 @@ impl GatewayConfig {
         format!(
             "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nworkers = {}\n\
              shutdown_timeout_seconds = 1\n\
-             [redis]\nurl = \"{}\"\ncluster_nodes = {:?}\ntimeout_ms = {}\n\
+             [redis]\nurl = \"{}\"\ncluster_nodes = {:?}\ntimeout_ms = {}\n{}\n\
              [rules]\nfile = \"{}\"\ndatabase_url = \"{}\"\n{}\n\
              [admin]\ntoken = \"{}\"\nread_token = \"{}\"\n\
              [upstream]\nconnect_timeout_ms = 500\ntimeout_ms = {}\n{}\n\
@@ -646,6 +424,7 @@ impl GatewayConfig {
             self.redis_url,
             self.cluster_nodes,
             self.redis_timeout_ms,
+            self.redis_extra,
             self.rules_file.display(),
             self.database_url,
             self.rules_extra,
@@ -1198,6 +977,28 @@ impl GatewayProcess {
 
     pub fn admin_url(&self, path: &str) -> String {
         format!("http://127.0.0.1:{}{path}", self.admin)
+    }
+
+    /// `GET path` through the proxy as `tenant` (a blocking raw request).
+    pub fn get(&self, tenant: &str, path: &str) -> RawResponse {
+        raw_http(
+            ([127, 0, 0, 1], self.proxy).into(),
+            &format!("GET {path} HTTP/1.1\r\nHost: t\r\nX-Api-Key: {tenant}\r\n"),
+        )
+    }
+
+    /// The body of `GET path` on the admin listener.
+    pub fn admin_text(&self, path: &str) -> String {
+        raw_http(
+            ([127, 0, 0, 1], self.admin).into(),
+            &format!("GET {path} HTTP/1.1\r\nHost: t\r\n"),
+        )
+        .body
+    }
+
+    /// `GET /ready` as JSON.
+    pub fn ready(&self) -> serde_json::Value {
+        serde_json::from_str(&self.admin_text("/ready")).unwrap_or_default()
     }
 }
 

@@ -307,22 +307,27 @@ impl<S: SharedStore> Limiter<S> {
         .filter(|_| in_force.tenant_wide.is_none())
         .unwrap_or(NonZeroU32::MIN);
         let (decisions, source) = match (&self.redis, &core.breaker) {
-            (Some(redis), Some(gate)) if gate.allows() && shards.get() > 1 => {
-                let sub = sub_group(&group, shards);
-                let (mut decisions, source) = self.shared_group(redis, &sub, exact, cost).await;
-                if source != DecisionSource::Local {
-                    // Remaining of one sub-group, scaled to the whole limit.
-                    for (decision, (_, limit)) in decisions.iter_mut().zip(&group) {
-                        decision.remaining =
-                            (decision.remaining * u64::from(shards.get())).min(limit.size());
+            (Some(redis), Some(topology)) => {
+                let sub = (shards.get() > 1).then(|| sub_group(&group, shards));
+                let asked = sub.as_deref().unwrap_or(&group);
+                let first = asked.first().map_or("", |(key, _)| key.as_str());
+                if topology.allows(first) {
+                    let (mut decisions, source) =
+                        self.shared_group(redis, asked, exact, cost).await;
+                    if sub.is_some() && source != DecisionSource::Local {
+                        // Remaining of one sub-group, scaled to the whole
+                        // limit.
+                        for (decision, (_, limit)) in decisions.iter_mut().zip(&group) {
+                            decision.remaining =
+                                (decision.remaining * u64::from(shards.get())).min(limit.size());
+                        }
                     }
+                    (decisions, source)
+                } else {
+                    self.group_fallback(&group, cost)
                 }
-                (decisions, source)
             }
-            (Some(redis), Some(gate)) if gate.allows() => {
-                self.shared_group(redis, &group, exact, cost).await
-            }
-            (Some(_), _) => self.group_fallback(&group, cost),
+            (Some(_), None) => self.group_fallback(&group, cost),
             (None, _) => (core.local_group(&group, cost), DecisionSource::Local),
         };
         let allowed = decisions.iter().all(|d| d.allowed);

@@ -16,6 +16,7 @@ use crate::clock::{SharedClock, TokioClock};
 use crate::cluster::LiveInstances;
 use crate::config::LeaseSettings;
 use crate::key::{RouteId, TenantId};
+use crate::redis_client::{NodeAddr, Topology};
 use crate::rules::Limit;
 use crate::telemetry::{DecisionSource, Metrics};
 
@@ -39,12 +40,13 @@ fn setup() -> Setup {
         min_rate_per_second: 100.0,
     };
     let metrics = Metrics::new();
-    let gate = Arc::new(BreakerGate::new());
+    let topology = Arc::new(Topology::single(NodeAddr::new("fake", 6379)));
+    let gate = topology.layout().shards[0].gate.clone();
     let core = Arc::new(LimiterCore::new(
         LocalBuckets::new(1000, clock.clone()),
         HotKeys::new(lease, 1000, clock.clone(), metrics.clone()),
         Arc::new(LiveInstances::new(NonZeroU32::new(2).unwrap())),
-        Some(gate.clone()),
+        Some(topology),
         clock.clone(),
         metrics,
     ));

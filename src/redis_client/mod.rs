@@ -1,0 +1,446 @@
+//! Connections to Redis (one server, a primary followed through Sentinel,
+//! or a Redis Cluster) and bounded calls.
+//!
+//! Owns how tollgate reaches Redis. [`RedisConnector`] reads the target,
+//! TLS material and credentials once ([`node`]) and holds the
+//! [`Topology`]: which primary serves each key, each with its own
+//! breaker gate, kept current by a watcher actor for a Cluster or
+//! Sentinel ([`watch`], [`discover`]). [`RedisConnector::connect`] hands
+//! out a [`RedisConn`]: one lazily opened, self-reconnecting connection
+//! per primary, driven by the calling thread's runtime (each proxy
+//! worker gets its own, so a reply wakes the worker that asked).
+//!
+//! A call goes to the primary serving its key (on a Cluster, the owner of
+//! its slot, from tollgate's own slot table: a node that fails holds up
+//! only the calls for its own slots). Every call is bounded by a timeout
+//! and abandoned, never replayed, when it expires. Scripts are sent by SHA
+//! (`EVALSHA`); a `NOSCRIPT` reply (a restarted or newly promoted server)
+//! loads the script and repeats the call once; a call that finds its
+//! connection dropped (not timed out) is made once more on the reconnected
+//! one, within the same timeout. A lost connection, `MOVED`, `ASK`,
+//! `TRYAGAIN`, `CLUSTERDOWN`, `READONLY` or `LOADING` marks the layout
+//! suspect, so it is looked up again within [`watch::TICK`]s; the call
+//! itself fails and is decided locally.
+//!
+//! Invariants: nothing here waits for Redis to come up; calls fail fast
+//! with [`RedisCallError::NotConnected`] until the key's primary is known.
+
+mod discover;
+mod node;
+pub mod topology;
+mod watch;
+
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{Cmd, ErrorKind, FromRedisValue, RedisResult, ScriptInvocation, ServerErrorKind};
+
+pub use node::{NodeAddr, SetupError};
+pub use topology::{Health, Layout, Mode, Topology};
+
+use crate::clock::SharedClock;
+use crate::config::{RedisSettings, RedisTarget};
+use node::Endpoints;
+
+/// Why a Redis call produced no answer.
+#[derive(Debug, thiserror::Error)]
+pub enum RedisCallError {
+    /// Redis did not answer within the timeout; the call was abandoned.
+    #[error("redis call timed out")]
+    Timeout,
+    /// No connection exists yet: the key's primary is not known.
+    #[error("not connected to redis")]
+    NotConnected,
+    /// Redis answered with an error or the connection failed.
+    #[error("redis call failed: {0}")]
+    Redis(#[source] redis::RedisError),
+    /// Redis answered, but not with what the script returns.
+    #[error("unexpected reply from redis")]
+    BadReply,
+    /// A coalesced decision got no answer (the reason kept for the logs):
+    /// the call it rode, with others, failed (counted once, for the call),
+    /// or it waited out the timeout, or its worker's queue was full.
+    #[error("no answer from the shared redis call ({0})")]
+    CallFailed(&'static str),
+}
+
+impl RedisCallError {
+    /// A short, stable label for metrics (`timeout`, `connection`, `server`).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Timeout => "timeout",
+            Self::NotConnected => "connection",
+            Self::Redis(e) if e.is_io_error() || e.is_connection_dropped() => "connection",
+            Self::Redis(_) | Self::BadReply => "server",
+            Self::CallFailed(kind) => kind,
+        }
+    }
+
+    /// Whether the server was reached and said its keys are elsewhere (or
+    /// about to move): a routing miss, not a failing server.
+    fn is_redirection(&self) -> bool {
+        matches!(self, Self::Redis(e) if matches!(
+            e.kind(),
+            ErrorKind::Server(
+                ServerErrorKind::Moved
+                    | ServerErrorKind::Ask
+                    | ServerErrorKind::TryAgain
+                    | ServerErrorKind::ReadOnly
+            )
+        ))
+    }
+
+    /// Whether the failure may mean the layout changed.
+    fn suggests_new_layout(&self) -> bool {
+        match self {
+            Self::NotConnected | Self::Timeout => true,
+            Self::Redis(e) => {
+                e.is_io_error()
+                    || e.is_connection_dropped()
+                    || e.is_connection_refusal()
+                    || self.is_redirection()
+                    || matches!(
+                        e.kind(),
+                        ErrorKind::Server(
+                            ServerErrorKind::ClusterDown
+                                | ServerErrorKind::MasterDown
+                                | ServerErrorKind::BusyLoading
+                        )
+                    )
+            }
+            Self::BadReply | Self::CallFailed(_) => false,
+        }
+    }
+}
+
+/// Which primary a call goes to.
+#[derive(Debug, Clone, Copy)]
+pub enum Route<'a> {
+    /// The one serving this key.
+    Key(&'a str),
+    /// The one at this address.
+    Node(&'a NodeAddr),
+}
+
+/// What every connection of one gateway shares.
+struct Shared {
+    /// Which primary serves which key.
+    topology: Arc<Topology>,
+    /// How servers are reached.
+    endpoints: Endpoints,
+    /// The database of a single server (0 otherwise).
+    db: i64,
+    /// Bound on one connection attempt.
+    connect_timeout: Duration,
+    /// What the watcher follows; `None` for a single server.
+    watched: Mutex<Option<watch::Watched>>,
+}
+
+/// A parsed Redis target that hands out connections.
+#[derive(Clone)]
+pub struct RedisConnector {
+    /// Shared by every connection handed out.
+    shared: Arc<Shared>,
+}
+
+impl RedisConnector {
+    /// Reads `settings` and the files they name; `None` in local-only
+    /// mode. Connects to nothing.
+    ///
+    /// # Errors
+    /// [`SetupError`] when a file cannot be read or used.
+    pub fn new(settings: &RedisSettings) -> Result<Option<Self>, SetupError> {
+        let Some((endpoints, infos)) = Endpoints::load(settings)? else {
+            return Ok(None);
+        };
+        let addrs: Vec<NodeAddr> = infos.iter().filter_map(node::address).collect();
+        let unix = || SetupError {
+            key: "redis.url",
+            message: "must name a TCP host and port".to_owned(),
+        };
+        if addrs.len() != infos.len() {
+            return Err(unix());
+        }
+        let (topology, db, watched) = match &settings.target {
+            RedisTarget::Single(_) => (
+                Topology::single(addrs[0].clone()),
+                infos[0].redis_settings().db(),
+                None,
+            ),
+            RedisTarget::Cluster(_) => (
+                Topology::new(Mode::Cluster),
+                0,
+                Some(watch::Watched::Cluster { seeds: addrs }),
+            ),
+            RedisTarget::Sentinel { master, .. } => (
+                Topology::new(Mode::Sentinel),
+                0,
+                Some(watch::Watched::Sentinel {
+                    sentinels: addrs,
+                    master: master.clone(),
+                }),
+            ),
+            RedisTarget::LocalOnly => return Ok(None),
+        };
+        Ok(Some(Self {
+            shared: Arc::new(Shared {
+                topology: Arc::new(topology),
+                endpoints,
+                db,
+                connect_timeout: settings.connect_timeout,
+                watched: Mutex::new(watched),
+            }),
+        }))
+    }
+
+    /// Which primary serves which key, with each one's breaker gate.
+    pub fn topology(&self) -> &Arc<Topology> {
+        &self.shared.topology
+    }
+
+    /// Starts following the deployment's layout (a Cluster's slot owners,
+    /// Sentinel's primary) on the current arbiter; nothing for a single
+    /// server, or when already started.
+    ///
+    /// # Errors
+    /// When the Sentinel client cannot be built.
+    pub fn watch(&self, clock: SharedClock) -> redis::RedisResult<()> {
+        let watched = self
+            .shared
+            .watched
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        match watched {
+            Some(watched) => watch::start(
+                self.shared.topology.clone(),
+                self.shared.endpoints.clone(),
+                watched,
+                self.shared.connect_timeout,
+                clock,
+            ),
+            None => Ok(()),
+        }
+    }
+
+    /// A connection driven by the runtime of the calling thread; its
+    /// calls are not reported to the breakers (probes, heartbeats).
+    pub fn connect(&self) -> RedisConn {
+        self.connection(false)
+    }
+
+    /// As [`RedisConnector::connect`], but every call's outcome is
+    /// reported to the breaker of the primary it went to (bucket calls).
+    pub fn connect_reporting(&self) -> RedisConn {
+        self.connection(true)
+    }
+
+    fn connection(&self, reports: bool) -> RedisConn {
+        RedisConn {
+            shared: self.shared.clone(),
+            conns: Arc::new(ArcSwap::from_pointee(Conns::default())),
+            rebuild: Arc::new(Mutex::new(())),
+            reports,
+        }
+    }
+}
+
+/// One connection per primary of one layout.
+#[derive(Default)]
+struct Conns {
+    /// The layout they were made for.
+    generation: u64,
+    /// In the layout's shard order.
+    by_shard: Vec<(NodeAddr, ConnectionManager)>,
+}
+
+/// Connections (shared by clones) to every primary, usable for bounded
+/// calls.
+#[derive(Clone)]
+pub struct RedisConn {
+    /// The gateway's topology and endpoints.
+    shared: Arc<Shared>,
+    /// The connections for the current layout.
+    conns: Arc<ArcSwap<Conns>>,
+    /// Held while the connections are rebuilt for a new layout.
+    rebuild: Arc<Mutex<()>>,
+    /// Whether outcomes go to the primaries' breakers.
+    reports: bool,
+}
+
+impl RedisConn {
+    /// Runs a script invocation on `route`'s primary, bounded by `timeout`.
+    ///
+    /// # Errors
+    /// [`RedisCallError`] on timeout, connection or server failure.
+    pub async fn invoke<T: FromRedisValue>(
+        &self,
+        route: Route<'_>,
+        invocation: &ScriptInvocation<'_>,
+        timeout: Duration,
+    ) -> Result<T, RedisCallError> {
+        self.call(route, timeout, |mut c| async move {
+            invocation.invoke_async(&mut c).await
+        })
+        .await
+    }
+
+    /// Runs one command on `route`'s primary, bounded by `timeout`.
+    ///
+    /// # Errors
+    /// [`RedisCallError`] on timeout, connection or server failure.
+    pub async fn query<T: FromRedisValue>(
+        &self,
+        route: Route<'_>,
+        cmd: &Cmd,
+        timeout: Duration,
+    ) -> Result<T, RedisCallError> {
+        self.call(route, timeout, |mut c| async move {
+            cmd.query_async(&mut c).await
+        })
+        .await
+    }
+
+    /// Runs `cmd` on every primary of the current layout, each bounded by
+    /// `timeout`.
+    ///
+    /// # Errors
+    /// The first failure; [`RedisCallError::NotConnected`] when no primary
+    /// is known yet.
+    pub async fn query_each(&self, cmd: &Cmd, timeout: Duration) -> Result<(), RedisCallError> {
+        let layout = self.shared.topology.layout();
+        if layout.shards.is_empty() {
+            return Err(RedisCallError::NotConnected);
+        }
+        for shard in &layout.shards {
+            self.query::<redis::Value>(Route::Node(&shard.addr), cmd, timeout)
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// Makes `call` on `route`'s primary, again once when it found the
+    /// connection dropped, within `timeout`; reports the outcome.
+    async fn call<T, F: Future<Output = RedisResult<T>>>(
+        &self,
+        route: Route<'_>,
+        timeout: Duration,
+        call: impl Fn(ConnectionManager) -> F,
+    ) -> Result<T, RedisCallError> {
+        let topology = &self.shared.topology;
+        let layout = topology.layout();
+        let index = match route {
+            Route::Key(key) => layout.shard_of(key.as_bytes()),
+            Route::Node(addr) => layout.shard_at(addr),
+        };
+        let Some(index) = index else {
+            topology.suspect();
+            return Err(RedisCallError::NotConnected);
+        };
+        let conn = self.connection(&layout, index);
+        let result = bounded(timeout, again_if_dropped(|| call(conn.clone()))).await;
+        if let Err(e) = &result
+            && e.suggests_new_layout()
+        {
+            topology.suspect();
+        }
+        if self.reports {
+            let gate = &layout.shards[index].gate;
+            match &result {
+                Ok(_) => gate.success(),
+                Err(e) if e.is_redirection() => {}
+                Err(_) => gate.failure(),
+            }
+        }
+        result
+    }
+
+    /// The connection to shard `index` of `layout`, rebuilding this
+    /// connection set when the layout is newer than it (connections to
+    /// primaries still in the layout are kept).
+    fn connection(&self, layout: &Layout, index: usize) -> ConnectionManager {
+        let current = self.conns.load();
+        if current.generation == layout.generation
+            && let Some((_, conn)) = current.by_shard.get(index)
+        {
+            return conn.clone();
+        }
+        drop(current);
+        let _held = self.rebuild.lock().unwrap_or_else(PoisonError::into_inner);
+        let current = self.conns.load_full();
+        if current.generation != layout.generation || current.by_shard.len() != layout.shards.len()
+        {
+            let by_shard = layout
+                .shards
+                .iter()
+                .map(|shard| {
+                    let kept = current
+                        .by_shard
+                        .iter()
+                        .find(|(addr, _)| addr == &shard.addr)
+                        .map(|(_, conn)| conn.clone());
+                    let conn = kept.unwrap_or_else(|| self.open(&shard.addr));
+                    (shard.addr.clone(), conn)
+                })
+                .collect();
+            self.conns.store(Arc::new(Conns {
+                generation: layout.generation,
+                by_shard,
+            }));
+        }
+        // unwrap: the set was just made for this layout, whose shards
+        // include `index`.
+        self.conns.load().by_shard[index].1.clone()
+    }
+
+    /// A connection to `addr`, opened on first use and reopened in the
+    /// background after failures.
+    fn open(&self, addr: &NodeAddr) -> ConnectionManager {
+        let config = ConnectionManagerConfig::new()
+            .set_number_of_retries(1)
+            .set_max_delay(Duration::from_millis(200))
+            .set_connection_timeout(Some(self.shared.connect_timeout))
+            // Every call is bounded by its caller's timeout already; a
+            // second timer per call would cost another timer
+            // registration, often a wake-up of the worker's event loop
+            // with it.
+            .set_response_timeout(None);
+        // unwrap: the endpoints built a client for every configured node at
+        // load, and a lazy manager only fails for push/resubscribe
+        // settings, which are never set here.
+        self.shared
+            .endpoints
+            .data_client(addr, self.shared.db)
+            .and_then(|client| client.get_connection_manager_lazy(config))
+            .expect("a client for a checked endpoint")
+    }
+}
+
+/// Makes `call`, and once more when the first attempt found the connection
+/// dropped: the connection manager reconnects on that error, so the first
+/// call after an outage (or a server restart) reaches the new connection
+/// instead of failing. A timed-out attempt is never repeated. A connection
+/// that drops after the call was written may have run it: the repeat then
+/// charges that call's tokens twice (fewer admissions, never more). The
+/// caller's timeout bounds both attempts.
+async fn again_if_dropped<T, F: Future<Output = RedisResult<T>>>(
+    call: impl Fn() -> F,
+) -> RedisResult<T> {
+    match call().await {
+        Err(e) if e.is_connection_dropped() && !e.is_timeout() => call().await,
+        other => other,
+    }
+}
+
+/// Awaits `call` for at most `timeout`.
+async fn bounded<T>(
+    timeout: Duration,
+    call: impl Future<Output = RedisResult<T>>,
+) -> Result<T, RedisCallError> {
+    tokio::time::timeout(timeout, call)
+        .await
+        .map_err(|_| RedisCallError::Timeout)?
+        .map_err(RedisCallError::Redis)
+}

@@ -1,0 +1,311 @@
+//! Redis reached as managed services require: TLS verified against a CA
+//! (with a client certificate), ACL users with the password in a file,
+//! and `check-config` refusing what would not work. Real `redis-server`
+//! processes in TLS mode, with certificates made by `openssl`.
+
+#![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
+
+mod common;
+
+use std::process::Command;
+use std::time::Duration;
+
+use common::certs::{TestPki, make_signed};
+use common::{
+    Access, Gateway, GatewayConfig, GatewayProcess, RedisServer, TempDir, TlsAccess, Upstream,
+    eventually, get, ready,
+};
+
+/// A TLS-only Redis whose certificate the test CA signed, for
+/// `localhost` and 127.0.0.1; clients must show a certificate when
+/// `mutual`.
+fn tls_redis(pki: &TestPki, mutual: bool) -> RedisServer {
+    RedisServer::start_as(
+        Access {
+            tls: Some(TlsAccess {
+                ca: pki.ca.clone(),
+                server: pki.server.clone(),
+                client: pki.client.clone(),
+                require_client_cert: mutual,
+            }),
+            user: None,
+        },
+        Vec::new(),
+    )
+}
+
+/// The `[redis]` lines trusting `ca`, with the client certificate when
+/// `client` is set.
+fn tls_keys(
+    ca: &std::path::Path,
+    client: Option<&(std::path::PathBuf, std::path::PathBuf)>,
+) -> String {
+    let mut keys = format!("ca_file = \"{}\"\n", ca.display());
+    if let Some((cert, key)) = client {
+        keys.push_str(&format!(
+            "tls_cert_file = \"{}\"\ntls_key_file = \"{}\"\n",
+            cert.display(),
+            key.display()
+        ));
+    }
+    keys
+}
+
+/// Whether `key` exists on `redis` (`redis-cli`'s answer).
+fn exists(redis: &RedisServer, key: &str) -> bool {
+    redis.cmd(&["EXISTS", key]).trim() == "1"
+}
+
+#[actix_web::test]
+async fn mutual_tls_shares_limits_and_reconnects_after_a_restart() {
+    let dir = TempDir::new("redis-tls");
+    let pki = TestPki::make(&dir.0);
+    let mut redis = tls_redis(&pki, true);
+    let up = Upstream::start();
+    let mut config = GatewayConfig::new(&redis.url(), dir.file("rules.toml", ""), &up.url());
+    config.redis_extra = tls_keys(&pki.ca, Some(&pki.client));
+    config.extra.push_str("[breaker]\ncooldown_ms = 200\n");
+    let gateways = [Gateway::start(&config), Gateway::start(&config)];
+    assert_eq!(ready(&gateways[0]).await["redis"], "up");
+    assert_eq!(
+        ready(&gateways[0]).await["redis_topology"]["mode"],
+        "single"
+    );
+
+    // Two gateways, one bucket of 2 in the TLS Redis.
+    let statuses = [
+        get(&gateways[0].url("/a"), Some("tls-a")).await.0,
+        get(&gateways[1].url("/a"), Some("tls-a")).await.0,
+        get(&gateways[0].url("/a"), Some("tls-a")).await.0,
+    ];
+    assert_eq!(statuses, [200, 200, 429]);
+    assert!(exists(&redis, "rl2:{tls-a}:api"));
+
+    redis.kill();
+    redis.restart();
+    let shared_again = eventually(Duration::from_secs(10), || async {
+        get(&gateways[0].url("/a"), Some("tls-b")).await;
+        exists(&redis, "rl2:{tls-b}:api")
+    })
+    .await;
+    assert!(shared_again, "no decision reached the restarted TLS Redis");
+    assert!(redis.command_calls("script|load") >= 1 || redis.command_calls("eval") >= 1);
+}
+
+#[actix_web::test]
+async fn servers_that_cannot_be_verified_are_never_used() {
+    let dir = TempDir::new("redis-tls-refused");
+    let pki = TestPki::make(&dir.0);
+    let up = Upstream::start();
+    // The right CA, but a certificate for another name than 127.0.0.1.
+    let wrong_name = make_signed(
+        &dir.0,
+        "wrong-name",
+        "other.example",
+        "DNS:other.example",
+        "serverAuth",
+    );
+    let misnamed = RedisServer::start_as(
+        Access {
+            tls: Some(TlsAccess {
+                ca: pki.ca.clone(),
+                server: wrong_name,
+                client: pki.client.clone(),
+                require_client_cert: false,
+            }),
+            user: None,
+        },
+        Vec::new(),
+    );
+    let trusted = tls_redis(&pki, false);
+    for (redis, ca, what) in [
+        (&misnamed, &pki.ca, "a certificate for another host name"),
+        (
+            &trusted,
+            &pki.other_ca,
+            "a certificate from an untrusted CA",
+        ),
+    ] {
+        let mut config = GatewayConfig::new(&redis.url(), dir.file("rules.toml", ""), &up.url());
+        config.redis_extra = tls_keys(ca, None);
+        let gw = Gateway::start(&config);
+        let down = eventually(Duration::from_secs(5), || async {
+            ready(&gw).await["redis"] == "down"
+        })
+        .await;
+        assert!(down, "{what}: {}", ready(&gw).await);
+        // Still served, locally.
+        assert_eq!(
+            get(&gw.url("/a"), Some("unverified")).await.0,
+            200,
+            "{what}"
+        );
+        assert!(!exists(redis, "rl2:{unverified}:api"), "{what}");
+    }
+}
+
+#[actix_web::test]
+async fn an_acl_user_with_a_password_file_is_used_and_its_password_shown_nowhere() {
+    const PASSWORD: &str = "pw-7f3a9c";
+    let redis = RedisServer::start_as(
+        Access {
+            tls: None,
+            user: Some(("tollgate".into(), PASSWORD.into())),
+        },
+        Vec::new(),
+    );
+    let dir = TempDir::new("redis-acl");
+    let up = Upstream::start();
+    let password = dir.file("redis.password", &format!("{PASSWORD}\n"));
+    let wrong = dir.file("wrong.password", "not-the-password\n");
+    let rules = dir.file("rules.toml", "");
+    let toml = |redis_keys: &str| {
+        format!(
+            "[server]\nlisten = \"127.0.0.1:{{proxy}}\"\nadmin_listen = \"127.0.0.1:{{admin}}\"\n\
+             [redis]\n{redis_keys}\n[rules]\nfile = \"{}\"\n\
+             [[routes]]\nid = \"api\"\npath_prefix = \"/\"\nupstream = \"{}\"\n",
+            rules.display(),
+            up.url()
+        )
+    };
+    let port = redis.port;
+    let file_user = GatewayProcess::start(
+        "file-user",
+        &dir,
+        &toml(&format!(
+            "url = \"redis://127.0.0.1:{port}\"\nusername = \"tollgate\"\npassword_file = \"{}\"",
+            password.display()
+        )),
+    );
+    let url_user = GatewayProcess::start(
+        "url-user",
+        &dir,
+        &toml(&format!(
+            "url = \"redis://tollgate:{PASSWORD}@127.0.0.1:{port}\""
+        )),
+    );
+    let wrong_user = GatewayProcess::start(
+        "wrong-user",
+        &dir,
+        &toml(&format!(
+            "url = \"redis://127.0.0.1:{port}\"\nusername = \"tollgate\"\npassword_file = \"{}\"",
+            wrong.display()
+        )),
+    );
+    for (gw, tenant) in [(&file_user, "acl-file"), (&url_user, "acl-url")] {
+        assert_eq!(gw.get(tenant, "/a").status, 200);
+        assert_eq!(
+            redis
+                .cmd(&["EXISTS", &format!("rl2:{{{tenant}}}:api")])
+                .trim(),
+            "1",
+            "{}",
+            gw.name
+        );
+    }
+    assert!(
+        common::wait_until(Duration::from_secs(5), || wrong_user.ready()["redis"]
+            == "down"),
+        "a wrong password must not pass"
+    );
+    assert_eq!(
+        wrong_user.get("acl-wrong", "/a").status,
+        200,
+        "served locally"
+    );
+    for gw in [&file_user, &url_user, &wrong_user] {
+        let shown = format!(
+            "{}\n{}\n{}",
+            gw.ready(),
+            gw.admin_text("/metrics"),
+            std::fs::read_to_string(&gw.log).unwrap()
+        );
+        assert!(
+            !shown.contains(PASSWORD),
+            "{}: the password was shown",
+            gw.name
+        );
+        assert!(
+            !shown.contains("not-the-password"),
+            "{}: the wrong password was shown",
+            gw.name
+        );
+    }
+}
+
+/// `tollgate check-config` on `toml`: exit code and stderr.
+fn check_config(dir: &TempDir, toml: &str) -> (Option<i32>, String) {
+    let path = dir.file("check.toml", toml);
+    let out = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(["check-config", "--config"])
+        .arg(&path)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env_remove("RUST_LOG")
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn check_config_reads_the_redis_files_as_the_gateway_does() {
+    let dir = TempDir::new("redis-check");
+    let pki = TestPki::make(&dir.0);
+    let rules = dir.file("rules.toml", "");
+    let base = |redis: &str| {
+        format!(
+            "[redis]\n{redis}\n[rules]\nfile = \"{}\"\n\
+             [[routes]]\nid = \"api\"\npath_prefix = \"/\"\nupstream = \"http://127.0.0.1:9\"\n",
+            rules.display()
+        )
+    };
+    let good = format!(
+        "url = \"rediss://cache.example:6380\"\n{}",
+        tls_keys(&pki.ca, Some(&pki.client))
+    );
+    let (code, stderr) = check_config(&dir, &base(&good));
+    assert_eq!(code, Some(0), "{stderr}");
+    let swapped_key = format!(
+        "url = \"rediss://cache.example:6380\"\ntls_cert_file = \"{}\"\ntls_key_file = \"{}\"",
+        pki.client.0.display(),
+        pki.server.1.display()
+    );
+    for (redis, expected) in [
+        (
+            format!(
+                "url = \"rediss://h:6380\"\nca_file = \"{}/missing.crt\"",
+                dir.0.display()
+            ),
+            "redis.ca_file:",
+        ),
+        (swapped_key, "redis.tls_key_file:"),
+        (
+            "url = \"rediss://h:6380/#insecure\"".to_owned(),
+            "redis.url:",
+        ),
+        (
+            format!(
+                "url = \"redis://h:6379\"\nca_file = \"{}\"",
+                pki.ca.display()
+            ),
+            "redis.ca_file: is set, but",
+        ),
+        (
+            format!(
+                "url = \"redis://h:6379\"\npassword_file = \"{}/none\"",
+                dir.0.display()
+            ),
+            "redis.password_file: cannot read",
+        ),
+        (
+            "sentinel_nodes = [\"s:26379\"]".to_owned(),
+            "redis.sentinel_master:",
+        ),
+    ] {
+        let (code, stderr) = check_config(&dir, &base(&redis));
+        assert_eq!(code, Some(64), "{redis}: {stderr}");
+        assert!(stderr.contains(expected), "{redis}: {stderr}");
+    }
+}
