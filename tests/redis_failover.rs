@@ -1,0 +1,382 @@
+//! Failovers under load: a Redis Cluster with replicas whose primary is
+//! killed, and a primary watched by Sentinel that is killed. Two gateways
+//! share every limit (so a decision made locally shows the 1/N share in
+//! `X-RateLimit-Limit`) while tenants send requests steadily through
+//! both. Each test asserts: no answer but 200 or 429; the keys of other
+//! primaries stay shared throughout; the lost keys are shared again
+//! within seconds of the promotion; limits hold afterwards; and every
+//! worker answers.
+
+#![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
+
+mod common;
+
+use std::cell::{Cell, RefCell};
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{
+    Gateway, GatewayConfig, RedisCluster, RedisSentinel, RedisServer, SENTINEL_MASTER, TempDir,
+    Upstream, client, get, header, ready, wait_until,
+};
+use tollgate::clock::{Clock, SystemClock};
+
+/// Every limit's capacity; a local decision shows half of it (N = 2).
+const CAPACITY: u32 = 100;
+
+/// One answer seen by the load.
+#[derive(Debug, Clone)]
+struct Sample {
+    /// When it came back (ms on the test's clock).
+    at_ms: u64,
+    /// Which tenant asked.
+    tenant: usize,
+    /// Its status (0: no answer).
+    status: u16,
+    /// Whether the limit in force was the whole one (a shared decision).
+    shared: bool,
+}
+
+/// Steady requests from every tenant through every gateway until stopped.
+struct Load {
+    samples: Rc<RefCell<Vec<Sample>>>,
+    stop: Rc<Cell<bool>>,
+    tasks: Vec<actix_web::rt::task::JoinHandle<()>>,
+}
+
+impl Load {
+    fn start(gateways: &[Gateway], tenants: &[String], clock: &Arc<SystemClock>) -> Self {
+        let samples = Rc::new(RefCell::new(Vec::new()));
+        let stop = Rc::new(Cell::new(false));
+        let mut tasks = Vec::new();
+        for gw in gateways {
+            for (index, tenant) in tenants.iter().enumerate() {
+                let (url, tenant) = (gw.url("/load"), tenant.clone());
+                let (samples, stop, clock) = (samples.clone(), stop.clone(), clock.clone());
+                tasks.push(actix_web::rt::spawn(async move {
+                    let c = client();
+                    while !stop.get() {
+                        let answer = c
+                            .get(&url)
+                            .insert_header(("x-api-key", tenant.as_str()))
+                            .send()
+                            .await;
+                        let (status, shared) = match &answer {
+                            Ok(res) => (
+                                res.status().as_u16(),
+                                header(res, "x-ratelimit-limit") == Some(CAPACITY.to_string()),
+                            ),
+                            Err(_) => (0, false),
+                        };
+                        samples.borrow_mut().push(Sample {
+                            at_ms: clock.now_ms(),
+                            tenant: index,
+                            status,
+                            shared,
+                        });
+                        actix_web::rt::time::sleep(Duration::from_millis(5)).await;
+                    }
+                }));
+            }
+        }
+        Self {
+            samples,
+            stop,
+            tasks,
+        }
+    }
+
+    async fn finish(self) -> Vec<Sample> {
+        self.stop.set(true);
+        for task in self.tasks {
+            task.await.unwrap();
+        }
+        self.samples.take()
+    }
+}
+
+/// Two gateways on `configure`'s Redis, every limit `CAPACITY` at 50/s;
+/// `probe` has a rule of 5 tokens at 1/s for the check that limits hold.
+fn gateways(dir: &TempDir, up: &Upstream, configure: impl Fn(&mut GatewayConfig)) -> Vec<Gateway> {
+    let rules = dir.file(
+        "rules.toml",
+        "[[rule]]\ntenant = \"probe\"\nroute = \"api\"\ncapacity = 5\nrefill_per_second = 1\n",
+    );
+    let mut config = GatewayConfig::new("", rules, &up.url());
+    config.redis_timeout_ms = 50;
+    config.extra = format!(
+        "[default_rule]\ncapacity = {CAPACITY}\nrefill_per_second = 50\n\
+         [breaker]\ncooldown_ms = 500\n[instance]\nheartbeat_ms = 200\n"
+    );
+    configure(&mut config);
+    let gateways = vec![Gateway::start(&config), Gateway::start(&config)];
+    for gw in &gateways {
+        assert!(
+            wait_until(
+                Duration::from_secs(5),
+                || blocking_ready(gw)["live_instances"] == 2
+            ),
+            "the gateways did not see each other"
+        );
+    }
+    gateways
+}
+
+/// `/ready` from outside a runtime.
+fn blocking_ready(gw: &Gateway) -> serde_json::Value {
+    let res = common::raw_http(gw.admin, "GET /ready HTTP/1.1\r\nHost: t\r\n");
+    serde_json::from_str(&res.body).unwrap_or_default()
+}
+
+/// What held after the failover: the probe tenant's limit of 5 across
+/// both gateways, and every worker answering on fresh connections with
+/// shared decisions.
+async fn limits_hold(gateways: &[Gateway]) {
+    let mut admitted = 0;
+    for i in 0..10 {
+        let (status, _) = get(&gateways[i % 2].url("/after"), Some("probe")).await;
+        assert!(status == 200 || status == 429, "status {status}");
+        admitted += usize::from(status == 200);
+    }
+    assert!(
+        (5..=6).contains(&admitted),
+        "a limit of 5 admitted {admitted}"
+    );
+    for gw in gateways {
+        for n in 0..8 {
+            // A fresh client: a new connection, on whichever worker takes it.
+            let res = client()
+                .get(gw.url("/fresh"))
+                .insert_header(("x-api-key", format!("fresh-{n}")))
+                .send()
+                .await
+                .expect("every worker answers");
+            assert_eq!(res.status(), 200);
+            assert_eq!(
+                header(&res, "x-ratelimit-limit"),
+                Some(CAPACITY.to_string())
+            );
+        }
+    }
+}
+
+/// Every answer was 200 or 429.
+fn no_errors(samples: &[Sample]) {
+    let bad: Vec<&Sample> = samples
+        .iter()
+        .filter(|s| s.status != 200 && s.status != 429)
+        .collect();
+    assert!(
+        bad.is_empty(),
+        "{} answers were not 200/429: {:?}",
+        bad.len(),
+        &bad[..bad.len().min(5)]
+    );
+}
+
+/// The last local decision among `tenants`' samples (ms), if any.
+fn last_local(samples: &[Sample], tenants: &[usize]) -> Option<u64> {
+    samples
+        .iter()
+        .filter(|s| tenants.contains(&s.tenant) && !s.shared)
+        .map(|s| s.at_ms)
+        .max()
+}
+
+#[actix_web::test]
+async fn a_cluster_primary_killed_under_load_fails_over_for_its_slots_alone() {
+    // Each primary keeps serving its slots while another's are failed
+    // over (with the default `yes`, Redis refuses every slot in between).
+    let mut cluster = RedisCluster::start_shaped(1, &["--cluster-require-full-coverage", "no"]);
+    let dir = TempDir::new("cluster-failover");
+    let up = Upstream::start();
+    let seeds = cluster.seeds();
+    let gws = gateways(&dir, &up, |c| c.cluster_nodes = seeds.clone());
+    // Tenants on every primary; the first primary is the victim.
+    let primaries: Vec<usize> = (0..cluster.nodes.len())
+        .filter(|&i| cluster.nodes[i].is_primary())
+        .collect();
+    assert_eq!(primaries.len(), 3);
+    let victim = primaries[0];
+    let (mut on_victim, mut elsewhere) = (Vec::new(), Vec::new());
+    for n in 0.. {
+        if on_victim.len() == 3 && elsewhere.len() == 6 {
+            break;
+        }
+        let tenant = format!("c{n}");
+        if cluster.owner_of(&format!("rl2:{{{tenant}}}:api")) == Some(victim) {
+            if on_victim.len() < 3 {
+                on_victim.push(tenant);
+            }
+        } else if elsewhere.len() < 6 {
+            elsewhere.push(tenant);
+        }
+    }
+    let tenants: Vec<String> = on_victim.into_iter().chain(elsewhere).collect();
+    let (lost, kept): (Vec<usize>, Vec<usize>) = ((0..3).collect(), (3..9).collect());
+    let replica = (0..cluster.nodes.len())
+        .find(|&i| {
+            cluster.nodes[i]
+                .cmd(&["INFO", "replication"])
+                .contains(&format!("master_port:{}", cluster.nodes[victim].port))
+        })
+        .expect("the victim has a replica");
+
+    let clock = Arc::new(SystemClock::new());
+    let load = Load::start(&gws, &tenants, &clock);
+    actix_web::rt::time::sleep(Duration::from_secs(1)).await;
+    let killed_at = clock.now_ms();
+    cluster.nodes[victim].kill();
+    // While the replica is not yet promoted: this node's breaker only.
+    let mut partial = serde_json::Value::Null;
+    let mut promoted_at = None;
+    for _ in 0..400 {
+        actix_web::rt::time::sleep(Duration::from_millis(25)).await;
+        let seen = ready(&gws[0]).await;
+        if seen["redis"] == "partial" && partial.is_null() {
+            partial = seen;
+        }
+        if promoted_at.is_none() && cluster.nodes[replica].is_primary() {
+            promoted_at = Some(clock.now_ms());
+        }
+        if promoted_at.is_some_and(|t| clock.now_ms() > t + 6000) {
+            break;
+        }
+    }
+    let promoted_at = promoted_at.expect("the replica was promoted within 10 s");
+    let samples = load.finish().await;
+
+    no_errors(&samples);
+    assert_eq!(partial["breaker"], "open", "{partial}");
+    let victim_addr = format!("127.0.0.1:{}", cluster.nodes[victim].port);
+    let nodes = partial["redis_topology"]["primaries"].as_array().unwrap();
+    assert_eq!(nodes.len(), 3, "{partial}");
+    for node in nodes {
+        let open = node["address"] == victim_addr.as_str();
+        assert_eq!(
+            node["breaker"],
+            if open { "open" } else { "closed" },
+            "{partial}"
+        );
+    }
+    let local_kept = samples
+        .iter()
+        .filter(|s| kept.contains(&s.tenant) && !s.shared)
+        .count();
+    let lost_samples: Vec<&Sample> = samples
+        .iter()
+        .filter(|s| lost.contains(&s.tenant))
+        .collect();
+    let local_lost = lost_samples.iter().filter(|s| !s.shared).count();
+    assert_eq!(
+        local_kept, 0,
+        "the other primaries' keys stay shared throughout"
+    );
+    assert!(
+        local_lost > 0,
+        "the lost slots were decided locally for a while"
+    );
+    let back = last_local(&samples, &lost).unwrap();
+    eprintln!(
+        "cluster failover: killed at {killed_at} ms, promoted at {promoted_at} ms, \
+         last local decision at {back} ms ({} ms after the promotion); \
+         {local_lost} of {} lost-slot decisions local",
+        back.saturating_sub(promoted_at),
+        lost_samples.len()
+    );
+    assert!(
+        back < promoted_at + 3000,
+        "shared again {} ms after the promotion",
+        back - promoted_at
+    );
+    let topology = ready(&gws[0]).await["redis_topology"].clone();
+    assert_eq!(topology["failovers"], 1, "{topology}");
+    assert!(
+        topology["last_failover_unix"].as_u64().is_some(),
+        "{topology}"
+    );
+    limits_hold(&gws).await;
+}
+
+#[actix_web::test]
+async fn a_primary_killed_under_load_is_followed_through_sentinel() {
+    let mut deployment = RedisSentinel::start();
+    let dir = TempDir::new("sentinel-failover");
+    let up = Upstream::start();
+    let nodes = deployment.nodes();
+    let gws = gateways(&dir, &up, |c| {
+        c.redis_url = String::new();
+        c.redis_extra =
+            format!("sentinel_nodes = {nodes:?}\nsentinel_master = \"{SENTINEL_MASTER}\"\n");
+    });
+    let first = ready(&gws[0]).await;
+    assert_eq!(first["redis_topology"]["mode"], "sentinel", "{first}");
+    let old_port = deployment.servers[0].port;
+    assert_eq!(
+        first["redis_topology"]["primaries"][0]["address"],
+        format!("127.0.0.1:{old_port}").as_str()
+    );
+    let tenants: Vec<String> = (0..6).map(|n| format!("s{n}")).collect();
+    let every: Vec<usize> = (0..tenants.len()).collect();
+
+    let clock = Arc::new(SystemClock::new());
+    let load = Load::start(&gws, &tenants, &clock);
+    actix_web::rt::time::sleep(Duration::from_secs(1)).await;
+    let killed_at = clock.now_ms();
+    deployment.servers[0].kill();
+    let mut promoted_at = None;
+    for _ in 0..600 {
+        actix_web::rt::time::sleep(Duration::from_millis(25)).await;
+        if promoted_at.is_none() && deployment.primary_port() == Some(deployment.servers[1].port) {
+            promoted_at = Some(clock.now_ms());
+        }
+        if promoted_at.is_some_and(|t| clock.now_ms() > t + 5000) {
+            break;
+        }
+    }
+    let promoted_at = promoted_at.expect("Sentinel promoted the replica within 15 s");
+    // The old primary comes back, empty: Sentinel makes it a replica. No
+    // decision may be written to it.
+    deployment.servers[0].restart();
+    let before_restart_calls = deployment.servers[0].command_calls("evalsha");
+    actix_web::rt::time::sleep(Duration::from_secs(3)).await;
+    let samples = load.finish().await;
+
+    no_errors(&samples);
+    let local = samples.iter().filter(|s| !s.shared).count();
+    assert!(local > 0, "decisions were local while no primary answered");
+    let back = last_local(&samples, &every).unwrap();
+    eprintln!(
+        "sentinel failover: killed at {killed_at} ms, promoted at {promoted_at} ms, \
+         last local decision at {back} ms ({} ms after the promotion); {local} of {} decisions local",
+        back.saturating_sub(promoted_at),
+        samples.len()
+    );
+    assert!(
+        back < promoted_at + 3000,
+        "shared again {} ms after the promotion",
+        back - promoted_at
+    );
+    let after = ready(&gws[0]).await;
+    let topology = &after["redis_topology"];
+    assert_eq!(
+        topology["primaries"][0]["address"],
+        format!("127.0.0.1:{}", deployment.servers[1].port).as_str(),
+        "{after}"
+    );
+    assert_eq!(topology["failovers"], 1, "{after}");
+    assert_eq!(before_restart_calls, 0);
+    assert_eq!(
+        deployment.servers[0].command_calls("evalsha"),
+        0,
+        "nothing is written to the old primary"
+    );
+    let replica: &RedisServer = &deployment.servers[1];
+    assert!(replica.is_primary());
+    assert!(
+        replica.command_calls("evalsha") > 0,
+        "decisions reach the new primary"
+    );
+    limits_hold(&gws).await;
+}
