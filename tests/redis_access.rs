@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use common::certs::{TestPki, make_signed};
 use common::{
-    Access, Gateway, GatewayConfig, GatewayProcess, RedisServer, TempDir, TlsAccess, Upstream,
-    eventually, get, ready,
+    Access, Gateway, GatewayConfig, GatewayProcess, RedisCluster, RedisSentinel, RedisServer,
+    SENTINEL_MASTER, TempDir, TlsAccess, Upstream, eventually, get, ready,
 };
 
 /// A TLS-only Redis whose certificate the test CA signed, for
@@ -308,4 +308,90 @@ fn check_config_reads_the_redis_files_as_the_gateway_does() {
         assert_eq!(code, Some(64), "{redis}: {stderr}");
         assert!(stderr.contains(expected), "{redis}: {stderr}");
     }
+}
+
+/// TLS access to test servers signed by `pki`'s CA, with `user`.
+fn tls_access(pki: &TestPki, user: Option<(&str, &str)>) -> Access {
+    Access {
+        tls: Some(TlsAccess {
+            ca: pki.ca.clone(),
+            server: pki.server.clone(),
+            client: pki.client.clone(),
+            require_client_cert: false,
+        }),
+        user: user.map(|(u, p)| (u.to_owned(), p.to_owned())),
+    }
+}
+
+#[actix_web::test]
+async fn a_tls_cluster_is_reached_through_rediss_seeds() {
+    let dir = TempDir::new("redis-tls-cluster");
+    let pki = TestPki::make(&dir.0);
+    let cluster = RedisCluster::start_shaped(0, &[], &tls_access(&pki, None));
+    let up = Upstream::start();
+    let mut config = GatewayConfig::new("", dir.file("rules.toml", ""), &up.url());
+    config.cluster_nodes = cluster.seeds();
+    assert!(config.cluster_nodes[0].starts_with("rediss://"));
+    config.redis_extra = tls_keys(&pki.ca, None);
+    let gw = Gateway::start(&config);
+    let seen = ready(&gw).await;
+    assert_eq!(seen["redis"], "up", "{seen}");
+    assert_eq!(
+        seen["redis_topology"]["primaries"]
+            .as_array()
+            .unwrap()
+            .len(),
+        3,
+        "{seen}"
+    );
+    for n in 0..6 {
+        let tenant = format!("tls-cluster-{n}");
+        assert_eq!(get(&gw.url("/a"), Some(&tenant)).await.0, 200);
+        assert!(cluster.exists(&format!("rl2:{{{tenant}}}:api")), "{tenant}");
+    }
+}
+
+#[actix_web::test]
+async fn sentinel_over_tls_with_passwords_follows_a_failover() {
+    const DATA: &str = "data-pw-51c2";
+    const SENTINEL: &str = "sentinel-pw-9d04";
+    let dir = TempDir::new("redis-tls-sentinel");
+    let pki = TestPki::make(&dir.0);
+    let mut deployment =
+        RedisSentinel::start_as(tls_access(&pki, Some(("tollgate", DATA))), Some(SENTINEL));
+    let up = Upstream::start();
+    let data_file = dir.file("data.password", DATA);
+    let sentinel_file = dir.file("sentinel.password", SENTINEL);
+    let mut config = GatewayConfig::new("", dir.file("rules.toml", ""), &up.url());
+    config.redis_extra = format!(
+        "sentinel_nodes = {:?}\nsentinel_master = \"{SENTINEL_MASTER}\"\n\
+         username = \"tollgate\"\npassword_file = \"{}\"\nsentinel_password_file = \"{}\"\n{}",
+        deployment.nodes(),
+        data_file.display(),
+        sentinel_file.display(),
+        tls_keys(&pki.ca, None)
+    );
+    config.extra.push_str("[breaker]\ncooldown_ms = 200\n");
+    let gw = Gateway::start(&config);
+    let primary = |port: u16| serde_json::Value::from(format!("127.0.0.1:{port}"));
+    let seen = ready(&gw).await;
+    assert_eq!(seen["redis"], "up", "{seen}");
+    assert_eq!(
+        seen["redis_topology"]["primaries"][0]["address"],
+        primary(deployment.servers[0].port)
+    );
+    assert_eq!(get(&gw.url("/a"), Some("tls-s-before")).await.0, 200);
+    assert!(exists(&deployment.servers[0], "rl2:{tls-s-before}:api"));
+
+    deployment.servers[0].kill();
+    let new_primary = primary(deployment.servers[1].port);
+    let followed = eventually(Duration::from_secs(20), || async {
+        get(&gw.url("/a"), Some("tls-s-during")).await;
+        let seen = ready(&gw).await;
+        seen["redis"] == "up" && seen["redis_topology"]["primaries"][0]["address"] == new_primary
+    })
+    .await;
+    assert!(followed, "{}", ready(&gw).await);
+    assert_eq!(get(&gw.url("/a"), Some("tls-s-after")).await.0, 200);
+    assert!(exists(&deployment.servers[1], "rl2:{tls-s-after}:api"));
 }

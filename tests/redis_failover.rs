@@ -188,7 +188,11 @@ fn last_local(samples: &[Sample], tenants: &[usize]) -> Option<u64> {
 async fn a_cluster_primary_killed_under_load_fails_over_for_its_slots_alone() {
     // Each primary keeps serving its slots while another's are failed
     // over (with the default `yes`, Redis refuses every slot in between).
-    let mut cluster = RedisCluster::start_shaped(1, &["--cluster-require-full-coverage", "no"]);
+    let mut cluster = RedisCluster::start_shaped(
+        1,
+        &["--cluster-require-full-coverage", "no"],
+        &Default::default(),
+    );
     let dir = TempDir::new("cluster-failover");
     let up = Upstream::start();
     let seeds = cluster.seeds();

@@ -127,12 +127,14 @@ impl TestPki {
         std::fs::create_dir_all(&other).unwrap();
         let other_ca = make_ca(&other);
         let ca = make_ca(dir);
+        // Servers are clients of one another too (replication, the
+        // cluster bus).
         let server = make_signed(
             dir,
             "server",
             "localhost",
             "DNS:localhost,IP:127.0.0.1",
-            "serverAuth",
+            "serverAuth,clientAuth",
         );
         let client = make_signed(dir, "client", "tollgate", "DNS:tollgate", "clientAuth");
         Self {

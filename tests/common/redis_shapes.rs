@@ -247,6 +247,27 @@ impl Drop for RedisServer {
     }
 }
 
+/// One command to the server on `port` reached as `access` says: raw RESP
+/// over plain TCP for a plain server without a user, else `redis-cli`'s
+/// text.
+fn cli(port: u16, access: &Access, args: &[&str]) -> Option<String> {
+    if access.tls.is_none() && access.user.is_none() {
+        return redis_cli(port, args);
+    }
+    let out = Command::new("redis-cli")
+        .args(access.cli_args())
+        .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| {
+            panic!("cannot run redis-cli ({e}); install it with `apt-get install -y redis-tools`")
+        });
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
 /// Spawns `redis-server` on `port` reached as `access` says, keeping
 /// nothing on disk.
 fn spawn_redis(port: u16, access: &Access, args: &[String]) -> Child {
@@ -276,12 +297,13 @@ pub struct RedisCluster {
 impl RedisCluster {
     /// Three primaries, no replicas, a 1 s node timeout.
     pub fn start() -> Self {
-        Self::start_shaped(0, &[])
+        Self::start_shaped(0, &[], &Access::default())
     }
 
-    /// Three primaries with `replicas` replicas each, every node started
-    /// with `extra` arguments too.
-    pub fn start_shaped(replicas: usize, extra: &[&str]) -> Self {
+    /// Three primaries with `replicas` replicas each, every node reached
+    /// as `access` says (over TLS, the cluster bus too) and started with
+    /// `extra` arguments.
+    pub fn start_shaped(replicas: usize, extra: &[&str], access: &Access) -> Self {
         let dir = TempDir::new("cluster");
         let nodes: Vec<RedisServer> = (0..3 * (1 + replicas))
             .map(|i| {
@@ -298,16 +320,24 @@ impl RedisCluster {
                 .to_vec();
                 args.push(node_dir.display().to_string());
                 args.extend(extra.iter().map(|a| a.to_string()));
+                if access.tls.is_some() {
+                    args.extend(["--tls-cluster".into(), "yes".into()]);
+                }
                 loop {
-                    let node = RedisServer::start_with(args.clone());
+                    let node = RedisServer::start_as(access.clone(), args.clone());
                     if node.port < 55_536 {
                         break node;
                     }
                 }
             })
             .collect();
-        let mut create = Command::new("redis-cli");
-        create.arg("--cluster").arg("create");
+        // Bounded: redis-cli waits for ever for nodes that cannot meet.
+        let mut create = Command::new("timeout");
+        create
+            .args(["30", "redis-cli"])
+            .args(access.cli_args())
+            .arg("--cluster")
+            .arg("create");
         for node in &nodes {
             create.arg(format!("127.0.0.1:{}", node.port));
         }
@@ -341,26 +371,29 @@ impl RedisCluster {
         cluster
     }
 
-    /// Seeds for `redis.cluster_nodes`.
+    /// Seeds for `redis.cluster_nodes` (`rediss://` URLs over TLS).
     pub fn seeds(&self) -> Vec<String> {
         self.nodes
             .iter()
-            .map(|n| format!("127.0.0.1:{}", n.port))
+            .map(|n| n.url().replace("redis://", ""))
             .collect()
     }
 
     /// Whether `key` exists on the node that owns it (the others answer
     /// MOVED).
     pub fn exists(&self, key: &str) -> bool {
-        self.nodes
-            .iter()
-            .any(|n| redis_cli(n.port, &["EXISTS", key]).is_some_and(|r| r.trim() == ":1"))
+        self.nodes.iter().any(|n| {
+            n.try_cmd(&["EXISTS", key])
+                .is_some_and(|r| matches!(r.trim(), ":1" | "1"))
+        })
     }
 
     /// The index of the running primary that serves `key`'s slot.
     pub fn owner_of(&self, key: &str) -> Option<usize> {
         self.nodes.iter().position(|n| {
-            n.is_primary() && redis_cli(n.port, &["GET", key]).is_some_and(|r| !r.starts_with("-"))
+            n.is_primary()
+                && n.try_cmd(&["GET", key])
+                    .is_some_and(|r| !r.contains("MOVED"))
         })
     }
 
@@ -371,7 +404,8 @@ impl RedisCluster {
                 .nodes
                 .iter()
                 .filter(|n| n.ping())
-                .all(|n| redis_cli(n.port, &["CLUSTER", "INFO"])
+                .all(|n| n
+                    .try_cmd(&["CLUSTER", "INFO"])
                     .is_some_and(|i| i.contains("cluster_state:ok")))),
             "the cluster did not become healthy"
         );
@@ -388,35 +422,76 @@ pub struct RedisSentinel {
     pub servers: Vec<RedisServer>,
     /// The sentinels' ports.
     pub sentinels: Vec<u16>,
+    /// How the sentinels are reached.
+    sentinel_access: Access,
     sentinel_children: Vec<Child>,
     _dir: TempDir,
 }
 
 impl RedisSentinel {
+    /// Everything plain, no passwords.
     pub fn start() -> Self {
+        Self::start_as(Access::default(), None)
+    }
+
+    /// Primary and replica reached as `data` says (the replica and the
+    /// sentinels authenticate with its user), the sentinels over the same
+    /// TLS, requiring `sentinel_password` when set.
+    pub fn start_as(data: Access, sentinel_password: Option<&str>) -> Self {
         let dir = TempDir::new("sentinel");
-        let primary = RedisServer::start();
-        let replica = RedisServer::start_with(vec![
+        let primary = RedisServer::start_as(data.clone(), Vec::new());
+        let mut replica_args = vec![
             "--replicaof".into(),
             "127.0.0.1".into(),
             primary.port.to_string(),
-        ]);
+        ];
+        if let Some((user, password)) = &data.user {
+            replica_args.extend([
+                "--masteruser".into(),
+                user.clone(),
+                "--masterauth".into(),
+                password.clone(),
+            ]);
+        }
+        let replica = RedisServer::start_as(data.clone(), replica_args);
+        let sentinel_access = Access {
+            tls: data.tls.clone(),
+            user: sentinel_password.map(|p| ("default".to_owned(), p.to_owned())),
+        };
         let mut sentinels = Vec::new();
         let mut children = Vec::new();
         for i in 0..3 {
             let port = free_port();
-            let conf = dir.file(
-                &format!("sentinel-{i}.conf"),
-                &format!(
-                    "port {port}\nbind 127.0.0.1\ndir {}\n\
-                     sentinel monitor {SENTINEL_MASTER} 127.0.0.1 {} 2\n\
-                     sentinel down-after-milliseconds {SENTINEL_MASTER} 1000\n\
-                     sentinel failover-timeout {SENTINEL_MASTER} 5000\n\
-                     sentinel parallel-syncs {SENTINEL_MASTER} 1\n",
-                    dir.0.display(),
-                    primary.port
+            let mut conf = match &data.tls {
+                None => format!("port {port}\n"),
+                Some(tls) => format!(
+                    "port 0\ntls-port {port}\ntls-cert-file {}\ntls-key-file {}\n\
+                     tls-ca-cert-file {}\ntls-auth-clients no\ntls-replication yes\n",
+                    tls.server.0.display(),
+                    tls.server.1.display(),
+                    tls.ca.display()
                 ),
-            );
+            };
+            conf.push_str(&format!(
+                "bind 127.0.0.1\ndir {}\n\
+                 sentinel monitor {SENTINEL_MASTER} 127.0.0.1 {} 2\n\
+                 sentinel down-after-milliseconds {SENTINEL_MASTER} 1000\n\
+                 sentinel failover-timeout {SENTINEL_MASTER} 5000\n\
+                 sentinel parallel-syncs {SENTINEL_MASTER} 1\n",
+                dir.0.display(),
+                primary.port
+            ));
+            if let Some((user, password)) = &data.user {
+                conf.push_str(&format!(
+                    "sentinel auth-user {SENTINEL_MASTER} {user}\nsentinel auth-pass {SENTINEL_MASTER} {password}\n"
+                ));
+            }
+            if let Some(password) = sentinel_password {
+                conf.push_str(&format!(
+                    "requirepass {password}\nsentinel sentinel-pass {password}\n"
+                ));
+            }
+            let conf = dir.file(&format!("sentinel-{i}.conf"), &conf);
             let child = Command::new("redis-server")
                 .arg(&conf)
                 .arg("--sentinel")
@@ -432,15 +507,18 @@ impl RedisSentinel {
         let deployment = Self {
             servers: vec![primary, replica],
             sentinels,
+            sentinel_access,
             sentinel_children: children,
             _dir: dir,
         };
         assert!(
             wait_until(Duration::from_secs(20), || deployment.sentinels.iter().all(
                 |&p| {
-                    redis_cli(p, &["SENTINEL", "CKQUORUM", SENTINEL_MASTER])
-                        .is_some_and(|r| r.starts_with("+OK"))
-                        && redis_cli(p, &["SENTINEL", "REPLICAS", SENTINEL_MASTER])
+                    deployment
+                        .sentinel_cmd(p, &["SENTINEL", "CKQUORUM", SENTINEL_MASTER])
+                        .is_some_and(|r| r.contains("OK"))
+                        && deployment
+                            .sentinel_cmd(p, &["SENTINEL", "REPLICAS", SENTINEL_MASTER])
                             .is_some_and(|r| r.contains("slave"))
                 }
             )),
@@ -449,22 +527,34 @@ impl RedisSentinel {
         deployment
     }
 
-    /// Seeds for `redis.sentinel_nodes`.
+    /// One command to the sentinel on `port`.
+    fn sentinel_cmd(&self, port: u16, args: &[&str]) -> Option<String> {
+        cli(port, &self.sentinel_access, args)
+    }
+
+    /// Seeds for `redis.sentinel_nodes` (`rediss://` URLs over TLS).
     pub fn nodes(&self) -> Vec<String> {
+        let scheme = if self.sentinel_access.tls.is_some() {
+            "rediss"
+        } else {
+            "redis"
+        };
         self.sentinels
             .iter()
-            .map(|p| format!("127.0.0.1:{p}"))
+            .map(|p| format!("{scheme}://127.0.0.1:{p}"))
             .collect()
     }
 
     /// The port of the primary the first sentinel that answers names.
     pub fn primary_port(&self) -> Option<u16> {
         self.sentinels.iter().find_map(|&p| {
-            let reply = redis_cli(p, &["SENTINEL", "GET-MASTER-ADDR-BY-NAME", SENTINEL_MASTER])?;
+            let reply =
+                self.sentinel_cmd(p, &["SENTINEL", "GET-MASTER-ADDR-BY-NAME", SENTINEL_MASTER])?;
             reply
                 .lines()
                 .filter(|l| !l.starts_with(['*', '$']))
                 .nth(1)?
+                .trim()
                 .parse()
                 .ok()
         })
