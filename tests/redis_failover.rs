@@ -123,6 +123,16 @@ fn gateways(dir: &TempDir, up: &Upstream, configure: impl Fn(&mut GatewayConfig)
     gateways
 }
 
+/// [`gateways`] on the primary `deployment`'s sentinels name.
+fn sentinel_gateways(dir: &TempDir, up: &Upstream, deployment: &RedisSentinel) -> Vec<Gateway> {
+    let nodes = deployment.nodes();
+    gateways(dir, up, |c| {
+        c.redis_url = String::new();
+        c.redis_extra =
+            format!("sentinel_nodes = {nodes:?}\nsentinel_master = \"{SENTINEL_MASTER}\"\n");
+    })
+}
+
 /// `/ready` from outside a runtime.
 fn blocking_ready(gw: &Gateway) -> serde_json::Value {
     let res = common::raw_http(gw.admin, "GET /ready HTTP/1.1\r\nHost: t\r\n");
@@ -308,12 +318,7 @@ async fn a_primary_killed_under_load_is_followed_through_sentinel() {
     let mut deployment = RedisSentinel::start();
     let dir = TempDir::new("sentinel-failover");
     let up = Upstream::start();
-    let nodes = deployment.nodes();
-    let gws = gateways(&dir, &up, |c| {
-        c.redis_url = String::new();
-        c.redis_extra =
-            format!("sentinel_nodes = {nodes:?}\nsentinel_master = \"{SENTINEL_MASTER}\"\n");
-    });
+    let gws = sentinel_gateways(&dir, &up, &deployment);
     let first = ready(&gws[0]).await;
     assert_eq!(first["redis_topology"]["mode"], "sentinel", "{first}");
     let old_port = deployment.servers[0].port;
@@ -383,4 +388,67 @@ async fn a_primary_killed_under_load_is_followed_through_sentinel() {
         "decisions reach the new primary"
     );
     limits_hold(&gws).await;
+}
+
+#[actix_web::test]
+async fn a_frozen_sentinel_does_not_keep_a_failover_from_being_followed() {
+    let mut deployment = RedisSentinel::start();
+    let dir = TempDir::new("sentinel-frozen");
+    let up = Upstream::start();
+    let gws = sentinel_gateways(&dir, &up, &deployment);
+    // The first sentinel listed freezes, connections open; the other two
+    // still make a quorum and promote the replica.
+    deployment.pause_sentinel(0);
+    deployment.servers[0].kill();
+    let new_primary = format!("127.0.0.1:{}", deployment.servers[1].port);
+    let followed = common::eventually(Duration::from_secs(20), || async {
+        get(&gws[0].url("/x"), Some("frozen")).await;
+        let seen = ready(&gws[0]).await;
+        seen["redis"] == "up"
+            && seen["redis_topology"]["primaries"][0]["address"] == new_primary.as_str()
+    })
+    .await;
+    assert!(followed, "{}", ready(&gws[0]).await);
+    limits_hold(&gws).await;
+}
+
+#[actix_web::test]
+async fn a_slot_moved_to_another_primary_is_followed_at_once() {
+    let cluster = RedisCluster::start();
+    let dir = TempDir::new("slot-moved");
+    let up = Upstream::start();
+    let mut config = GatewayConfig::new("", dir.file("rules.toml", ""), &up.url());
+    config.cluster_nodes = cluster.seeds();
+    let gw = Gateway::start(&config);
+    let key = "rl2:{moved}:api";
+    let slot = cluster.nodes[0].cmd(&["CLUSTER", "KEYSLOT", key]);
+    let slot = slot.trim_start_matches(':').trim().to_owned();
+    let from = cluster.owner_of(key).unwrap();
+    let to = (from + 1) % 3;
+    let id = |i: usize| {
+        let reply = cluster.nodes[i].cmd(&["CLUSTER", "MYID"]);
+        reply.lines().nth(1).unwrap().trim().to_owned()
+    };
+    let (from_id, to_id) = (id(from), id(to));
+    // The slot holds no key yet: it moves at once, as resharding would
+    // move it, while the gateway's slot table still names the old owner.
+    cluster.nodes[to].cmd(&["CLUSTER", "SETSLOT", &slot, "IMPORTING", &from_id]);
+    cluster.nodes[from].cmd(&["CLUSTER", "SETSLOT", &slot, "MIGRATING", &to_id]);
+    for i in [to, from, 3 - from - to] {
+        cluster.nodes[i].cmd(&["CLUSTER", "SETSLOT", &slot, "NODE", &to_id]);
+    }
+    let before = common::metric(
+        &gw,
+        "tollgate_fallback_decisions_total{outcome=\"allowed\"}",
+    )
+    .await;
+    assert_eq!(get(&gw.url("/x"), Some("moved")).await.0, 200);
+    assert_eq!(cluster.owner_of(key), Some(to));
+    assert!(cluster.exists(key), "decided on the new owner");
+    let after = common::metric(
+        &gw,
+        "tollgate_fallback_decisions_total{outcome=\"allowed\"}",
+    )
+    .await;
+    assert_eq!(after, before, "no decision was made locally");
 }

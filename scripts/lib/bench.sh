@@ -7,7 +7,9 @@
 # write_bench_config …, start_tollgate NAME CONFIG [ENV=VALUE...] (sets
 # TOLLGATE_PID), run_oha OUT URL ARGS..., run_wrk OUT URL ARGS...,
 # latency_ms FILE (p50 p99 p99.9 in ms), cpu_ticks PID... (all, kernel),
-# pin CPU PID...,
+# pin CPU PID..., make_redis_tls DIR (a CA and a certificate for
+# 127.0.0.1), start_redis_tls PORT DIR (a TLS-only Redis; sets REDIS_PID),
+# redis_at PORT ARGS... (redis-cli, over TLS for a TLS Redis),
 # script_usec PORT... .
 #
 # Load generators run under ${LOAD_PREFIX[@]} (for example taskset -c 1).
@@ -58,6 +60,47 @@ start_redis() {
   pids+=($!)
   REDIS_PID=$!
   wait_port "$1"
+}
+
+# make_redis_tls DIR: a test CA (DIR/ca.crt) and a certificate for
+# 127.0.0.1 and localhost signed by it (DIR/redis.crt, DIR/redis.key).
+make_redis_tls() {
+  local dir=$1
+  mkdir -p "$dir"
+  openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 2 \
+    -subj "/CN=bench CA" -keyout "$dir/ca.key" -out "$dir/ca.crt" 2>/dev/null
+  openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -subj /CN=localhost \
+    -keyout "$dir/redis.key" -out "$dir/redis.csr" 2>/dev/null
+  printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n' >"$dir/redis.ext"
+  openssl x509 -req -in "$dir/redis.csr" -CA "$dir/ca.crt" -CAkey "$dir/ca.key" -CAcreateserial \
+    -days 2 -out "$dir/redis.crt" -extfile "$dir/redis.ext" 2>/dev/null
+}
+
+# Ports of TLS-only Redis servers, with the CA redis-cli trusts for each.
+declare -A REDIS_TLS_CA=()
+
+# start_redis_tls PORT DIR: a Redis that speaks only TLS on PORT, with
+# DIR's certificate (make_redis_tls).
+start_redis_tls() {
+  redis-server --port 0 --tls-port "$1" --tls-cert-file "$2/redis.crt" --tls-key-file "$2/redis.key" \
+    --tls-ca-cert-file "$2/ca.crt" --tls-auth-clients no --bind 127.0.0.1 --save '' \
+    --appendonly no >"$work/redis-$1.log" 2>&1 &
+  pids+=($!)
+  REDIS_PID=$!
+  REDIS_TLS_CA[$1]=$2/ca.crt
+  wait_port "$1"
+}
+
+# redis_at PORT ARGS...: redis-cli to the Redis on PORT (over TLS for one
+# started by start_redis_tls).
+redis_at() {
+  local port=$1
+  shift
+  if [ -n "${REDIS_TLS_CA[$port]:-}" ]; then
+    redis-cli --tls --cacert "${REDIS_TLS_CA[$port]}" -p "$port" "$@"
+  else
+    redis-cli -p "$port" "$@"
+  fi
 }
 
 start_upstream() {
@@ -175,6 +218,6 @@ pin() {
 # then their number of calls: "usec calls".
 script_usec() {
   local port
-  for port in "$@"; do redis-cli -p "$port" INFO commandstats; done |
+  for port in "$@"; do redis_at "$port" INFO commandstats; done |
     awk -F'[:=,]' '/^cmdstat_eval(sha)?:/ {calls += $3; usec += $5} END {print usec + 0, calls + 0}'
 }

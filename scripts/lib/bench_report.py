@@ -133,3 +133,22 @@ for t in tollgates:
         cp.append(ratio(cpu[t]["rounds"][i]["proxy"], cpu["nginx"]["rounds"][i]["proxy"]))
     print(f"{t:<16}{spread(p99):>22}{spread(thr):>22}{spread(cp):>22}")
 print(f"decisions made by the local fallback (Redis targets): {fallbacks}")
+
+if "tollgate-tls" in targets:
+    # TLS to Redis against plaintext, round by round: the same
+    # configuration, each with a Redis of its own.
+    print()
+    print(f"TLS to Redis (tollgate-tls against tollgate), paired per round: "
+          f"median [min-max] of {rounds} rounds")
+    gateway, redis, thr = [], [], []
+    for i, r in enumerate(ROUNDS):
+        tls, plain = cpu["tollgate-tls"]["rounds"][i], cpu["tollgate"]["rounds"][i]
+        gateway.append(tls["proxy"] - plain["proxy"])
+        redis.append(tls["redis"] - plain["redis"])
+        thr.append(load("max", "tollgate-tls", r)["summary"]["requestsPerSec"]
+                   / load("max", "tollgate", r)["summary"]["requestsPerSec"])
+    calls = median([cpu["tollgate-tls"]["calls"], cpu["tollgate"]["calls"]])
+    print(f"  gateway CPU per request, TLS minus plaintext, us   {spread(gateway)}")
+    print(f"  Redis CPU per request, TLS minus plaintext, us     {spread(redis)}")
+    print(f"  max req/s, TLS / plaintext                         {spread(thr)}")
+    print(f"  script calls per request                           {calls:.3f}")

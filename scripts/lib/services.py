@@ -1,8 +1,10 @@
 """Throwaway services for the Python scripts (scripts/soak,
-scripts/slow-clients): redis-server, a PostgreSQL cluster, an HTTP
-upstream and `tollgate serve` processes, each on free ports, with helpers
-to wait for them. Imported, not run."""
+scripts/slow-clients, scripts/failover-cost): redis-server (alone, as a
+primary with a replica under Sentinel, or as a Cluster with replicas), a
+PostgreSQL cluster, an HTTP upstream and `tollgate serve` processes, each
+on free ports, with helpers to wait for them. Imported, not run."""
 
+import http.client
 import json
 import os
 import re
@@ -55,21 +57,27 @@ def port_open(port):
 
 
 class Redis:
-    def __init__(self, work, wrapper=()):
+    def __init__(self, work, wrapper=(), args=(), name="redis"):
         """A throwaway redis-server on a free port, run under `wrapper` (a
-        command prefix such as valgrind's) when one is given."""
+        command prefix such as valgrind's) when one is given, with extra
+        server `args`; its log is <work>/<name>.log."""
         if not shutil.which("redis-server"):
             fail("redis-server not found; install it with: apt-get install -y redis-server")
         self.port = free_port()
-        self.log = open(os.path.join(work, "redis.log"), "ab")
+        # A Cluster node's bus port is its port + 10000.
+        while self.port >= 55536:
+            self.port = free_port()
+        self.name = name
+        self.log = open(os.path.join(work, f"{name}.log"), "ab")
         self.wrapper = list(wrapper)
+        self.args = list(args)
         self.proc = None
         self.start()
 
     def start(self):
         self.proc = subprocess.Popen(
             self.wrapper + ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
-                            "--save", "", "--appendonly", "no"],
+                            "--save", "", "--appendonly", "no"] + self.args,
             stdout=self.log, stderr=self.log)
         wait_for(lambda: port_open(self.port), 60 if self.wrapper else 10, "redis-server start")
 
@@ -88,6 +96,126 @@ class Redis:
             self.proc.send_signal(signal.SIGCONT)
             self.proc.kill()
             self.proc.wait()
+
+    def cli(self, *args):
+        """One command by redis-cli; its text output, or None when the
+        server does not answer."""
+        out = subprocess.run(["redis-cli", "-p", str(self.port), *args], capture_output=True,
+                             text=True, timeout=5)
+        return out.stdout if out.returncode == 0 and out.stdout else None
+
+    def is_primary(self):
+        if self.proc.poll() is not None:
+            return False
+        try:
+            role = self.cli("ROLE")
+        except subprocess.TimeoutExpired:
+            return False
+        return bool(role) and role.startswith("master")
+
+
+SENTINEL_MASTER = "tollgate"
+
+
+class Sentinel:
+    """A primary, its replica and three sentinels (quorum 2, a primary
+    silent for 1 s is failed over), each on free ports."""
+
+    def __init__(self, work):
+        if not shutil.which("redis-cli"):
+            fail("redis-cli not found; install it with: apt-get install -y redis-tools")
+        first = Redis(work, name="redis-0")
+        second = Redis(work, args=["--replicaof", "127.0.0.1", str(first.port)], name="redis-1")
+        self.servers = [first, second]
+        self.sentinels = []
+        for i in range(3):
+            port = free_port()
+            path = os.path.join(work, f"sentinel-{i}.conf")
+            with open(path, "w") as f:
+                f.write(f"port {port}\nbind 127.0.0.1\ndir {work}\n"
+                        f"sentinel monitor {SENTINEL_MASTER} 127.0.0.1 {first.port} 2\n"
+                        f"sentinel down-after-milliseconds {SENTINEL_MASTER} 1000\n"
+                        f"sentinel failover-timeout {SENTINEL_MASTER} 5000\n")
+            log_file = open(os.path.join(work, f"sentinel-{i}.log"), "ab")
+            proc = subprocess.Popen(["redis-server", path, "--sentinel"], stdout=log_file,
+                                    stderr=log_file)
+            self.sentinels.append((port, proc))
+
+        def agreed():
+            for port, _ in self.sentinels:
+                out = subprocess.run(["redis-cli", "-p", str(port), "SENTINEL", "REPLICAS",
+                                      SENTINEL_MASTER], capture_output=True, text=True)
+                if "slave" not in out.stdout:
+                    return False
+            return True
+
+        wait_for(agreed, 20, "the sentinels to see the primary and its replica")
+
+    def redis_toml(self):
+        nodes = ", ".join(f'"127.0.0.1:{p}"' for p, _ in self.sentinels)
+        return f'sentinel_nodes = [{nodes}]\nsentinel_master = "{SENTINEL_MASTER}"'
+
+    def primary(self):
+        """The server that answers as the primary, if any."""
+        return next((s for s in self.servers if s.is_primary()), None)
+
+    def describe(self):
+        return (f"Sentinel: primary :{self.servers[0].port}, replica :{self.servers[1].port}, "
+                f"sentinels {', '.join(f':{p}' for p, _ in self.sentinels)}")
+
+    def stop(self):
+        for _, proc in self.sentinels:
+            proc.kill()
+            proc.wait()
+        for server in self.servers:
+            server.stop()
+
+
+class Cluster:
+    """A Redis Cluster of three primaries with one replica each, a 1.5 s
+    node timeout, every primary serving its slots while another's fail
+    over (cluster-require-full-coverage no)."""
+
+    def __init__(self, work):
+        if not shutil.which("redis-cli"):
+            fail("redis-cli not found; install it with: apt-get install -y redis-tools")
+        self.nodes = []
+        for i in range(6):
+            node_dir = os.path.join(work, f"cluster-{i}")
+            os.makedirs(node_dir)
+            self.nodes.append(Redis(work, args=[
+                "--cluster-enabled", "yes", "--cluster-node-timeout", "1500",
+                "--cluster-require-full-coverage", "no", "--dir", node_dir], name=f"cluster-{i}"))
+        out = subprocess.run(["redis-cli", "--cluster", "create",
+                              *[f"127.0.0.1:{n.port}" for n in self.nodes],
+                              "--cluster-replicas", "1", "--cluster-yes"],
+                             capture_output=True, text=True, timeout=60)
+        if out.returncode != 0:
+            fail(f"redis-cli --cluster create failed: {out.stdout}{out.stderr}")
+
+        def healthy():
+            return all("cluster_state:ok" in (n.cli("CLUSTER", "INFO") or "")
+                       for n in self.nodes if n.proc.poll() is None)
+
+        wait_for(healthy, 30, "the cluster to be healthy")
+        wait_for(lambda: all("master_link_status:up" in (n.cli("INFO", "replication") or "")
+                             for n in self.nodes if not n.is_primary()), 30,
+                 "the replicas to sync")
+
+    def redis_toml(self):
+        nodes = ", ".join(f'"127.0.0.1:{n.port}"' for n in self.nodes)
+        return f"cluster_nodes = [{nodes}]"
+
+    def primaries(self):
+        return [n for n in self.nodes if n.is_primary()]
+
+    def describe(self):
+        return (f"Cluster: primaries {', '.join(f':{n.port}' for n in self.primaries())}, "
+                f"6 nodes")
+
+    def stop(self):
+        for node in self.nodes:
+            node.stop()
 
 
 class Postgres:
@@ -138,6 +266,9 @@ class Upstream:
     def __init__(self):
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            # The head and the body leave in separate writes: without
+            # TCP_NODELAY the body waits for the head's delayed ACK (40 ms).
+            disable_nagle_algorithm = True
 
             def log_message(self, *args):
                 pass
@@ -264,3 +395,50 @@ class Gateway:
                 if line.startswith("VmRSS:"):
                     return int(line.split()[1])
         return 0
+
+
+# ---------------------------------------------------------------- traffic
+
+
+class Client:
+    """A keep-alive connection to one gateway, reopened after failures."""
+
+    def __init__(self, gateway):
+        self.gateway = gateway
+        self.conn = None
+
+    def get(self, path, key):
+        for attempt in range(2):
+            try:
+                if self.conn is None:
+                    self.conn = http.client.HTTPConnection("127.0.0.1", self.gateway.proxy,
+                                                           timeout=10)
+                self.conn.request("GET", path, headers={"X-Api-Key": key})
+                response = self.conn.getresponse()
+                response.read()
+                if response.getheader("Connection", "").lower() == "close":
+                    self.conn.close()
+                    self.conn = None
+                return response.status
+            except (OSError, http.client.HTTPException):
+                if self.conn:
+                    self.conn.close()
+                self.conn = None
+                # A kept connection the gateway closed meanwhile: one retry
+                # on a fresh one before counting a refusal.
+                if attempt == 1:
+                    return None
+        return None
+
+
+def paced(stop, per_second, step):
+    period = 1.0 / per_second
+    next_at = time.monotonic()
+    while not stop.is_set():
+        step()
+        next_at += period
+        delay = next_at - time.monotonic()
+        if delay > 0:
+            stop.wait(delay)
+        else:
+            next_at = time.monotonic()

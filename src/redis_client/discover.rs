@@ -114,9 +114,13 @@ fn owners_of(reply: &Value, asked: &NodeAddr) -> Option<Vec<Owner>> {
 /// Sentinel's answer to "who is the primary of `master`", checked with
 /// the primary itself.
 pub(crate) struct SentinelLookup {
-    /// The crate's Sentinel client, which asks the sentinels in order and
-    /// checks the primary's role.
-    client: SentinelClient,
+    /// The crate's Sentinel clients, one per sentinel to ask first (each
+    /// asks the sentinels in its order, takes their answers in that order
+    /// and checks the primary's role): a sentinel that hangs holds up
+    /// only the lookups that ask it first.
+    clients: Vec<SentinelClient>,
+    /// The client the next lookup uses; moves on after a failure.
+    next: usize,
 }
 
 impl SentinelLookup {
@@ -124,54 +128,20 @@ impl SentinelLookup {
     /// primary as `endpoints` say.
     ///
     /// # Errors
-    /// When the client cannot be built (checked at configuration).
+    /// When a client cannot be built (checked at configuration).
     pub(crate) fn new(
         endpoints: &Endpoints,
         sentinels: &[NodeAddr],
         master: &str,
     ) -> RedisResult<Self> {
-        let (tls, data) = endpoints.data_settings();
-        let addrs = sentinels.iter().map(|addr| {
-            let host = addr.host.to_string();
-            if tls {
-                ConnectionAddr::TcpTls {
-                    host,
-                    port: addr.port,
-                    insecure: false,
-                    tls_params: None,
-                }
-            } else {
-                ConnectionAddr::Tcp(host, addr.port)
-            }
-        });
-        let sentinel = endpoints.sentinel_client(&sentinels[0])?;
-        let sentinel_redis = sentinel.get_connection_info().redis_settings();
-        let mut builder = SentinelClientBuilder::new(addrs, master, SentinelServerType::Master)?;
-        if let Some(user) = data.username() {
-            builder = builder.set_client_to_redis_username(user);
-        }
-        if let Some(password) = data.password() {
-            builder = builder.set_client_to_redis_password(password);
-        }
-        if let Some(user) = sentinel_redis.username() {
-            builder = builder.set_client_to_sentinel_username(user);
-        }
-        if let Some(password) = sentinel_redis.password() {
-            builder = builder.set_client_to_sentinel_password(password);
-        }
-        if tls {
-            builder = builder
-                .set_client_to_redis_tls_mode(TlsMode::Secure)
-                .set_client_to_sentinel_tls_mode(TlsMode::Secure);
-            if let Some(certs) = endpoints.certificates() {
-                builder = builder
-                    .set_client_to_redis_certificates(certs.clone())
-                    .set_client_to_sentinel_certificates(certs.clone());
-            }
-        }
-        Ok(Self {
-            client: builder.build()?,
-        })
+        let clients = (0..sentinels.len())
+            .map(|first| {
+                let mut order = sentinels.to_vec();
+                order.rotate_left(first);
+                sentinel_client(endpoints, &order, master)
+            })
+            .collect::<RedisResult<_>>()?;
+        Ok(Self { clients, next: 0 })
     }
 
     /// The primary now, bounded by `timeout`.
@@ -179,11 +149,68 @@ impl SentinelLookup {
     /// # Errors
     /// When no sentinel names a primary that answers as one.
     pub(crate) async fn primary(&mut self, timeout: Duration) -> Result<NodeAddr, DiscoveryError> {
-        let client = tokio::time::timeout(timeout, self.client.async_get_client())
-            .await
-            .map_err(|_| DiscoveryError::Timeout)??;
-        super::node::address(client.get_connection_info()).ok_or(DiscoveryError::BadReply)
+        let client = &mut self.clients[self.next];
+        let found = match tokio::time::timeout(timeout, client.async_get_client()).await {
+            Ok(Ok(client)) => {
+                super::node::address(client.get_connection_info()).ok_or(DiscoveryError::BadReply)
+            }
+            Ok(Err(e)) => Err(e.into()),
+            Err(_) => Err(DiscoveryError::Timeout),
+        };
+        if found.is_err() {
+            self.next = (self.next + 1) % self.clients.len();
+        }
+        found
     }
+}
+
+/// The crate's Sentinel client of `master` through `sentinels` (asked in
+/// this order), speaking to sentinels and primary as `endpoints` say.
+fn sentinel_client(
+    endpoints: &Endpoints,
+    sentinels: &[NodeAddr],
+    master: &str,
+) -> RedisResult<SentinelClient> {
+    let (tls, data) = endpoints.data_settings();
+    let addrs = sentinels.iter().map(|addr| {
+        let host = addr.host.to_string();
+        if tls {
+            ConnectionAddr::TcpTls {
+                host,
+                port: addr.port,
+                insecure: false,
+                tls_params: None,
+            }
+        } else {
+            ConnectionAddr::Tcp(host, addr.port)
+        }
+    });
+    let sentinel = endpoints.sentinel_client(&sentinels[0])?;
+    let sentinel_redis = sentinel.get_connection_info().redis_settings();
+    let mut builder = SentinelClientBuilder::new(addrs, master, SentinelServerType::Master)?;
+    if let Some(user) = data.username() {
+        builder = builder.set_client_to_redis_username(user);
+    }
+    if let Some(password) = data.password() {
+        builder = builder.set_client_to_redis_password(password);
+    }
+    if let Some(user) = sentinel_redis.username() {
+        builder = builder.set_client_to_sentinel_username(user);
+    }
+    if let Some(password) = sentinel_redis.password() {
+        builder = builder.set_client_to_sentinel_password(password);
+    }
+    if tls {
+        builder = builder
+            .set_client_to_redis_tls_mode(TlsMode::Secure)
+            .set_client_to_sentinel_tls_mode(TlsMode::Secure);
+        if let Some(certs) = endpoints.certificates() {
+            builder = builder
+                .set_client_to_redis_certificates(certs.clone())
+                .set_client_to_sentinel_certificates(certs.clone());
+        }
+    }
+    builder.build()
 }
 
 #[cfg(test)]

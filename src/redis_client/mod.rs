@@ -2,10 +2,10 @@
 //! or a Redis Cluster) and bounded calls.
 //!
 //! Owns how tollgate reaches Redis. [`RedisConnector`] reads the target,
-//! TLS material and credentials once ([`node`]) and holds the
+//! TLS material and credentials once (`node`) and holds the
 //! [`Topology`]: which primary serves each key, each with its own
 //! breaker gate, kept current by a watcher actor for a Cluster or
-//! Sentinel ([`watch`], [`discover`]). [`RedisConnector::connect`] hands
+//! Sentinel (`watch`, `discover`). [`RedisConnector::connect`] hands
 //! out a [`RedisConn`]: one lazily opened, self-reconnecting connection
 //! per primary, driven by the calling thread's runtime (each proxy
 //! worker gets its own, so a reply wakes the worker that asked).
@@ -17,10 +17,12 @@
 //! (`EVALSHA`); a `NOSCRIPT` reply (a restarted or newly promoted server)
 //! loads the script and repeats the call once; a call that finds its
 //! connection dropped (not timed out) is made once more on the reconnected
-//! one, within the same timeout. A lost connection, `MOVED`, `ASK`,
-//! `TRYAGAIN`, `CLUSTERDOWN`, `READONLY` or `LOADING` marks the layout
-//! suspect, so it is looked up again within [`watch::TICK`]s; the call
-//! itself fails and is decided locally.
+//! one, within the same timeout. A call answered `MOVED` is made once
+//! more on the primary named, when the layout knows it. A lost
+//! connection, `MOVED`, `ASK`, `TRYAGAIN`, `CLUSTERDOWN`, `READONLY` or
+//! `LOADING` marks the layout suspect, so it is looked up again within
+//! a tick of the watcher (100 ms); a call that still fails is decided
+//! locally.
 //!
 //! Invariants: nothing here waits for Redis to come up; calls fail fast
 //! with [`RedisCallError::NotConnected`] until the key's primary is known.
@@ -339,8 +341,24 @@ impl RedisConn {
             topology.suspect();
             return Err(RedisCallError::NotConnected);
         };
-        let conn = self.connection(&layout, index);
-        let result = bounded(timeout, again_if_dropped(|| call(conn.clone()))).await;
+        // A MOVED reply names the primary that serves the slot now: one
+        // more attempt there when the layout knows it (the script never
+        // ran on the first).
+        let attempts = async {
+            let conn = self.connection(&layout, index);
+            let first = again_if_dropped(|| call(conn.clone())).await;
+            match moved_to(&first, &layout) {
+                Some(other) if other != index => {
+                    let conn = self.connection(&layout, other);
+                    (other, again_if_dropped(|| call(conn.clone())).await)
+                }
+                _ => (index, first),
+            }
+        };
+        let (index, result) = match tokio::time::timeout(timeout, attempts).await {
+            Ok((index, result)) => (index, result.map_err(RedisCallError::Redis)),
+            Err(_) => (index, Err(RedisCallError::Timeout)),
+        };
         if let Err(e) = &result
             && e.suggests_new_layout()
         {
@@ -359,29 +377,41 @@ impl RedisConn {
 
     /// The connection to shard `index` of `layout`, rebuilding this
     /// connection set when the layout is newer than it (connections to
-    /// primaries still in the layout are kept).
+    /// primaries still in the layout are kept). A call that read an older
+    /// layout than the set's finds its primary by address.
     fn connection(&self, layout: &Layout, index: usize) -> ConnectionManager {
+        let addr = &layout.shards[index].addr;
+        let by_addr = |conns: &Conns| {
+            conns
+                .by_shard
+                .iter()
+                .find(|(a, _)| a == addr)
+                .map(|(_, conn)| conn.clone())
+        };
         let current = self.conns.load();
         if current.generation == layout.generation
             && let Some((_, conn)) = current.by_shard.get(index)
         {
             return conn.clone();
         }
+        if current.generation > layout.generation
+            && let Some(conn) = by_addr(&current)
+        {
+            return conn;
+        }
         drop(current);
         let _held = self.rebuild.lock().unwrap_or_else(PoisonError::into_inner);
         let current = self.conns.load_full();
-        if current.generation != layout.generation || current.by_shard.len() != layout.shards.len()
-        {
+        if current.generation < layout.generation {
             let by_shard = layout
                 .shards
                 .iter()
                 .map(|shard| {
-                    let kept = current
+                    let conn = current
                         .by_shard
                         .iter()
-                        .find(|(addr, _)| addr == &shard.addr)
-                        .map(|(_, conn)| conn.clone());
-                    let conn = kept.unwrap_or_else(|| self.open(&shard.addr));
+                        .find(|(a, _)| a == &shard.addr)
+                        .map_or_else(|| self.open(&shard.addr), |(_, conn)| conn.clone());
                     (shard.addr.clone(), conn)
                 })
                 .collect();
@@ -390,9 +420,7 @@ impl RedisConn {
                 by_shard,
             }));
         }
-        // unwrap: the set was just made for this layout, whose shards
-        // include `index`.
-        self.conns.load().by_shard[index].1.clone()
+        by_addr(&self.conns.load()).unwrap_or_else(|| self.open(addr))
     }
 
     /// A connection to `addr`, opened on first use and reopened in the
@@ -434,13 +462,19 @@ async fn again_if_dropped<T, F: Future<Output = RedisResult<T>>>(
     }
 }
 
-/// Awaits `call` for at most `timeout`.
-async fn bounded<T>(
-    timeout: Duration,
-    call: impl Future<Output = RedisResult<T>>,
-) -> Result<T, RedisCallError> {
-    tokio::time::timeout(timeout, call)
-        .await
-        .map_err(|_| RedisCallError::Timeout)?
-        .map_err(RedisCallError::Redis)
+/// The shard of `layout` a `MOVED` reply in `result` names, if any.
+fn moved_to<T>(result: &RedisResult<T>, layout: &Layout) -> Option<usize> {
+    let Err(e) = result else {
+        return None;
+    };
+    if e.kind() != ErrorKind::Server(ServerErrorKind::Moved) {
+        return None;
+    }
+    let (addr, _slot) = e.redirect_node()?;
+    let (host, port) = addr.rsplit_once(':')?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    layout
+        .shards
+        .iter()
+        .position(|s| s.addr.port.to_string() == port && (host.is_empty() || *s.addr.host == *host))
 }

@@ -532,6 +532,12 @@ impl RedisSentinel {
         cli(port, &self.sentinel_access, args)
     }
 
+    /// Freezes sentinel `i` (SIGSTOP): it holds every connection open and
+    /// answers nothing.
+    pub fn pause_sentinel(&self, i: usize) {
+        signal(self.sentinel_children[i].id(), "-STOP");
+    }
+
     /// Seeds for `redis.sentinel_nodes` (`rediss://` URLs over TLS).
     pub fn nodes(&self) -> Vec<String> {
         let scheme = if self.sentinel_access.tls.is_some() {
@@ -564,6 +570,9 @@ impl RedisSentinel {
 impl Drop for RedisSentinel {
     fn drop(&mut self) {
         for child in &mut self.sentinel_children {
+            let _ = Command::new("kill")
+                .args(["-CONT", &child.id().to_string()])
+                .status();
             let _ = child.kill();
             let _ = child.wait();
         }
