@@ -272,7 +272,23 @@ fn check_config_reads_the_redis_files_as_the_gateway_does() {
         pki.client.0.display(),
         pki.server.1.display()
     );
+    // A bundle with one certificate that does not parse: the Redis client
+    // refuses the whole file, so check-config must too.
+    let bundle = dir.file(
+        "bundle.crt",
+        &format!(
+            "{}-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n",
+            std::fs::read_to_string(&pki.ca).unwrap()
+        ),
+    );
     for (redis, expected) in [
+        (
+            format!(
+                "url = \"rediss://h:6380\"\nca_file = \"{}\"",
+                bundle.display()
+            ),
+            "redis.ca_file:",
+        ),
         (
             format!(
                 "url = \"rediss://h:6380\"\nca_file = \"{}/missing.crt\"",

@@ -111,16 +111,21 @@ impl BreakerActor {
             .retain(|addr, _| layout.shard_at(addr).is_some());
         let mut due = Vec::new();
         for shard in &layout.shards {
-            let breaker = self
-                .shards
-                .entry(shard.addr.clone())
-                .or_insert_with(|| ShardBreaker {
-                    gate: shard.gate.clone(),
-                    machine: Machine::new(self.settings, now),
-                    probe_key: format!("tollgate:{}:{}", shard.probe_tag, self.instance),
-                    probing: false,
-                    last_health_ms: None,
-                });
+            let fresh = || ShardBreaker {
+                gate: shard.gate.clone(),
+                machine: Machine::new(self.settings, now),
+                probe_key: format!("tollgate:{}:{}", shard.probe_tag, self.instance),
+                probing: false,
+                last_health_ms: None,
+            };
+            let breaker = self.shards.entry(shard.addr.clone()).or_insert_with(fresh);
+            if !Arc::ptr_eq(&breaker.gate, &shard.gate) {
+                // The primary left the layout and came back with a new gate.
+                *breaker = fresh();
+            } else if !breaker.probe_key.contains(&shard.probe_tag) {
+                // Its slots changed: probe a key it serves now.
+                breaker.probe_key = fresh().probe_key;
+            }
             let seen = breaker.gate.drain();
             let transition = breaker.machine.observe(seen, now);
             if let Some(t) = transition {

@@ -223,8 +223,8 @@ fn check_url(url: &str) -> Result<(), String> {
     }
     if url.contains('#') {
         return Err(format!(
-            "{shown:?} has a fragment; certificate checks cannot be turned off (#insecure): \
-             trust the server's CA with redis.ca_file instead"
+            "{shown:?} has a `#`: certificate checks cannot be turned off (#insecure; trust \
+             the server's CA with redis.ca_file instead), and a `#` in a password is written %23"
         ));
     }
     match redis::IntoConnectionInfo::into_connection_info(url) {

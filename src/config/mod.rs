@@ -124,8 +124,10 @@ pub fn redact_url(url: &str) -> std::borrow::Cow<'_, str> {
     let Some((scheme, rest)) = url.split_once("://") else {
         return url.into();
     };
-    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let Some(at) = rest[..authority_end].rfind('@') else {
+    // The user information ends at the last `@`: a password may hold a
+    // raw `/`, `?`, `#` or `@`, and hiding a little too much beats
+    // showing a secret.
+    let Some(at) = rest.rfind('@') else {
         return url.into();
     };
     match rest[..at].split_once(':') {

@@ -288,6 +288,10 @@ fn passwords_in_urls_are_redacted() {
     );
     assert_eq!(redact_url("redis://user@h:6379"), "redis://user@h:6379");
     assert_eq!(
+        redact_url("redis://u:ab#c/d?e@f@h:6379/0"),
+        "redis://u:***@h:6379/0"
+    );
+    assert_eq!(
         redact_url("redis://127.0.0.1:6379"),
         "redis://127.0.0.1:6379"
     );

@@ -64,7 +64,7 @@ pub(crate) async fn cluster_owners(
 }
 
 /// The primaries of a `CLUSTER SLOTS` reply from `asked`, sorted by
-/// address. An empty host means the node asked.
+/// address.
 fn owners_of(reply: &Value, asked: &NodeAddr) -> Option<Vec<Owner>> {
     let Value::Array(ranges) = reply else {
         return None;
@@ -87,21 +87,27 @@ fn owners_of(reply: &Value, asked: &NodeAddr) -> Option<Vec<Owner>> {
             ),
             _ => return None,
         };
+        // An empty or null host is the node asked; `?` is an endpoint
+        // the node does not know, which no client can reach: its slots
+        // stay unserved until a later lookup names it.
         let host = match primary.first()? {
             Value::BulkString(b) => String::from_utf8(b.clone()).ok()?,
             Value::SimpleString(s) => s.clone(),
+            Value::Nil => String::new(),
             _ => return None,
         };
+        if host == "?" {
+            continue;
+        }
         let port = match primary.get(1)? {
             Value::Int(p) => u16::try_from(*p).ok()?,
             _ => return None,
         };
-        let addr = if host.is_empty() || host == "?" {
-            NodeAddr::new(&asked.host, port)
-        } else {
-            NodeAddr::new(&host, port)
-        };
-        by_addr.entry(addr).or_default().push((start, end));
+        let host = if host.is_empty() { &*asked.host } else { &host };
+        by_addr
+            .entry(NodeAddr::new(host, port))
+            .or_default()
+            .push((start, end));
     }
     Some(
         by_addr
@@ -234,7 +240,13 @@ mod tests {
                 node("10.0.0.1", 7001),
                 node("10.0.0.4", 7004),
             ]),
-            Value::Array(vec![Value::Int(100), Value::Int(16383), node("", 7002)]),
+            Value::Array(vec![Value::Int(100), Value::Int(199), node("", 7002)]),
+            Value::Array(vec![Value::Int(301), Value::Int(400), node("?", 7009)]),
+            Value::Array(vec![
+                Value::Int(401),
+                Value::Int(16383),
+                Value::Array(vec![Value::Nil, Value::Int(7002)]),
+            ]),
             Value::Array(vec![
                 Value::Int(200),
                 Value::Int(300),
@@ -251,7 +263,7 @@ mod tests {
                 },
                 Owner {
                     addr: NodeAddr::new("seed", 7002),
-                    ranges: vec![(100, 16383)]
+                    ranges: vec![(100, 199), (401, 16383)]
                 },
             ]
         );

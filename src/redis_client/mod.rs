@@ -341,24 +341,29 @@ impl RedisConn {
             topology.suspect();
             return Err(RedisCallError::NotConnected);
         };
-        // A MOVED reply names the primary that serves the slot now: one
-        // more attempt there when the layout knows it (the script never
-        // ran on the first).
+        // A MOVED reply names the primary that serves the key's slot now:
+        // one more attempt there when the layout knows it (the script
+        // never ran on the first). A call meant for one node (a probe) is
+        // never sent to another.
+        let tried = std::cell::Cell::new(index);
         let attempts = async {
             let conn = self.connection(&layout, index);
             let first = again_if_dropped(|| call(conn.clone())).await;
-            match moved_to(&first, &layout) {
-                Some(other) if other != index => {
+            match moved_to(&first, &layout, index) {
+                Some(other) if matches!(route, Route::Key(_)) => {
+                    tried.set(other);
                     let conn = self.connection(&layout, other);
-                    (other, again_if_dropped(|| call(conn.clone())).await)
+                    again_if_dropped(|| call(conn.clone())).await
                 }
-                _ => (index, first),
+                _ => first,
             }
         };
-        let (index, result) = match tokio::time::timeout(timeout, attempts).await {
-            Ok((index, result)) => (index, result.map_err(RedisCallError::Redis)),
-            Err(_) => (index, Err(RedisCallError::Timeout)),
+        let result = match tokio::time::timeout(timeout, attempts).await {
+            Ok(result) => result.map_err(RedisCallError::Redis),
+            Err(_) => Err(RedisCallError::Timeout),
         };
+        // Reported to the primary that was asked last.
+        let index = tried.get();
         if let Err(e) = &result
             && e.suggests_new_layout()
         {
@@ -435,9 +440,9 @@ impl RedisConn {
             // registration, often a wake-up of the worker's event loop
             // with it.
             .set_response_timeout(None);
-        // unwrap: the endpoints built a client for every configured node at
-        // load, and a lazy manager only fails for push/resubscribe
-        // settings, which are never set here.
+        // unwrap: building a client depends on the TLS material alone, not
+        // on the address, and `Endpoints::load` built one with it; a lazy
+        // manager only fails for push/resubscribe settings, never set here.
         self.shared
             .endpoints
             .data_client(addr, self.shared.db)
@@ -462,8 +467,9 @@ async fn again_if_dropped<T, F: Future<Output = RedisResult<T>>>(
     }
 }
 
-/// The shard of `layout` a `MOVED` reply in `result` names, if any.
-fn moved_to<T>(result: &RedisResult<T>, layout: &Layout) -> Option<usize> {
+/// The shard of `layout`, other than `asked` (the one that replied), that
+/// a `MOVED` reply in `result` names; an empty host is `asked`'s host.
+fn moved_to<T>(result: &RedisResult<T>, layout: &Layout, asked: usize) -> Option<usize> {
     let Err(e) = result else {
         return None;
     };
@@ -472,9 +478,14 @@ fn moved_to<T>(result: &RedisResult<T>, layout: &Layout) -> Option<usize> {
     }
     let (addr, _slot) = e.redirect_node()?;
     let (host, port) = addr.rsplit_once(':')?;
+    let port: u16 = port.parse().ok()?;
     let host = host.trim_start_matches('[').trim_end_matches(']');
+    let host = if host.is_empty() {
+        &*layout.shards[asked].addr.host
+    } else {
+        host
+    };
     layout
-        .shards
-        .iter()
-        .position(|s| s.addr.port.to_string() == port && (host.is_empty() || *s.addr.host == *host))
+        .shard_at(&NodeAddr::new(host, port))
+        .filter(|&other| other != asked)
 }

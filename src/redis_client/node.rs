@@ -186,6 +186,34 @@ impl Endpoints {
             };
             SetupError::new(key, e.to_string())
         })?;
+        if let Some(certs) = &certs {
+            // The crate reads the files again, stricter than the check
+            // above (every certificate of a CA bundle must parse): build one
+            // client as every connection will, so a file it refuses fails
+            // here, not at a worker's first call.
+            let addr = address(&infos[0]).unwrap_or_else(|| NodeAddr::new("localhost", 6379));
+            let probe = ConnectionAddr::TcpTls {
+                host: addr.host.to_string(),
+                port: addr.port,
+                insecure: false,
+                tls_params: None,
+            };
+            probe
+                .into_connection_info()
+                .and_then(|info| redis::Client::build_with_tls(info, certs.clone()))
+                .map_err(|e| {
+                    let key = if settings.tls.ca_file.is_some() {
+                        "redis.ca_file"
+                    } else {
+                        "redis.tls_cert_file"
+                    };
+                    SetupError::new(
+                        key,
+                        // A certificate-parsing message; it holds no secret.
+                        format!("the Redis client cannot use the TLS files: {e}"),
+                    )
+                })?;
+        }
         let endpoints = Self {
             data: Profile {
                 tls,

@@ -138,7 +138,9 @@ pub struct Topology {
     layout: ArcSwap<Layout>,
     /// Set when a call saw a sign that the layout may be out of date.
     stale: AtomicBool,
-    /// Failovers followed (a shard's primary replaced by another).
+    /// Failovers followed: a slot (or, outside a Cluster, the one shard)
+    /// served by another primary than before, as after a promotion (a slot
+    /// moved by resharding counts too).
     failovers: AtomicU64,
     /// When the last one was followed (Unix seconds; 0 = never).
     last_failover_unix: AtomicU64,
@@ -270,21 +272,6 @@ impl Topology {
     /// by a primary it was not served by counts as a failover followed.
     pub fn publish(&self, owners: &[Owner], now_unix: u64) -> bool {
         let old = self.layout.load_full();
-        let unchanged = old.shards.len() == owners.len()
-            && owners.iter().all(|o| {
-                old.shard_at(&o.addr).is_some_and(|i| {
-                    old.shards[i].slots == slot_count(&o.ranges)
-                        && o.ranges
-                            .iter()
-                            .all(|&(start, _)| old.shard_of_slot(start) == Some(i))
-                })
-            });
-        if unchanged {
-            self.looked_up();
-            return false;
-        }
-        let mut kept: HashMap<&NodeAddr, &Arc<BreakerGate>> =
-            old.shards.iter().map(|s| (&s.addr, &s.gate)).collect();
         let owners_table = (self.mode == Mode::Cluster).then(|| {
             let mut table = vec![UNSERVED; SLOTS].into_boxed_slice();
             for (i, owner) in owners.iter().enumerate() {
@@ -296,6 +283,15 @@ impl Topology {
             }
             table
         });
+        let unchanged = old.shards.len() == owners.len()
+            && old.shards.iter().zip(owners).all(|(s, o)| s.addr == o.addr)
+            && old.owners == owners_table;
+        if unchanged {
+            self.looked_up();
+            return false;
+        }
+        let mut kept: HashMap<&NodeAddr, &Arc<BreakerGate>> =
+            old.shards.iter().map(|s| (&s.addr, &s.gate)).collect();
         let shards: Vec<Shard> = owners
             .iter()
             .enumerate()
@@ -334,14 +330,6 @@ impl Topology {
             owners: owners_table,
         }));
         true
-    }
-}
-
-impl Layout {
-    /// The shard serving `slot`, on a Cluster.
-    fn shard_of_slot(&self, slot: u16) -> Option<usize> {
-        let owner = *self.owners.as_ref()?.get(usize::from(slot))?;
-        (owner != UNSERVED).then_some(usize::from(owner))
     }
 }
 

@@ -33,6 +33,10 @@ pub(crate) const PERIOD: Duration = Duration::from_secs(5);
 /// Shortest time between lookups after a call suspected the layout.
 const AFTER_SUSPICION: Duration = Duration::from_millis(100);
 
+/// How long one sentinel's `+switch-master` subscription may stay silent
+/// before the next sentinel is subscribed to instead.
+const SUBSCRIPTION_IDLE: Duration = Duration::from_secs(60);
+
 /// Time between lookups while a shard's breaker is not closed.
 const WHILE_DEGRADED: Duration = Duration::from_millis(250);
 
@@ -94,6 +98,7 @@ pub(crate) fn start(
         clock,
         last_ms: None,
         failed: false,
+        busy: false,
     }
     .start();
     Ok(())
@@ -115,12 +120,14 @@ struct Watcher {
     last_ms: Option<u64>,
     /// Whether the last lookup failed (to log changes only).
     failed: bool,
+    /// Whether a lookup is running.
+    busy: bool,
 }
 
 impl Watcher {
     /// Starts a lookup when one is due and none runs.
     fn tick(&mut self, ctx: &mut Context<Self>) {
-        if matches!(self.asker, Asker::Sentinel(None)) {
+        if self.busy {
             return;
         }
         let now = self.clock.now_ms();
@@ -139,6 +146,7 @@ impl Watcher {
             return;
         }
         self.last_ms = Some(now);
+        self.busy = true;
         let timeout = self.timeout;
         let lookup: std::pin::Pin<Box<dyn Future<Output = _>>> = match &mut self.asker {
             Asker::Cluster(seeds) => {
@@ -164,6 +172,7 @@ impl Watcher {
             }
             Asker::Sentinel(slot) => {
                 let Some(mut lookup) = slot.take() else {
+                    self.busy = false;
                     return;
                 };
                 Box::pin(async move {
@@ -178,6 +187,7 @@ impl Watcher {
             }
         };
         ctx.spawn(lookup.into_actor(self).map(|(found, lookup), watcher, _| {
+            watcher.busy = false;
             if let Some(lookup) = lookup {
                 watcher.asker = Asker::Sentinel(Some(lookup));
             }
@@ -260,13 +270,17 @@ async fn listen_for_switches(
         // A sentinel that joins after missing a switch: look up at once.
         topology.suspect();
         let mut messages = pubsub.into_on_message();
-        while let Some(message) = messages.next().await {
+        // A sentinel that froze keeps the connection open and silent: move
+        // on to the next one after a while without a message (polling
+        // finds a new primary meanwhile).
+        while let Ok(Some(message)) = tokio::time::timeout(SUBSCRIPTION_IDLE, messages.next()).await
+        {
             let payload: String = message.get_payload().unwrap_or_default();
             if payload.split(' ').next() == Some(master.as_str()) {
                 tracing::info!(sentinel = %addr, "Sentinel announced a new primary.");
                 topology.suspect();
             }
         }
-        tracing::debug!(sentinel = %addr, "The +switch-master subscription ended.");
+        tracing::debug!(sentinel = %addr, "The +switch-master subscription ended or went idle.");
     }
 }
