@@ -120,6 +120,22 @@ async fn read_body(payload: web::Payload) -> Result<web::Bytes, AdminError> {
     }
 }
 
+/// How long a refused write's body may take to arrive.
+const REFUSED_BODY_DEADLINE: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// `error`, once the refused write's body (at most [`MAX_BODY_BYTES`],
+/// within half a second) has been read and thrown away: the client's
+/// kept-alive connection then serves its next request. A longer or slower
+/// body is left, and the connection closes after the answer.
+async fn refuse(payload: web::Payload, error: AdminError) -> AdminError {
+    let _ = tokio::time::timeout(
+        REFUSED_BODY_DEADLINE,
+        payload.to_bytes_limited(MAX_BODY_BYTES),
+    )
+    .await;
+    error
+}
+
 /// The credentials of a `Bearer` authorization (scheme case-insensitive).
 fn bearer(value: &str) -> Option<&str> {
     let (scheme, credentials) = value.split_once(' ')?;

@@ -13,7 +13,7 @@ use actix_web::{HttpRequest, HttpResponse, web};
 use serde_json::{Value, json};
 
 use super::error::AdminError;
-use super::{AdminState, authorize_read, authorize_write, read_body};
+use super::{AdminState, authorize_read, authorize_write, read_body, refuse};
 use crate::config::unknown_route;
 use crate::key::{RouteId, TenantId, tenant_label};
 use crate::rules::model::{LimitSpec, Rule, RuleSpec};
@@ -130,7 +130,10 @@ async fn put(
     path: web::Path<(String, String)>,
     body: web::Payload,
 ) -> Result<HttpResponse, AdminError> {
-    let store = writable(&req, &state)?;
+    let store = match writable(&req, &state) {
+        Ok(store) => store,
+        Err(e) => return Err(refuse(body, e).await),
+    };
     let rule = parse_rule(&path.0, &path.1, &read_body(body).await?)?;
     if let Some(why) =
         unknown_route(&state.routes, rule.route.as_str()).filter(|_| !rule.route.is_all())

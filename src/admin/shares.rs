@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 
 use super::error::AdminError;
 use super::rules::id;
-use super::{AdminState, authorize_read, authorize_write, read_body};
+use super::{AdminState, authorize_read, authorize_write, read_body, refuse};
 use crate::key::{RouteId, TenantId};
 use crate::region::model::SUM_TOLERANCE;
 use crate::region::shares::{Scope, ShareStore, effective};
@@ -85,7 +85,10 @@ async fn put(
     state: web::Data<AdminState>,
     body: web::Payload,
 ) -> Result<HttpResponse, AdminError> {
-    let store = writable(&req, &state)?;
+    let store = match writable(&req, &state) {
+        Ok(store) => store,
+        Err(e) => return Err(refuse(body, e).await),
+    };
     let body = read_body(body).await?;
     let value: Value = serde_json::from_slice(&body)
         .map_err(|e| AdminError::invalid("body", format!("not valid JSON: {e}")))?;

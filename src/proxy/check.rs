@@ -27,6 +27,7 @@ use serde::Deserialize;
 
 use super::body::{ProxyBody, SmallBodyError, read_small};
 use super::decide::decide_now;
+use super::early::{self, LingerFlag};
 use super::route::quoted;
 use super::{Worker, identify_counted};
 use crate::key::TenantId;
@@ -39,17 +40,24 @@ const COST_HEADER: HeaderName = HeaderName::from_static("x-tollgate-cost");
 /// Largest `POST /v1/check` body.
 const MAX_BODY: usize = 16 * 1024;
 
-/// Answers one request on the check listener.
-pub(super) async fn handle(req: Request<Incoming>, worker: &Worker) -> Response<ProxyBody> {
-    match (req.method(), req.uri().path()) {
+/// Answers one request on the check listener; a body it does not read is
+/// settled as [`early`] says, marking the connection to linger in
+/// `linger` when it must close.
+pub(super) async fn handle(
+    req: Request<Incoming>,
+    worker: &Worker,
+    linger: &LingerFlag,
+) -> Response<ProxyBody> {
+    let response = match (req.method(), req.uri().path()) {
         (_, "/v1/auth") => auth(&req, worker).await,
-        (&Method::POST, "/v1/check") => check(req, worker).await,
+        (&Method::POST, "/v1/check") => return check(req, worker, linger).await,
         (_, "/v1/check") => invalid(StatusCode::METHOD_NOT_ALLOWED, "POST /v1/check"),
         _ => invalid(
             StatusCode::NOT_FOUND,
             "served here: POST /v1/check, /v1/auth",
         ),
-    }
+    };
+    early::answer(req, response, linger).await
 }
 
 /// A JSON error answer.
@@ -161,22 +169,31 @@ struct CheckRequest {
 }
 
 /// `POST /v1/check`.
-async fn check(req: Request<Incoming>, worker: &Worker) -> Response<ProxyBody> {
+async fn check(
+    req: Request<Incoming>,
+    worker: &Worker,
+    linger: &LingerFlag,
+) -> Response<ProxyBody> {
     let timeout = worker.forwarder.read_timeout();
     let body = match read_small(req.into_body(), MAX_BODY, timeout).await {
         Ok(body) => body,
         Err(SmallBodyError::TooLarge) => {
             let message = format!("the body is larger than {MAX_BODY} bytes");
-            return invalid(StatusCode::PAYLOAD_TOO_LARGE, &message);
+            let mut response = invalid(StatusCode::PAYLOAD_TOO_LARGE, &message);
+            // The rest of the body is still coming.
+            early::close(&mut response, linger);
+            return response;
         }
         Err(SmallBodyError::Broken(e)) => {
             return invalid(StatusCode::BAD_REQUEST, &format!("the body broke off: {e}"));
         }
         Err(SmallBodyError::TimedOut) => {
-            return invalid(
+            let mut response = invalid(
                 StatusCode::REQUEST_TIMEOUT,
                 "the body did not arrive in time",
             );
+            early::close(&mut response, linger);
+            return response;
         }
     };
     let asked: CheckRequest = match serde_json::from_slice(&body) {

@@ -28,6 +28,7 @@ pub mod headers;
 mod body;
 mod check;
 mod decide;
+mod early;
 mod grpc;
 mod hop;
 mod pool;
@@ -40,9 +41,9 @@ mod stall;
 
 use std::sync::Arc;
 
-use hyper::body::Incoming;
+use hyper::body::{Body, Incoming};
 use hyper::header::{HeaderMap, HeaderName};
-use hyper::{Method, Request, Response};
+use hyper::{Method, Request, Response, Version};
 
 use crate::bucket::Limiter;
 use crate::clock::SharedClock;
@@ -108,7 +109,7 @@ async fn handle(
     match entry {
         Entry::Proxy => proxy(req, client, worker).await,
         Entry::Rls => rls::handle(req, worker).await,
-        Entry::Check => check::handle(req, worker).await,
+        Entry::Check => check::handle(req, worker, &client.linger).await,
     }
 }
 
@@ -146,20 +147,21 @@ async fn phases(
     let Worker {
         state, forwarder, ..
     } = worker;
+    let early = |req, error: ProxyError| early::answer(req, error.response(), &client.linger);
     if matches!(*req.method(), Method::CONNECT | Method::TRACE) {
         state.metrics.unrouted(Unrouted::BadRequest);
-        return ProxyError::MethodNotAllowed.response();
+        return early(req, ProxyError::MethodNotAllowed).await;
     }
     let path = match path::normalize(req.uri().path()) {
         Ok(path) => path,
         Err(e) => {
             state.metrics.unrouted(Unrouted::BadRequest);
-            return ProxyError::BadPath(e).response();
+            return early(req, ProxyError::BadPath(e)).await;
         }
     };
     let Some(route) = state.routes.find(req.method(), &path) else {
         state.metrics.unrouted(Unrouted::NoRoute);
-        return ProxyError::NoRoute.response();
+        return early(req, ProxyError::NoRoute).await;
     };
     if let Some(note) = note.as_deref_mut() {
         note.route = Some(route.index);
@@ -167,7 +169,7 @@ async fn phases(
 
     let tenant = match identify_counted(req.headers(), state, Entry::Proxy, route.index) {
         Ok(tenant) => tenant,
-        Err(e) => return e.response(),
+        Err(e) => return early(req, e).await,
     };
     if let Some(note) = note.as_deref_mut() {
         note.tenant = Some(tenant.clone());
@@ -182,7 +184,7 @@ async fn phases(
     let in_force = rules.in_force(tenant.as_str(), route.spec.id.as_str());
     let Some(slot) = forwarder.slot(&tenant, in_force.names_tenant()) else {
         count(Outcome::InFlightLimited);
-        return ProxyError::TooManyInFlight.response();
+        return early(req, ProxyError::TooManyInFlight).await;
     };
     drop(rules);
     let Decided {
@@ -198,10 +200,12 @@ async fn phases(
         count(Outcome::Rejected);
         let mut rejected = ProxyError::RateLimited.response();
         headers.apply(rejected.headers_mut());
-        return rejected;
+        return early::answer(req, rejected, &client.linger).await;
     }
 
     let started = state.clock.now_micros();
+    // A failed exchange may leave some of the body unread.
+    let body_pending = req.version() != Version::HTTP_2 && !req.body().is_end_stream();
     let forwarded = match Target::new(route, &path, req.uri().query(), &tenant) {
         Ok(target) => forwarder.forward(req, client, target, slot, &headers).await,
         Err(e) => Err(e),
@@ -227,6 +231,9 @@ async fn phases(
         Err(e) => {
             let mut response = e.response();
             headers.apply(response.headers_mut());
+            if body_pending {
+                early::close(&mut response, &client.linger);
+            }
             response
         }
     }

@@ -41,6 +41,7 @@ use tokio::sync::{Notify, oneshot, watch};
 
 use super::Worker;
 use super::body::ClientCut;
+use super::early::{LingerFlag, Lingering};
 use super::speak::{Protocols, Served};
 use crate::telemetry::{self, Entry};
 use crate::tls::ListenerTls;
@@ -72,6 +73,9 @@ pub(super) struct Client {
     pub(super) tls: bool,
     /// Ends the connection from outside its task.
     cut: ClientCut,
+    /// Set when an answer leaves the request's body unread: the socket
+    /// then lingers when the connection closes.
+    pub(super) linger: LingerFlag,
 }
 
 impl Client {
@@ -306,10 +310,12 @@ impl Connection {
         I: AsyncRead + AsyncWrite + Unpin + 'static,
     {
         let cut = ClientCut::default();
+        let linger = LingerFlag::default();
         let client = Rc::new(Client {
             peer,
             tls,
             cut: cut.clone(),
+            linger: linger.clone(),
         });
         let (worker, entry) = (self.worker, self.entry);
         // HTTP/1 alone has its header deadline from the first byte; only a
@@ -326,7 +332,7 @@ impl Connection {
             let (client, worker) = (client.clone(), worker.clone());
             async move { Ok::<_, Infallible>(super::handle(entry, req, &client, &worker).await) }
         });
-        let io = TokioIo::new(stream);
+        let io = TokioIo::new(Lingering::new(stream, linger));
         match &*self.http {
             Protocols::Http1(http1) => {
                 drive(
