@@ -75,6 +75,9 @@ fn main() -> ExitCode {
                     path.display(),
                     config.routes.len()
                 );
+                for note in &config.notes {
+                    eprintln!("note: {note}");
+                }
                 ExitCode::SUCCESS
             }
             Err(problems) => config_failure(&problems),

@@ -242,3 +242,33 @@ fn demo_runs_from_any_directory_and_sizes_its_loop_to_the_rules() {
     assert!(seen.contains("kept from an earlier demo"), "{seen}");
     assert!(seen.contains("for i in $(seq 8)"), "{seen}");
 }
+
+#[test]
+fn check_config_says_when_an_in_flight_bound_is_held_to_the_pool() {
+    let dir = common::TempDir::new("cli-pool");
+    let rules = dir.file("rules.toml", "");
+    let path = dir.file(
+        "pool.toml",
+        &format!(
+            "[rules]\nfile = \"{}\"\n[upstream]\nmax_connections_per_worker = 8\n\
+             [[routes]]\nid = \"api\"\npath_prefix = \"/\"\nupstream = \"http://127.0.0.1:9\"\n",
+            rules.display()
+        ),
+    );
+    let out = tollgate()
+        .args(["check-config", "--config"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    for key in [
+        "upstream.max_connections_per_tenant = 64",
+        "upstream.max_connections_without_rule = 128",
+    ] {
+        assert!(
+            stderr.contains(&format!("note: {key} is more than half of upstream.max_connections_per_worker = 8: 4 are allowed")),
+            "{stderr}"
+        );
+    }
+}

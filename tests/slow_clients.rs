@@ -228,3 +228,27 @@ fn one_tenant_cannot_take_every_upstream_connection() {
         assert_eq!(busy.recv_timeout(Duration::from_secs(10)).unwrap(), 200);
     }
 }
+
+#[test]
+fn a_small_pool_keeps_half_its_connections_for_tenants_with_a_rule() {
+    // Eight upstream connections and the default in-flight bounds (64 per
+    // tenant, 128 without a rule), which are larger than the pool: each
+    // is held to half of it.
+    let s = bounded_stack("small-pool", "max_connections_per_worker = 8");
+    let flood = concurrent(s.gw.addr, "/slow?ms=3000", 40, |i| format!("fresh{i}"));
+    let refused: Vec<u16> = (0..36)
+        .map(|_| flood.recv_timeout(Duration::from_secs(5)).unwrap())
+        .collect();
+    assert!(refused.iter().all(|&s| s == 429), "{refused:?}");
+    let clock = SystemClock::new();
+    let res = raw_http(
+        s.gw.addr,
+        "GET /slow?ms=0 HTTP/1.1\r\nHost: gw\r\nX-Api-Key: acme\r\n",
+    );
+    assert_eq!(res.status, 200);
+    assert!(clock.now_ms() < 1000, "served after {} ms", clock.now_ms());
+    let served: Vec<u16> = (0..4)
+        .map(|_| flood.recv_timeout(Duration::from_secs(10)).unwrap())
+        .collect();
+    assert_eq!(served, vec![200; 4]);
+}

@@ -64,6 +64,9 @@ pub async fn run(
     listeners: Listeners,
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
+    for note in &config.notes {
+        tracing::warn!(adjustment = %note, "A configured bound was adjusted.");
+    }
     let prometheus = telemetry::install();
     let metrics = Metrics::new();
     let clock = SystemClock::shared();

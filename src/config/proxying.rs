@@ -87,6 +87,21 @@ pub(super) fn upstream(c: &mut Check, raw: &RawUpstream, routes: &[RouteSpec]) -
     {
         c.bad("upstream.ca_file", e.to_string());
     }
+    let pool = count(
+        c,
+        "upstream.max_connections_per_worker",
+        raw.max_connections_per_worker,
+    );
+    let per_tenant = count32(
+        c,
+        "upstream.max_connections_per_tenant",
+        raw.max_connections_per_tenant,
+    );
+    let without_rule = count32(
+        c,
+        "upstream.max_connections_without_rule",
+        raw.max_connections_without_rule,
+    );
     UpstreamSettings {
         connect_timeout: c.millis(
             "upstream.connect_timeout_ms",
@@ -94,23 +109,38 @@ pub(super) fn upstream(c: &mut Check, raw: &RawUpstream, routes: &[RouteSpec]) -
             600_000,
         ),
         timeout: c.millis("upstream.timeout_ms", raw.timeout_ms, 3_600_000),
-        max_connections_per_worker: count(
-            c,
-            "upstream.max_connections_per_worker",
-            raw.max_connections_per_worker,
-        ),
-        max_connections_per_tenant: count32(
+        max_connections_per_worker: pool,
+        max_connections_per_tenant: half_the_pool(
             c,
             "upstream.max_connections_per_tenant",
-            raw.max_connections_per_tenant,
+            per_tenant,
+            pool,
+            "one tenant cannot hold every upstream connection",
         ),
-        max_connections_without_rule: count32(
+        max_connections_without_rule: half_the_pool(
             c,
             "upstream.max_connections_without_rule",
-            raw.max_connections_without_rule,
+            without_rule,
+            pool,
+            "tenants with a rule keep the other half",
         ),
         idle_timeout: c.millis("upstream.idle_timeout_ms", raw.idle_timeout_ms, 3_600_000),
         ca_file,
+    }
+}
+
+/// `value` of `key`, at most half of a pool of `pool` connections (and at
+/// least 1); a larger value is clamped, with a note saying `why`.
+fn half_the_pool(c: &mut Check, key: &str, value: u32, pool: usize, why: &str) -> u32 {
+    let half = u32::try_from(pool / 2).unwrap_or(u32::MAX).max(1);
+    if value > half {
+        c.notes.push(format!(
+            "{key} = {value} is more than half of upstream.max_connections_per_worker = {pool}: \
+             {half} are allowed, so that {why}"
+        ));
+        half
+    } else {
+        value
     }
 }
 

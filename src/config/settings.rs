@@ -55,6 +55,9 @@ pub struct Config {
     pub check: Option<CheckSettings>,
     /// The route table, in file order.
     pub routes: Vec<RouteSpec>,
+    /// What validation accepted but changed, for `check-config` to print
+    /// and `serve` to log (a bound clamped to the upstream pool).
+    pub notes: Vec<String>,
 }
 
 /// `[rls]`: how Envoy's descriptors become decisions.
@@ -343,12 +346,13 @@ pub struct UpstreamSettings {
     /// Upstream connections one proxy worker uses at once (kept alive and
     /// reused; further requests wait for one).
     pub max_connections_per_worker: usize,
-    /// Upstream exchanges one tenant may have in flight on one worker;
-    /// further requests are refused with 429 before any token is taken.
+    /// Upstream exchanges one tenant may have in flight on one worker
+    /// (at most half the pool); further requests are refused with 429
+    /// before any token is taken.
     pub max_connections_per_tenant: u32,
     /// Upstream exchanges all tenants without a rule for the route may
-    /// have in flight together on one worker (so fresh keys cannot take
-    /// every connection).
+    /// have in flight together on one worker (at most half the pool, so
+    /// fresh keys cannot take every connection from tenants with rules).
     pub max_connections_without_rule: u32,
     /// Longest time a kept upstream connection may stay idle and still be
     /// used; shorter than the upstreams' own keep-alive timeouts.

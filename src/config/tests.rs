@@ -466,3 +466,32 @@ fn an_https_upstream_host_must_be_a_certificate_name() {
     // Plain http:// needs no such name.
     load(&route.replace("https", "http"), &BTreeMap::new()).unwrap();
 }
+
+#[test]
+fn in_flight_bounds_are_held_to_half_the_upstream_pool() {
+    let config = load(MINIMAL, &BTreeMap::new()).unwrap();
+    assert_eq!(config.upstream.max_connections_per_tenant, 64);
+    assert_eq!(config.upstream.max_connections_without_rule, 128);
+    assert!(config.notes.is_empty(), "{:?}", config.notes);
+    let config = load(
+        &format!("[upstream]\nmax_connections_per_worker = 8\n{MINIMAL}"),
+        &BTreeMap::new(),
+    )
+    .unwrap();
+    assert_eq!(config.upstream.max_connections_per_tenant, 4);
+    assert_eq!(config.upstream.max_connections_without_rule, 4);
+    assert_eq!(config.notes.len(), 2, "{:?}", config.notes);
+    assert!(
+        config.notes[1]
+            .starts_with("upstream.max_connections_without_rule = 128 is more than half")
+    );
+    let one = load(
+        &format!("[upstream]\nmax_connections_per_worker = 1\n{MINIMAL}"),
+        &BTreeMap::new(),
+    )
+    .unwrap();
+    assert_eq!(
+        one.upstream.max_connections_per_tenant, 1,
+        "never below one"
+    );
+}

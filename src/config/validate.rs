@@ -28,6 +28,8 @@ use crate::key::validate_id;
 pub(super) struct Check {
     /// Every problem found so far, in order.
     pub(super) problems: Vec<Problem>,
+    /// What was accepted but changed or is worth telling (a bound clamped).
+    pub(super) notes: Vec<String>,
 }
 
 impl Check {
@@ -118,6 +120,7 @@ fn listen_address(value: &str) -> Result<SocketAddr, String> {
 pub(crate) fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
     let mut c = Check {
         problems: Vec::new(),
+        notes: Vec::new(),
     };
 
     let server = proxying::server(&mut c, &raw.server);
@@ -338,6 +341,7 @@ pub(crate) fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
             rls,
             check,
             routes,
+            notes: c.notes,
         })
     } else {
         Err(c.problems)
