@@ -1,6 +1,7 @@
 //! The HTTP check (`[check]`): `POST /v1/check` and `/v1/auth`, asked
-//! directly and by a real nginx (`auth_request`, with the snippet shipped
-//! in `config/nginx-tollgate.conf`) in front of an upstream.
+//! directly, by a real nginx (`auth_request`, with the snippet shipped in
+//! `config/nginx-tollgate.conf`) and by a real Caddy (`forward_auth`, with
+//! `config/Caddyfile.tollgate`), each in front of an upstream.
 
 #![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
 
@@ -242,4 +243,143 @@ fn nginx_auth_request_limits_with_the_shipped_snippet() {
     assert_eq!(get("beta").status, 200);
     let res = raw_http(addr, "GET /thing HTTP/1.1\r\nHost: api\r\n");
     assert_eq!(res.status, 401);
+}
+
+#[test]
+fn nginx_refuses_when_tollgate_cannot_be_reached() {
+    let up = common::Upstream::start();
+    let unreachable = SocketAddr::from(([127, 0, 0, 1], common::refused_port()));
+    let nginx = Nginx::start(unreachable, &up.url());
+    let res = raw_http(
+        nginx.addr,
+        "GET /thing HTTP/1.1\r\nHost: api\r\nX-Api-Key: acme\r\n",
+    );
+    assert_eq!(res.status, 500, "refused, not let through");
+}
+
+/// Caddy with the shipped Caddyfile, on a port of its own, asking the
+/// check at `check` in front of the API at `api`.
+struct Caddy {
+    child: Child,
+    /// Where it listens.
+    addr: SocketAddr,
+    _dir: TempDir,
+}
+
+impl Caddy {
+    fn start(check: SocketAddr, api: &str) -> Self {
+        let shipped = std::fs::read_to_string("config/Caddyfile.tollgate").unwrap();
+        let readme = std::fs::read_to_string("README.md").unwrap();
+        assert!(
+            readme.contains(&shipped),
+            "the README shows config/Caddyfile.tollgate as it is"
+        );
+        let caddy = common::peers::peer("caddy");
+        for _ in 0..3 {
+            let listen = free_port();
+            let dir = TempDir::new("caddy");
+            let config = dir.file(
+                "Caddyfile",
+                &shipped
+                    .replace("http://:8001", &format!("http://:{listen}"))
+                    .replace(
+                        "forward_auth 127.0.0.1:8082",
+                        &format!("forward_auth {check}"),
+                    )
+                    .replace(
+                        "reverse_proxy 127.0.0.1:9000",
+                        &format!(
+                            "reverse_proxy {}",
+                            api.trim_start_matches("http://").trim_end_matches('/')
+                        ),
+                    ),
+            );
+            let mut child = Command::new(&caddy)
+                .args(["run", "--adapter", "caddyfile", "--config"])
+                .arg(&config)
+                .env("HOME", &dir.0)
+                .env("XDG_DATA_HOME", &dir.0)
+                .env("XDG_CONFIG_HOME", &dir.0)
+                .stdout(Stdio::null())
+                .stderr(std::fs::File::create(dir.0.join("caddy.log")).unwrap())
+                .spawn()
+                .unwrap();
+            let addr = SocketAddr::from(([127, 0, 0, 1], listen));
+            let up = wait_until(Duration::from_secs(10), || {
+                std::net::TcpStream::connect(addr).is_ok()
+                    || child.try_wait().is_ok_and(|exited| exited.is_some())
+            });
+            if up && child.try_wait().is_ok_and(|exited| exited.is_none()) {
+                return Self {
+                    child,
+                    addr,
+                    _dir: dir,
+                };
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+            eprintln!(
+                "caddy did not start on port {listen}: {}",
+                std::fs::read_to_string(dir.0.join("caddy.log")).unwrap_or_default()
+            );
+        }
+        panic!("caddy did not start in three tries");
+    }
+}
+
+impl Drop for Caddy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn caddy_forward_auth_limits_with_the_shipped_caddyfile() {
+    let s = stack("check-caddy", 429);
+    let caddy = Caddy::start(s.gw.check.unwrap(), &s.up.url());
+    let get = |key: &str| {
+        raw_http(
+            caddy.addr,
+            &format!(
+                "GET /thing HTTP/1.1\r\nHost: api\r\nX-Api-Key: {key}\r\n\
+                 X-Tollgate-Cost: 3\r\nX-Tollgate-Route: nope\r\n"
+            ),
+        )
+    };
+    // The client's own X-Tollgate-* headers are replaced: each request
+    // costs 1 on route api.
+    for left in (0..3).rev() {
+        let res = get("acme");
+        assert_eq!(res.status, 200, "{}", res.body);
+        assert_eq!(res.json()["path"], "/thing", "the upstream answered");
+        assert_eq!(
+            res.header("ratelimit"),
+            Some(format!("\"api\";r={left};t=0").as_str())
+        );
+        assert_eq!(res.header("ratelimit-policy"), Some("\"api\";q=3;w=3"));
+    }
+    let res = get("acme");
+    assert_eq!(res.status, 429, "{}", res.body);
+    let wait: u64 = res.header("retry-after").unwrap().parse().unwrap();
+    assert!((1..=2).contains(&wait), "Retry-After {wait}");
+    assert_eq!(
+        res.header("ratelimit"),
+        Some(format!("\"api\";r=0;t={wait}").as_str())
+    );
+    assert_eq!(get("beta").status, 200, "another tenant is not affected");
+    let res = raw_http(caddy.addr, "GET /thing HTTP/1.1\r\nHost: api\r\n");
+    assert_eq!(res.status, 401, "no key");
+    drop(caddy);
+    let up = common::Upstream::start();
+    let unreachable = SocketAddr::from(([127, 0, 0, 1], common::refused_port()));
+    let caddy = Caddy::start(unreachable, &up.url());
+    let res = raw_http(
+        caddy.addr,
+        "GET /thing HTTP/1.1\r\nHost: api\r\nX-Api-Key: acme\r\n",
+    );
+    assert_eq!(
+        res.status, 502,
+        "refused, not let through, when tollgate cannot be reached"
+    );
 }

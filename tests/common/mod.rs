@@ -7,6 +7,7 @@
 #![allow(dead_code, unreachable_pub, unused_imports)] // Each test file uses a different subset.
 
 pub mod certs;
+pub mod peers;
 mod redis_shapes;
 
 pub use redis_shapes::{
