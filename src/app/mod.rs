@@ -194,6 +194,9 @@ pub async fn run(
 
     let proxy_addr = listeners.proxy_addr()?;
     let admin_addr = listeners.admin_addr()?;
+    let shown =
+        |addr: Option<std::net::SocketAddr>| addr.map_or("off".to_owned(), |a| a.to_string());
+    let (rls_addr, check_addr) = (shown(listeners.rls_addr()), shown(listeners.check_addr()));
     let proxy_state = Arc::new(ProxyState {
         routes: RouteTable::new(&config.routes),
         rules: rules.clone(),
@@ -311,6 +314,8 @@ pub async fn run(
         instance = %config.instance.id,
         proxy = %proxy_addr,
         admin = %admin_addr,
+        rls = %rls_addr,
+        check = %check_addr,
         routes = config.routes.len(),
         "tollgate is serving."
     );

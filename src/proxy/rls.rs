@@ -7,7 +7,11 @@
 //! its entry `rls.route_key` (default `route`) a configured route, and its
 //! `hits_addend`, else the request's, else 1, is the cost. Every
 //! descriptor is checked before any is decided, so a malformed request
-//! (`INVALID_ARGUMENT`, naming the descriptor) takes nothing. The
+//! (`INVALID_ARGUMENT`, naming the descriptor) takes nothing. A tenant
+//! value that is not a valid key comes from the client, not from Envoy's
+//! configuration: that request is refused (`OVER_LIMIT`, nothing taken),
+//! never answered with an error that Envoy's `failure_mode_deny: false`
+//! would let through. The
 //! decisions run together on the worker, so they share Redis calls. The
 //! answer is `OVER_LIMIT` when any descriptor is refused; statuses come
 //! in request order; the IETF RateLimit fields (and `Retry-After` on a
@@ -37,7 +41,7 @@ use crate::bucket::GroupLimit;
 use crate::config::RlsSettings;
 use crate::key::{RouteId, TenantId};
 use crate::rules::Window;
-use crate::telemetry::Entry;
+use crate::telemetry::{Entry, Outcome};
 
 /// The one method served.
 const SHOULD_RATE_LIMIT: &str = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
@@ -59,13 +63,43 @@ pub(super) async fn handle(req: Request<Incoming>, worker: &Worker) -> Response<
         Ok(asks) => asks,
         Err(message) => return Status::new(Code::InvalidArgument, message).response(),
     };
+    if asks.iter().any(|a| a.tenant.is_none()) {
+        return grpc::respond(&refused_keys(worker, &asks));
+    }
     grpc::respond(&answer(worker, &asks).await)
+}
+
+/// The answer to a request with a tenant value that is not a valid key:
+/// over the limit, nothing decided or taken; each such descriptor is
+/// counted as a bad key.
+fn refused_keys(worker: &Worker, asks: &[Ask<'_>]) -> RateLimitResponse {
+    for a in asks.iter().filter(|a| a.tenant.is_none()) {
+        worker
+            .state
+            .requests
+            .count(Entry::Rls, None, a.route.index, Outcome::BadKey);
+    }
+    RateLimitResponse {
+        overall_code: RlsCode::OverLimit as i32,
+        statuses: asks
+            .iter()
+            .map(|a| DescriptorStatus {
+                code: if a.tenant.is_none() {
+                    RlsCode::OverLimit
+                } else {
+                    RlsCode::Unknown
+                } as i32,
+                ..Default::default()
+            })
+            .collect(),
+        ..Default::default()
+    }
 }
 
 /// One descriptor, checked.
 struct Ask<'a> {
-    /// Whose limit.
-    tenant: TenantId,
+    /// Whose limit; `None` when the value is not a valid key.
+    tenant: Option<TenantId>,
     /// On which configured route.
     route: &'a Route,
     /// Tokens to take.
@@ -127,9 +161,7 @@ fn ask<'a>(
             (Some(_), Some(_)) => Err(format!("more than one entry {}", quoted(key))),
         }
     };
-    let tenant = value(&settings.tenant_key)?;
-    let tenant = TenantId::parse(tenant)
-        .map_err(|e| format!("{:?} {}: {e}", settings.tenant_key, quoted(tenant)))?;
+    let tenant = TenantId::parse(value(&settings.tenant_key)?).ok();
     let route = worker
         .state
         .routes
@@ -151,18 +183,20 @@ fn ask<'a>(
     })
 }
 
-/// Decides every ask, together.
+/// Decides every ask (each with a valid tenant), together.
 async fn answer(worker: &Worker, asks: &[Ask<'_>]) -> RateLimitResponse {
+    let tenants: Vec<&TenantId> = asks.iter().filter_map(|a| a.tenant.as_ref()).collect();
     let decisions = futures_util::future::join_all(
         asks.iter()
-            .map(|a| decide_now(worker, &a.tenant, &a.route.spec.id, a.cost)),
+            .zip(&tenants)
+            .map(|(a, tenant)| decide_now(worker, tenant, &a.route.spec.id, a.cost)),
     )
     .await;
     let requests = &worker.state.requests;
-    for (a, decided) in asks.iter().zip(&decisions) {
+    for ((a, tenant), decided) in asks.iter().zip(&tenants).zip(&decisions) {
         requests.count(
             Entry::Rls,
-            Some(a.tenant.as_str()),
+            Some(tenant.as_str()),
             a.route.index,
             decided.outcome(),
         );

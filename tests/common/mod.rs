@@ -11,7 +11,7 @@ pub mod peers;
 mod redis_shapes;
 
 pub use redis_shapes::{
-    Access, RedisCluster, RedisSentinel, RedisServer, SENTINEL_MASTER, TlsAccess,
+    Access, RedisCluster, RedisSentinel, RedisServer, SENTINEL_MASTER, TlsAccess, signal,
 };
 
 use std::collections::BTreeMap;
@@ -922,6 +922,8 @@ pub struct GatewayProcess {
     pub name: String,
     pub proxy: u16,
     pub admin: u16,
+    /// Envoy's rate limit service, when served.
+    pub rls: Option<u16>,
     /// Where its stderr (the log) goes.
     pub log: PathBuf,
     child: Child,
@@ -950,7 +952,7 @@ impl GatewayProcess {
             ports = serving_ports(&std::fs::read_to_string(&log_path).unwrap_or_default());
             ports.is_some()
         });
-        let Some((proxy, admin)) = ports.filter(|_| found) else {
+        let Some((proxy, admin, rls, _check)) = ports.filter(|_| found) else {
             let _ = child.kill();
             panic!("gateway {name} did not start; see {}", log_path.display());
         };
@@ -958,6 +960,7 @@ impl GatewayProcess {
             name: name.to_owned(),
             proxy,
             admin,
+            rls,
             log: log_path.clone(),
             child,
         };
@@ -978,6 +981,11 @@ impl GatewayProcess {
 
     pub fn admin_url(&self, path: &str) -> String {
         format!("http://127.0.0.1:{}{path}", self.admin)
+    }
+
+    /// The address of its rate limit service (which it must serve).
+    pub fn rls_addr(&self) -> SocketAddr {
+        ([127, 0, 0, 1], self.rls.expect("the gateway serves [rls]")).into()
     }
 
     /// `GET path` through the proxy as `tenant` (a blocking raw request).
@@ -1001,11 +1009,21 @@ impl GatewayProcess {
     pub fn ready(&self) -> serde_json::Value {
         serde_json::from_str(&self.admin_text("/ready")).unwrap_or_default()
     }
+
+    /// Freezes the gateway (SIGSTOP): its sockets stay open, nothing answers.
+    pub fn pause(&self) {
+        signal(self.child.id(), "-STOP");
+    }
+
+    /// Thaws a paused gateway (SIGCONT).
+    pub fn resume(&self) {
+        signal(self.child.id(), "-CONT");
+    }
 }
 
 /// The proxy and admin ports of the `tollgate is serving.` log line, in
 /// either log format.
-fn serving_ports(log: &str) -> Option<(u16, u16)> {
+fn serving_ports(log: &str) -> Option<(u16, u16, Option<u16>, Option<u16>)> {
     let line = log.lines().find(|l| l.contains("tollgate is serving."))?;
     let json: Option<serde_json::Value> = serde_json::from_str(line).ok();
     let port = |field: &str| -> Option<u16> {
@@ -1017,11 +1035,14 @@ fn serving_ports(log: &str) -> Option<(u16, u16)> {
         };
         addr.rsplit(':').next()?.parse().ok()
     };
-    Some((port("proxy")?, port("admin")?))
+    Some((port("proxy")?, port("admin")?, port("rls"), port("check")))
 }
 
 impl Drop for GatewayProcess {
     fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-CONT", &self.child.id().to_string()])
+            .status();
         let _ = self.child.kill();
         let _ = self.child.wait();
     }

@@ -579,7 +579,8 @@ impl Drop for RedisSentinel {
     }
 }
 
-fn signal(pid: u32, sig: &str) {
+/// Sends `sig` (`-STOP`, `-CONT`) to process `pid`.
+pub fn signal(pid: u32, sig: &str) {
     let status = Command::new("kill")
         .args([sig, &pid.to_string()])
         .status()

