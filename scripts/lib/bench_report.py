@@ -70,6 +70,7 @@ for t in targets:
             "proxy": c["proxy"] * TICK_US / n,
             "kernel": c["proxy_kernel"] * TICK_US / n,
             "redis": c["redis"] * TICK_US / n,
+            "rls": c.get("rls", 0) * TICK_US / n,
             "upstream": c["upstream"] * TICK_US / n,
             "script": c["script_usec"] / n,
             "calls": c["script_calls"] / n,
@@ -97,24 +98,25 @@ for t in targets:
     print(f"{t:<16}{rps[t]:>12.0f}")
 print()
 print("CPU per request over the maximum-throughput runs (/proc; median of rounds), us")
-print(f"{'target':<16}{'proxy':>9}{'(kernel)':>10}{'redis':>9}{'upstream':>10}{'total':>9}"
+print(f"{'target':<16}{'proxy':>9}{'(kernel)':>10}{'rls':>9}{'redis':>9}{'upstream':>10}{'total':>9}"
       f"{'script us/decision':>20}{'calls/decision':>16}")
 for t in targets:
     c = cpu[t]
     script = f"{c['script']:.2f}" if c["calls"] else "-"
     calls = f"{c['calls']:.3f}" if c["calls"] else "-"
-    print(f"{t:<16}{c['proxy']:>9.1f}{c['kernel']:>10.1f}{c['redis']:>9.1f}{c['upstream']:>10.1f}"
-          f"{c['proxy'] + c['redis'] + c['upstream']:>9.1f}{script:>20}{calls:>16}")
+    rls = f"{c['rls']:.1f}" if c["rls"] else "-"
+    print(f"{t:<16}{c['proxy']:>9.1f}{c['kernel']:>10.1f}{rls:>9}{c['redis']:>9.1f}{c['upstream']:>10.1f}"
+          f"{c['proxy'] + c['rls'] + c['redis'] + c['upstream']:>9.1f}{script:>20}{calls:>16}")
 print()
 print("Ratios against nginx proxy_pass, from the medians")
 print(f"{'':<16}{'added p50':>11}{'added p99':>11}{'max req/s':>11}{'proxy CPU':>11}"
-      f"{'+redis CPU':>12}")
+      f"{'+rls+redis':>12}")
 for t in tollgates:
     print(f"{t:<16}{ratio(added[t]['p50'], added['nginx']['p50']):>11.2f}"
           f"{ratio(added[t]['p99'], added['nginx']['p99']):>11.2f}"
           f"{ratio(rps[t], rps['nginx']):>11.2f}"
           f"{ratio(cpu[t]['proxy'], cpu['nginx']['proxy']):>11.2f}"
-          f"{ratio(cpu[t]['proxy'] + cpu[t]['redis'], cpu['nginx']['proxy']):>12.2f}")
+          f"{ratio(cpu[t]['proxy'] + cpu[t]['rls'] + cpu[t]['redis'], cpu['nginx']['proxy']):>12.2f}")
 print()
 # The same ratios round by round, each against the nginx run of its own
 # round, so slow phases of the machine hit both sides of a ratio.
