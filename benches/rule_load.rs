@@ -14,8 +14,9 @@ use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use tollgate::clock::{Clock, SystemClock};
+use tollgate::db::{Database, RuleStore};
 use tollgate::rules::model::SnapshotOrigin;
-use tollgate::rules::{Limit, RuleSet, RuleStore};
+use tollgate::rules::{Limit, RuleSet};
 
 /// Counts live heap bytes.
 struct Counting;
@@ -77,8 +78,8 @@ fn run(url: &str) {
         .build()
         .unwrap();
     let _context = rt.enter();
-    let store = RuleStore::connect_lazy(url).unwrap();
-    rt.block_on(store.migrate()).unwrap();
+    let store = RuleStore::new(Database::connect_lazy(url).unwrap());
+    rt.block_on(store.database().migrate()).unwrap();
     println!("inserting {RULES} rules (100,000 tenants over 4 routes)…");
     psql(
         url,
@@ -122,7 +123,7 @@ fn run(url: &str) {
     let live = LIVE.load(Ordering::Relaxed);
     drop(set);
     let snapshot_bytes = live - LIVE.load(Ordering::Relaxed);
-    rt.block_on(store.close());
+    rt.block_on(store.database().close());
 
     println!();
     println!("rules                                  {RULES}");

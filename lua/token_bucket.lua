@@ -38,7 +38,12 @@
 -- and five for a lease ask (in a group, allowed is the group's verdict and
 -- remaining and retry_after_ms are that key's; a quota's retry_after_ms is
 -- the time until its window ends):
---   allowed         1 when the request's tokens were taken, else 0
+--   allowed         1 when the request's tokens were taken, else 0; -1
+--                   when this key (or a key of its group) could not be
+--                   decided, the other integers then 0: the key holds a
+--                   value this script did not write (another type, not a
+--                   number), or its ask is malformed. Such a key fails
+--                   alone; the call's other keys are decided as usual.
 --   remaining       tokens left after this call, floored
 --   retry_after_ms  ms until need tokens exist, rounded up: for a rejection
 --                   at least 1; after a grant, 0 while need tokens remain
@@ -50,7 +55,8 @@
 -- reply's integers are most of what a caller spends parsing it.
 --
 -- Per key: one GET, and one SET ... PX when tokens are taken (SET ... PXAT
--- for a quota; a rejection writes nothing). Now always comes from
+-- for a quota; a rejection writes nothing), both by redis.pcall so that a
+-- key's own error is that key's answer, not the call's. Now always comes from
 -- redis.call('TIME'), never from the gateway: gateway clocks drift.
 --
 -- Redis pays for every Lua function call and every number turned into a
@@ -79,47 +85,67 @@ local reply = {}
 local n = 0
 -- Decides a group of keys (see the loop); made once a call meets one.
 local group
+-- The last key of the latest group: a '-' ask after it belongs to no group.
+local group_end = 0
 
--- The rule of the previous key: its argument strings and their values.
-local rule_capacity, rule_rate, capacity, rate, expire_ms
+-- The rule of the previous key: its argument strings, their values, and
+-- whether they are usable (a capacity of at least 1, a positive rate).
+local rule_capacity, rule_rate, capacity, rate, expire_ms, rule_ok
 
 for i = 1, #KEYS do
   local at = i * 3
   local ask = ARGV[at] or '1'
   local want = tonumber(ask)
   local min, need, lease = want, want, false
-  local grouped = false
-  if not want then
+  local single = want ~= nil
+  if not single then
     local w, m, k = string.match(ask, '^(%d+):(%d+):(%d+)$')
     if k then
-      want, min, need, lease = tonumber(w), tonumber(m), tonumber(k), true
+      want, min, need, lease, single = tonumber(w), tonumber(m), tonumber(k), true, true
     elseif ask == '-' then
-      -- A later key of a group: decided with the group's first key.
-      grouped = true
+      -- A later key of a group, decided with the group's first key; one
+      -- after the group's end belongs to no group and fails.
+      if i > group_end then
+        reply[n + 1], reply[n + 2], reply[n + 3] = -1, 0, 0
+        n = n + 3
+      end
     else
       local head, count = string.match(ask, '^([%d:]+)%*(%d+)$')
       count = tonumber(count)
-      if not count or count < 1 or i + count - 1 > #KEYS then
-        return redis.error_reply('tollgate: bad ask ' .. ask)
-      end
-      local gw, gm, gk = string.match(head, '^(%d+):(%d+):(%d+)$')
-      local glease = gk ~= nil
-      if not glease then
-        gw = tonumber(head)
-        if not gw then
-          return redis.error_reply('tollgate: bad ask ' .. ask)
+      local gw, gm, gk, glease
+      if count and count >= 1 and i + count - 1 <= #KEYS then
+        gw, gm, gk = string.match(head, '^(%d+):(%d+):(%d+)$')
+        glease = gk ~= nil
+        if not glease then
+          gw = tonumber(head)
+          gm, gk = gw, gw
         end
-        gm, gk = gw, gw
       end
-      if not group then
+      if gw and not group then
         -- Made here, on the first group of a call, not at the top: a
         -- script's functions are created afresh on every call, and most
         -- calls hold no group.
         local now_ms = floor(now / 1000)
 
-        -- Tokens in the bucket at key, as the single-key path computes them.
+        -- Answers one key that could not be decided (allowed = -1), with
+        -- the reply's width for its ask.
+        local function undecided(lease)
+          reply[n + 1], reply[n + 2], reply[n + 3] = -1, 0, 0
+          n = n + 3
+          if lease then
+            reply[n + 1], reply[n + 2] = 0, 0
+            n = n + 2
+          end
+        end
+
+        -- Tokens in the bucket at key, as the single-key path computes them;
+        -- nil when the key holds a value this script did not write.
         local function bucket_tokens(key, capacity, rate)
-          local tat = tonumber(redis.call('GET', key))
+          local raw = redis.pcall('GET', key)
+          local tat = tonumber(raw)
+          if raw and not tat then
+            return nil
+          end
           if not tat or tat <= now then
             return capacity
           end
@@ -144,7 +170,8 @@ for i = 1, #KEYS do
           return era * 146097 + doe - 719468
         end
 
-        -- When the window named code that holds now ends, in ms since the epoch.
+        -- When the window named code that holds now ends, in ms since the
+        -- epoch; nil for a code that names no window.
         local function window_end(code)
           local len
           if code == 'm' then len = 60000
@@ -162,7 +189,11 @@ for i = 1, #KEYS do
             if m == 12 then y, m = y + 1, 1 else m = m + 1 end
             return days_from_civil(y, m) * 86400000
           else
-            len = tonumber(string.sub(code, 2)) * 1000
+            len = tonumber(string.match(code or '', '^s(%d+)$'))
+            if not len or len < 1 then
+              return nil
+            end
+            len = len * 1000
           end
           return (floor(now_ms / len) + 1) * len
         end
@@ -177,25 +208,53 @@ for i = 1, #KEYS do
           return s.ends - now_ms
         end
 
+        -- The state of the group's key j, or nil when it cannot be decided.
+        local function limit_state(j)
+          local at = j * 3
+          local capacity = tonumber(ARGV[at - 2])
+          if not capacity or capacity < 1 then
+            return nil
+          end
+          local rate = tonumber(ARGV[at - 1])
+          local s = {capacity = capacity, rate = rate}
+          if rate then
+            if rate <= 0 then
+              return nil
+            end
+            s.tokens = bucket_tokens(KEYS[j], capacity, rate)
+          else
+            s.ends = window_end(ARGV[at - 1])
+            local raw = redis.pcall('GET', KEYS[j])
+            s.used = tonumber(raw)
+            if not s.ends or (raw and not s.used) then
+              return nil
+            end
+            s.used = s.used or 0
+            s.tokens = capacity - s.used
+          end
+          if not s.tokens then
+            return nil
+          end
+          return s
+        end
+
         -- Decides the group of count keys starting at first, as the ask
-        -- (want, min, need; a lease when lease) says.
+        -- (want, min, need; a lease when lease) says: every key's state is
+        -- read before any is written, so a key that cannot be decided leaves
+        -- the whole group undecided and untouched.
         group = function(first, count, want, min, need, lease)
           local state = {}
           local avail, size
           for j = first, first + count - 1 do
-            local at = j * 3
-            local capacity = tonumber(ARGV[at - 2])
-            local rate = tonumber(ARGV[at - 1])
-            local s = {capacity = capacity, rate = rate}
-            if rate then
-              s.tokens = bucket_tokens(KEYS[j], capacity, rate)
-            else
-              s.ends = window_end(ARGV[at - 1])
-              s.used = tonumber(redis.call('GET', KEYS[j])) or 0
-              s.tokens = capacity - s.used
+            local s = limit_state(j)
+            if not s then
+              for _ = first, first + count - 1 do
+                undecided(lease)
+              end
+              return
             end
             if not avail or s.tokens < avail then avail = s.tokens end
-            if not size or capacity < size then size = capacity end
+            if not size or s.capacity < size then size = s.capacity end
             state[j] = s
           end
           if want > size then want = size end
@@ -208,84 +267,111 @@ for i = 1, #KEYS do
           elseif avail >= need then
             granted = need
           end
-          for j = first, first + count - 1 do
-            local s = state[j]
-            local tokens = s.tokens
-            if granted > 0 then
-              tokens = tokens - granted
+          local written = true
+          if granted > 0 then
+            for j = first, first + count - 1 do
+              local s = state[j]
+              local set
               if s.rate then
-                redis.call('SET', KEYS[j], now + (s.capacity - tokens) * 1000000 / s.rate,
+                set = redis.pcall('SET', KEYS[j], now + (s.capacity - s.tokens + granted) * 1000000 / s.rate,
                   'PX', string.format('%d', ceil(2000 * s.capacity / s.rate)))
               else
-                redis.call('SET', KEYS[j], s.used + granted, 'PXAT', s.ends)
+                set = redis.pcall('SET', KEYS[j], s.used + granted, 'PXAT', s.ends)
+              end
+              if set.err then
+                written = false
               end
             end
-            reply[n + 1] = granted > 0 and 1 or 0
-            reply[n + 2] = floor(tokens)
-            reply[n + 3] = limit_wait(s, tokens, need)
-            n = n + 3
-            if lease then
-              reply[n + 1] = granted
-              reply[n + 2] = limit_wait(s, tokens, min)
-              n = n + 2
+          end
+          for j = first, first + count - 1 do
+            if not written then
+              undecided(lease)
+            else
+              local s = state[j]
+              local tokens = s.tokens - granted
+              reply[n + 1] = granted > 0 and 1 or 0
+              reply[n + 2] = floor(tokens)
+              reply[n + 3] = limit_wait(s, tokens, need)
+              n = n + 3
+              if lease then
+                reply[n + 1] = granted
+                reply[n + 2] = limit_wait(s, tokens, min)
+                n = n + 2
+              end
             end
           end
         end
       end
-      group(i, count, tonumber(gw), tonumber(gm), tonumber(gk), glease)
-      grouped = true
+      if gw then
+        group_end = i + count - 1
+        group(i, count, tonumber(gw), tonumber(gm), tonumber(gk), glease)
+      else
+        -- A malformed ask fails this key; the '-' keys after it, which
+        -- no group holds, fail one by one.
+        reply[n + 1], reply[n + 2], reply[n + 3] = -1, 0, 0
+        n = n + 3
+      end
     end
   end
-  if not grouped then
+  if single then
     if ARGV[at - 2] ~= rule_capacity or ARGV[at - 1] ~= rule_rate then
       rule_capacity, rule_rate = ARGV[at - 2], ARGV[at - 1]
       capacity, rate = tonumber(rule_capacity), tonumber(rule_rate)
-      expire_ms = string.format('%d', ceil(2000 * capacity / rate))
+      rule_ok = capacity and rate and capacity >= 1 and rate > 0
+      if rule_ok then
+        expire_ms = string.format('%d', ceil(2000 * capacity / rate))
+      end
     end
-    if want > capacity then want = capacity end
-    if min > want then min = want end
-    if need > min then need = min end
-
     -- The group path's bucket_tokens, inline: this path runs per key.
-    local tokens = capacity
-    local tat = tonumber(redis.call('GET', KEYS[i]))
-    if tat and tat > now then
-      tokens = capacity - (tat - now) * rate / 1000000
-      if tokens < 0 then
-        tokens = 0
+    -- allowed stays -1 when the key cannot be decided.
+    local allowed, tokens, granted = -1, 0, 0
+    local raw = rule_ok and redis.pcall('GET', KEYS[i])
+    local tat = tonumber(raw)
+    if rule_ok and (tat or not raw) then
+      if want > capacity then want = capacity end
+      if min > want then min = want end
+      if need > min then need = min end
+      tokens = capacity
+      if tat and tat > now then
+        tokens = capacity - (tat - now) * rate / 1000000
+        if tokens < 0 then
+          tokens = 0
+        end
+        -- Whole token counts survive the trip through the TAT despite rounding.
+        local whole = floor(tokens + 0.5)
+        if tokens - whole < 1e-9 and whole - tokens < 1e-9 then
+          tokens = whole
+        end
       end
-      -- Whole token counts survive the trip through the TAT despite rounding.
-      local whole = floor(tokens + 0.5)
-      if tokens - whole < 1e-9 and whole - tokens < 1e-9 then
-        tokens = whole
+      if tokens < need then
+        -- tokens < need <= min, so both waits are at least 1 ms.
+        allowed = 0
+      else
+        granted = need
+        if tokens >= min then
+          granted = floor(tokens)
+          if granted > want then granted = want end
+        end
+        local left = tokens - granted
+        if not redis.pcall('SET', KEYS[i], now + (capacity - left) * 1000000 / rate, 'PX', expire_ms).err then
+          allowed, tokens = 1, left
+        end
       end
     end
-
-    if tokens < need then
-      -- tokens < need <= min, so both waits are at least 1 ms.
-      reply[n + 1] = 0
-      reply[n + 2] = floor(tokens)
-      reply[n + 3] = wait(need, tokens, rate)
+    if allowed < 0 then
+      reply[n + 1], reply[n + 2], reply[n + 3] = -1, 0, 0
       n = n + 3
       if lease then
-        reply[n + 1] = 0
-        reply[n + 2] = wait(min, tokens, rate)
+        reply[n + 1], reply[n + 2] = 0, 0
         n = n + 2
       end
     else
-      local granted = need
-      if tokens >= min then
-        granted = floor(tokens)
-        if granted > want then granted = want end
-      end
-      tokens = tokens - granted
-      redis.call('SET', KEYS[i], now + (capacity - tokens) * 1000000 / rate, 'PX', expire_ms)
-      reply[n + 1] = 1
+      reply[n + 1] = allowed
       reply[n + 2] = floor(tokens)
       reply[n + 3] = wait(need, tokens, rate)
       n = n + 3
       if lease then
-        reply[n + 1] = granted
+        reply[n + 1] = allowed > 0 and granted or 0
         reply[n + 2] = wait(min, tokens, rate)
         n = n + 2
       end

@@ -40,18 +40,30 @@ async fn echo(req: HttpRequest, body: web::Bytes) -> HttpResponse {
 /// The demo's configuration, compiled in so `tollgate demo` works anywhere.
 pub const DEMO_CONFIG: &str = include_str!("../config/demo.toml");
 /// The rules file made when the configured one is not on disk: no rule,
-/// on purpose (`rule = []`), so every tenant gets the default rule. The
-/// rules are read at run time only: editing them never rebuilds.
-const NO_RULES: &str = "# tollgate demo: no rules file was found, so every tenant gets \
-                        [default_rule].\nrule = []\n";
+/// so every tenant gets the default rule, and a commented example to
+/// append to. The rules are read at run time only: editing them never
+/// rebuilds.
+const NO_RULES: &str = "\
+# tollgate demo rules. None yet: every tenant gets [default_rule].
+# Add rules below; a change applies within seconds. For example:
+#
+# [[rule]]
+# tenant = \"shop-b\"
+# route = \"create-order\"
+# capacity = 5
+# refill_per_second = 1
+#
+# To remove every rule once some are in force, leave this line alone:
+# rule = []
+";
 
 /// The tenant whose burst the printed loop runs past, and its route.
 const LOOP_TENANT: (&str, &str) = ("shop-b", "create-order");
 
 /// Points the demo at a rules file of its own in the temporary directory
 /// when the configured one is not on disk, so that `tollgate demo` runs
-/// from any directory. The file is made empty (`rule = []`: every tenant
-/// gets the default rule) only when it does not exist yet: rules added to
+/// from any directory. The file is made without rules (every tenant gets
+/// the default rule) only when it does not exist yet: rules added to
 /// it in an earlier demo stay, and an existing file is never written
 /// through (nor a link planted at its name followed).
 ///
@@ -104,18 +116,25 @@ pub async fn run(mut config: crate::config::Config) -> anyhow::Result<()> {
     use anyhow::Context as _;
 
     // Enough requests to run past the loop tenant's burst, whatever the
-    // rules file gives it.
-    let burst = match &config.rules.source {
+    // rules file gives it, and what its refill adds while the loop runs
+    // (a curl process a request: allow two seconds).
+    let (burst, refill) = match &config.rules.source {
         RuleSource::File(path) => crate::rules::file::load(path).ok().and_then(|file| {
             file.rules
                 .iter()
                 .find(|r| (r.tenant.as_str(), r.route.as_str()) == LOOP_TENANT)
                 .filter(|r| r.limit.bucket)
-                .map(|r| r.limit.capacity.get())
+                .map(|r| (r.limit.capacity.get(), r.limit.refill_per_second.get()))
         }),
         RuleSource::Database(_) => None,
     }
-    .unwrap_or(config.default_rule.capacity.get());
+    .unwrap_or((
+        config.default_rule.capacity.get(),
+        config.default_rule.refill_per_second.get(),
+    ));
+    let loops = burst
+        .saturating_add(refill.saturating_mul(2))
+        .saturating_add(3);
 
     let redis_line = match config.redis.target.clone() {
         RedisTarget::Single(url) if redis_answers(&url).await => {
@@ -181,7 +200,6 @@ pub async fn run(mut config: crate::config::Config) -> anyhow::Result<()> {
          \x20 curl -s http://{admin}/ready\n\
          \x20 curl -s http://{admin}/metrics | grep tollgate_requests_total\n\n\
          Edit the rules file and the change applies within seconds. Ctrl-C stops.\n",
-        loops = burst + 3,
         tenant = LOOP_TENANT.0,
         rules = match &config.rules.source {
             RuleSource::File(p) => p.display().to_string(),

@@ -327,6 +327,14 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    fn tenant(id: &str) -> TenantId {
+        TenantId::parse(id).unwrap()
+    }
+
+    fn route(id: &str) -> RouteId {
+        RouteId::parse(id).unwrap()
+    }
+
     #[test]
     fn accepts_the_documented_charset() {
         assert!(TenantId::parse("shop-a_1.eu:prod").is_ok());
@@ -370,33 +378,21 @@ mod tests {
 
     #[test]
     fn bucket_key_uses_the_tenant_as_hash_tag() {
-        let key = BucketKey::new(
-            &TenantId::parse("shop-a").unwrap(),
-            &RouteId::parse("create-order").unwrap(),
-        );
+        let key = BucketKey::new(&tenant("shop-a"), &route("create-order"));
         assert_eq!(key.as_str(), "rl2:{shop-a}:create-order");
     }
 
     #[test]
     fn route_ids_may_not_contain_colons() {
         assert_eq!(RouteId::parse("a:b"), Err(IdError::RouteColon));
-        let key = BucketKey::further(
-            &TenantId::parse("acme").unwrap(),
-            &RouteId::parse("search").unwrap(),
-            1,
-            "d",
-        );
+        let key = BucketKey::further(&tenant("acme"), &route("search"), 1, "d");
         assert_eq!(in_sub_group(key.as_str(), 3), "rl2:{acme/3}:search#1d");
         assert!(TenantId::parse("a:b").is_ok());
     }
 
     #[test]
     fn shard_keys_have_no_hash_tag() {
-        let key = BucketKey::shard(
-            &TenantId::parse("big").unwrap(),
-            &RouteId::parse("search").unwrap(),
-            3,
-        );
+        let key = BucketKey::shard(&tenant("big"), &route("search"), 3);
         assert_eq!(key.as_str(), "rl2:big:search:3");
     }
 
@@ -404,7 +400,7 @@ mod tests {
         #[test]
         fn valid_ids_never_break_the_hash_tag(raw in "\\PC{0,80}") {
             if let Ok(t) = TenantId::parse(&raw) {
-                let key = BucketKey::new(&t, &RouteId::parse("r").unwrap());
+                let key = BucketKey::new(&t, &route("r"));
                 let s = key.as_str();
                 prop_assert_eq!(s.matches('{').count(), 1);
                 prop_assert_eq!(s.matches('}').count(), 1);

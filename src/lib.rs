@@ -3,22 +3,29 @@
 //! # Map of the crate
 //!
 //! ```text
-//!              X-Api-Key, method, path
-//!   client ──▶ proxy (route → identify → limit → forward) ──▶ upstream
+//!              X-Api-Key, method, path        (HTTP/1.1, HTTP/2, TLS: tls)
+//!   client ──▶ proxy::listen ──▶ proxy::entry: proxy | rls (gRPC) | check
+//!                                  route → identify → limit → forward ──▶ proxy::upstream ──▶ upstream
 //!                 │ snapshots           ▲ Verdict
 //!                 ▼                     │
 //!   rules::RulesHandle ── rule   bucket::Limiter (per worker, shared core)
-//!   region::shares ────── share    ├─ bucket::lease   hot keys: leases, over-limit cache
-//!                                  ├─ breaker gate    (breaker actor drives it)
-//!                                  ├─ bucket::redis   EVALSHA lua/token_bucket.lua
-//!                                  └─ bucket::local   1/N fallback (N: cluster heartbeat)
-//!   actors: RuleCache, share splitter, breaker prober, membership, rebalancer
+//!   region::shares ────── share    ├─ bucket::lease     hot keys: leases, over-limit cache
+//!                                  ├─ breaker gate      per primary (breaker actor drives it)
+//!                                  ├─ bucket::coalesce  the worker's bucket-client actor:
+//!                                  │    decisions share EVALSHA lua/token_bucket.lua calls
+//!                                  │    (bucket::redis over redis_client: one server,
+//!                                  │    Sentinel or Cluster; TLS, ACL)
+//!                                  └─ bucket::local     1/N fallback (N: cluster heartbeat)
+//!   actors: RuleCache, share splitter, breaker prober, membership, rebalancer,
+//!           topology watcher, one bucket client per worker
 //!   admin listener: /live /ready /metrics /admin/rules /admin/shares
+//!   PostgreSQL: db (pool, migrations, LISTEN feeds, leader lock, rule and
+//!               share stores) under RuleCache, splitter, rebalancer, admin
 //! ```
 //!
 //! Layers, lowest first; a module uses only its own layer or lower ones:
-//! 1. [`config`], [`clock`], [`key`], [`path`], [`telemetry`]
-//! 2. [`rules`], [`breaker`], [`redis_client`], [`cluster`], [`region`]
+//! 1. [`config`], [`clock`], [`key`], [`path`], [`telemetry`], [`tls`]
+//! 2. [`db`], [`rules`], [`breaker`], [`redis_client`], [`cluster`], [`region`]
 //! 3. [`bucket`]
 //! 4. [`proxy`], [`admin`]
 //! 5. [`app`], [`demo`]
@@ -35,6 +42,7 @@ pub mod bucket;
 pub mod clock;
 pub mod cluster;
 pub mod config;
+pub mod db;
 pub mod demo;
 pub mod key;
 pub mod path;

@@ -13,8 +13,8 @@ use tollgate::config::{self, Config};
 use tollgate::{app, demo, telemetry};
 
 /// The heap allocator: mimalloc's thread-local free lists cost a proxied
-/// request far fewer instructions than glibc malloc's arenas (see the
-/// README's Performance section).
+/// request far fewer instructions than glibc malloc's arenas (see
+/// docs/performance.md).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

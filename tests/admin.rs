@@ -122,6 +122,24 @@ async fn admin_reads_need_a_token_and_no_surface_shows_one() {
         assert_eq!(status, 200, "{token}");
         assert_eq!(page["rules"][0]["tenant"], "secret-key");
     }
+    // Two Authorization headers are refused, whichever of them is right.
+    for (first, second) in [
+        ("wrong", "read-token"),
+        ("read-token", "wrong"),
+        ("read-token", "read-token"),
+    ] {
+        let mut res = client()
+            .get(gw.admin_url("/admin/rules"))
+            .append_header(("authorization", format!("Bearer {first}")))
+            .append_header(("authorization", format!("Bearer {second}")))
+            .send()
+            .await
+            .unwrap();
+        let body: serde_json::Value = res.json().await.unwrap();
+        assert_eq!(res.status(), 400, "{first}, {second}: {body}");
+        assert_eq!(body["field"], "authorization");
+        assert!(!body.to_string().contains("secret-key"));
+    }
     for surface in ["/ready", "/metrics"] {
         let text = text(&gw.admin_url(surface)).await;
         for secret in ["write-token", "read-token"] {
@@ -132,15 +150,14 @@ async fn admin_reads_need_a_token_and_no_surface_shows_one() {
 
 /// Runs `promtool check metrics` on the exposition.
 fn promtool_accepts(text: &str) {
-    let mut child = Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| {
-            panic!("cannot run promtool ({e}); install it with `apt-get install -y prometheus`")
-        });
+    let mut child = common::spawn_from(
+        "prometheus",
+        Command::new("promtool")
+            .args(["check", "metrics"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped()),
+    );
     child
         .stdin
         .take()

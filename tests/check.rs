@@ -11,7 +11,11 @@ use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use common::{RawResponse, Stack, TempDir, free_port, raw_http, raw_http_with_body, wait_until};
+use common::peers::{Listening, assert_acme_gets_three, shipped_config};
+use common::{
+    RawResponse, Stack, TempDir, free_port, raw_http, raw_http_with_body, spawn_from, stop_child,
+    wait_until,
+};
 
 const RULES: &str =
     "[[rule]]\ntenant = \"acme\"\nroute = \"api\"\ncapacity = 3\nrefill_per_second = 1\n";
@@ -121,6 +125,61 @@ fn v1_auth_reads_the_subrequest_headers() {
     assert_eq!(res.header("ratelimit"), Some("\"api\";r=19;t=0"));
 }
 
+/// A cost larger than the bucket follows one rule wherever it is named (a
+/// route's `cost`, the check's `cost` or `X-Tollgate-Cost`): it is clamped
+/// to the capacity, so it passes only on a full bucket and empties it.
+#[test]
+fn a_cost_above_capacity_is_clamped_as_a_routes_cost_is() {
+    let s = Stack::start("check-cost", "", |c, up| {
+        c.extra = "[default_rule]\ncapacity = 20\nrefill_per_second = 1\n\
+                   [check]\nlisten = \"127.0.0.1:0\"\n"
+            .to_owned();
+        c.routes = format!(
+            "[[routes]]\nid = \"heavy\"\npath_prefix = \"/heavy\"\ncost = 50\nupstream = \"{up}\"\n\
+             [[routes]]\nid = \"api\"\npath_prefix = \"/\"\nupstream = \"{up}\"\n"
+        );
+    });
+    let check = s.gw.check.unwrap();
+    let proxied = |tenant: &str| {
+        raw_http(
+            s.gw.addr,
+            &format!("GET /heavy HTTP/1.1\r\nHost: g\r\nX-Api-Key: {tenant}\r\n"),
+        )
+    };
+    let checked = |tenant: &str, cost: u32| {
+        post_check(
+            check,
+            &format!(r#"{{"tenant": "{tenant}", "route": "heavy", "cost": {cost}}}"#),
+        )
+    };
+    let authed = |tenant: &str, cost: u32| {
+        raw_http(
+            check,
+            &format!(
+                "GET /v1/auth HTTP/1.1\r\nHost: c\r\nX-Api-Key: {tenant}\r\n\
+                 X-Tollgate-Route: heavy\r\nX-Tollgate-Cost: {cost}\r\n"
+            ),
+        )
+    };
+    let answers = [
+        (proxied("by-route"), proxied("by-route")),
+        (checked("by-check", 50), checked("by-check", 1)),
+        (authed("by-auth", 50), authed("by-auth", 1)),
+    ];
+    for (i, (full, after)) in answers.iter().enumerate() {
+        assert_eq!(full.status, 200, "{i}: {}", full.body);
+        assert_eq!(full.header("x-ratelimit-remaining"), Some("0"), "{i}");
+        assert_eq!(full.header("x-ratelimit-limit"), Some("20"), "{i}");
+        assert_ne!(after.status, 200, "{i}: the bucket was emptied");
+        assert_eq!(after.header("x-ratelimit-remaining"), Some("0"), "{i}");
+        // One token is 1 s away at 1/s; the clamped cost waits for a full
+        // bucket (20 s) on the route, the cost of one for a single token.
+        let wait: u64 = after.header("retry-after").unwrap().parse().unwrap();
+        let expected = if i == 0 { 19..=20 } else { 1..=1 };
+        assert!(expected.contains(&wait), "{i}: Retry-After {wait}");
+    }
+}
+
 /// nginx with the shipped snippet, on a port of its own, asking the check
 /// at `check` in front of the API at `api`.
 struct Nginx {
@@ -132,12 +191,7 @@ struct Nginx {
 
 impl Nginx {
     fn start(check: SocketAddr, api: &str) -> Self {
-        let snippet = std::fs::read_to_string("config/nginx-tollgate.conf").unwrap();
-        let readme = std::fs::read_to_string("README.md").unwrap();
-        assert!(
-            readme.contains(&snippet),
-            "the README shows config/nginx-tollgate.conf as it is"
-        );
+        let snippet = shipped_config("config/nginx-tollgate.conf");
         // A port found free may be taken before nginx binds it: nginx then
         // exits without writing its pid file, and another port is tried.
         for _ in 0..3 {
@@ -165,15 +219,14 @@ impl Nginx {
                      http {{\n  access_log off;\n  include {prefix}/tollgate.conf;\n}}\n"
                 ),
             );
-            let mut child = Command::new("nginx")
-                .args(["-p", &prefix, "-c"])
-                .arg(&conf)
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .unwrap_or_else(|e| {
-                    panic!("cannot run nginx ({e}); install it: apt-get install -y nginx-light")
-                });
+            let mut child = spawn_from(
+                "nginx-light",
+                Command::new("nginx")
+                    .args(["-p", &prefix, "-c"])
+                    .arg(&conf)
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null()),
+            );
             // nginx writes its pid file once its sockets are bound.
             let pid = dir.0.join("nginx.pid");
             wait_until(Duration::from_secs(10), || {
@@ -186,8 +239,7 @@ impl Nginx {
                     _dir: dir,
                 };
             }
-            let _ = child.kill();
-            let _ = child.wait();
+            stop_child(&mut child, "-TERM");
             eprintln!(
                 "nginx did not start on port {listen}: {}",
                 std::fs::read_to_string(dir.0.join("error.log")).unwrap_or_default()
@@ -198,10 +250,23 @@ impl Nginx {
 }
 
 impl Drop for Nginx {
+    /// SIGTERM to the master, which stops its worker before it exits (a
+    /// SIGKILL would leave the worker behind).
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        stop_child(&mut self.child, "-TERM");
     }
+}
+
+/// `GET /thing` through the proxy at `addr` as `key`, naming another
+/// route and cost than the proxy's own `X-Tollgate-*` headers.
+fn get_thing_overriding_route_and_cost(addr: SocketAddr, key: &str) -> RawResponse {
+    raw_http(
+        addr,
+        &format!(
+            "GET /thing HTTP/1.1\r\nHost: api\r\nX-Api-Key: {key}\r\n\
+             X-Tollgate-Cost: 3\r\nX-Tollgate-Route: nope\r\n"
+        ),
+    )
 }
 
 #[test]
@@ -211,33 +276,8 @@ fn nginx_auth_request_limits_with_the_shipped_snippet() {
     let addr = nginx.addr;
     // A client's own X-Tollgate-* headers are replaced by the snippet's:
     // each request still costs 1 on route api.
-    let get = |key: &str| {
-        raw_http(
-            addr,
-            &format!(
-                "GET /thing HTTP/1.1\r\nHost: api\r\nX-Api-Key: {key}\r\n\
-                 X-Tollgate-Cost: 3\r\nX-Tollgate-Route: nope\r\n"
-            ),
-        )
-    };
-    for left in (0..3).rev() {
-        let res = get("acme");
-        assert_eq!(res.status, 200, "{}", res.body);
-        assert_eq!(res.json()["path"], "/thing", "the upstream answered");
-        assert_eq!(
-            res.header("ratelimit"),
-            Some(format!("\"api\";r={left};t=0").as_str())
-        );
-        assert_eq!(res.header("ratelimit-policy"), Some("\"api\";q=3;w=3"));
-    }
-    let res = get("acme");
-    assert_eq!(res.status, 429, "{}", res.body);
-    let wait: u64 = res.header("retry-after").unwrap().parse().unwrap();
-    assert!((1..=2).contains(&wait), "Retry-After {wait}");
-    assert_eq!(
-        res.header("ratelimit"),
-        Some(format!("\"api\";r=0;t={wait}").as_str())
-    );
+    let get = |key: &str| get_thing_overriding_route_and_cost(addr, key);
+    let res = assert_acme_gets_three(get);
     assert_eq!(res.json()["error"], "rate_limited");
     // Another tenant is not affected; a request without a key is 401.
     assert_eq!(get("beta").status, 200);
@@ -259,121 +299,52 @@ fn nginx_refuses_when_tollgate_cannot_be_reached() {
 
 /// Caddy with the shipped Caddyfile, on a port of its own, asking the
 /// check at `check` in front of the API at `api`.
-struct Caddy {
-    child: Child,
-    /// Where it listens.
-    addr: SocketAddr,
-    _dir: TempDir,
-}
-
-impl Caddy {
-    fn start(check: SocketAddr, api: &str) -> Self {
-        let shipped = std::fs::read_to_string("config/Caddyfile.tollgate").unwrap();
-        let readme = std::fs::read_to_string("README.md").unwrap();
-        assert!(
-            readme.contains(&shipped),
-            "the README shows config/Caddyfile.tollgate as it is"
-        );
-        let caddy = common::peers::peer("caddy");
-        for _ in 0..3 {
-            let listen = free_port();
-            let dir = TempDir::new("caddy");
-            let config = dir.file(
-                "Caddyfile",
-                &shipped
-                    .replace("http://:8001", &format!("http://:{listen}"))
-                    .replace(
-                        "forward_auth 127.0.0.1:8082",
-                        &format!("forward_auth {check}"),
-                    )
-                    .replace(
-                        "reverse_proxy 127.0.0.1:9000",
-                        &format!(
-                            "reverse_proxy {}",
-                            api.trim_start_matches("http://").trim_end_matches('/')
-                        ),
+fn start_caddy(check: SocketAddr, api: &str) -> Listening {
+    let shipped = shipped_config("config/Caddyfile.tollgate");
+    let caddy = common::peers::peer("caddy");
+    Listening::start("caddy", Duration::from_secs(10), |listen, dir| {
+        let config = dir.file(
+            "Caddyfile",
+            &shipped
+                .replace("http://:8001", &format!("http://:{listen}"))
+                .replace(
+                    "forward_auth 127.0.0.1:8082",
+                    &format!("forward_auth {check}"),
+                )
+                .replace(
+                    "reverse_proxy 127.0.0.1:9000",
+                    &format!(
+                        "reverse_proxy {}",
+                        api.trim_start_matches("http://").trim_end_matches('/')
                     ),
-            );
-            let mut child = Command::new(&caddy)
-                .args(["run", "--adapter", "caddyfile", "--config"])
-                .arg(&config)
-                .env("HOME", &dir.0)
-                .env("XDG_DATA_HOME", &dir.0)
-                .env("XDG_CONFIG_HOME", &dir.0)
-                .stdout(Stdio::null())
-                .stderr(std::fs::File::create(dir.0.join("caddy.log")).unwrap())
-                .spawn()
-                .unwrap();
-            let addr = SocketAddr::from(([127, 0, 0, 1], listen));
-            let up = wait_until(Duration::from_secs(10), || {
-                std::net::TcpStream::connect(addr).is_ok()
-                    || child.try_wait().is_ok_and(|exited| exited.is_some())
-            });
-            if up && child.try_wait().is_ok_and(|exited| exited.is_none()) {
-                return Self {
-                    child,
-                    addr,
-                    _dir: dir,
-                };
-            }
-            let _ = child.kill();
-            let _ = child.wait();
-            eprintln!(
-                "caddy did not start on port {listen}: {}",
-                std::fs::read_to_string(dir.0.join("caddy.log")).unwrap_or_default()
-            );
-        }
-        panic!("caddy did not start in three tries");
-    }
-}
-
-impl Drop for Caddy {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+                ),
+        );
+        let mut command = Command::new(&caddy);
+        command
+            .args(["run", "--adapter", "caddyfile", "--config"])
+            .arg(&config)
+            .env("HOME", &dir.0)
+            .env("XDG_DATA_HOME", &dir.0)
+            .env("XDG_CONFIG_HOME", &dir.0);
+        command
+    })
 }
 
 #[test]
 fn caddy_forward_auth_limits_with_the_shipped_caddyfile() {
     let s = stack("check-caddy", 429);
-    let caddy = Caddy::start(s.gw.check.unwrap(), &s.up.url());
-    let get = |key: &str| {
-        raw_http(
-            caddy.addr,
-            &format!(
-                "GET /thing HTTP/1.1\r\nHost: api\r\nX-Api-Key: {key}\r\n\
-                 X-Tollgate-Cost: 3\r\nX-Tollgate-Route: nope\r\n"
-            ),
-        )
-    };
+    let caddy = start_caddy(s.gw.check.unwrap(), &s.up.url());
     // The client's own X-Tollgate-* headers are replaced: each request
     // costs 1 on route api.
-    for left in (0..3).rev() {
-        let res = get("acme");
-        assert_eq!(res.status, 200, "{}", res.body);
-        assert_eq!(res.json()["path"], "/thing", "the upstream answered");
-        assert_eq!(
-            res.header("ratelimit"),
-            Some(format!("\"api\";r={left};t=0").as_str())
-        );
-        assert_eq!(res.header("ratelimit-policy"), Some("\"api\";q=3;w=3"));
-    }
-    let res = get("acme");
-    assert_eq!(res.status, 429, "{}", res.body);
-    let wait: u64 = res.header("retry-after").unwrap().parse().unwrap();
-    assert!((1..=2).contains(&wait), "Retry-After {wait}");
-    assert_eq!(
-        res.header("ratelimit"),
-        Some(format!("\"api\";r=0;t={wait}").as_str())
-    );
+    let get = |key: &str| get_thing_overriding_route_and_cost(caddy.addr, key);
+    assert_acme_gets_three(get);
     assert_eq!(get("beta").status, 200, "another tenant is not affected");
     let res = raw_http(caddy.addr, "GET /thing HTTP/1.1\r\nHost: api\r\n");
     assert_eq!(res.status, 401, "no key");
     drop(caddy);
     let up = common::Upstream::start();
     let unreachable = SocketAddr::from(([127, 0, 0, 1], common::refused_port()));
-    let caddy = Caddy::start(unreachable, &up.url());
+    let caddy = start_caddy(unreachable, &up.url());
     let res = raw_http(
         caddy.addr,
         "GET /thing HTTP/1.1\r\nHost: api\r\nX-Api-Key: acme\r\n",

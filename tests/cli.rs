@@ -5,13 +5,54 @@
 
 mod common;
 
-use std::process::Command;
+use std::process::{Command, Output};
 
 fn tollgate() -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_tollgate"));
     cmd.current_dir(env!("CARGO_MANIFEST_DIR"));
     cmd.env_remove("RUST_LOG");
     cmd
+}
+
+/// `tollgate` with `args`, run to its end.
+fn run(args: &[&str]) -> Output {
+    tollgate().args(args).output().unwrap()
+}
+
+/// `out` of a command that must have succeeded.
+fn assert_success(out: &Output) {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// `tollgate check-config --config path`, run to its end.
+fn check_config(path: &std::path::Path) -> Output {
+    tollgate()
+        .args(["check-config", "--config"])
+        .arg(path)
+        .output()
+        .unwrap()
+}
+
+/// `tollgate serve` on the shipped config with `name=value` in its
+/// environment, run to its end (it must refuse to start).
+fn serve_shipped_with(name: &str, value: impl AsRef<std::ffi::OsStr>) -> Output {
+    tollgate()
+        .args(["serve", "--config", "config/tollgate.toml"])
+        .env(name, value)
+        .output()
+        .unwrap()
+}
+
+/// The stderr of `out`, which must have exited with 64 (bad
+/// configuration).
+fn refused_with_64(out: &Output) -> String {
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(64), "{stderr}");
+    stderr
 }
 
 fn write_config(name: &str, contents: &str) -> std::path::PathBuf {
@@ -22,15 +63,8 @@ fn write_config(name: &str, contents: &str) -> std::path::PathBuf {
 
 #[test]
 fn check_config_accepts_the_shipped_config() {
-    let out = tollgate()
-        .args(["check-config", "--config", "config/tollgate.toml"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = check_config("config/tollgate.toml".as_ref());
+    assert_success(&out);
     assert!(String::from_utf8_lossy(&out.stdout).contains("valid"));
 }
 
@@ -49,14 +83,9 @@ path_prefix = "nope"
 upstream = "http://127.0.0.1:1"
 "#,
     );
-    let out = tollgate()
-        .args(["check-config", "--config"])
-        .arg(&path)
-        .output()
-        .unwrap();
+    let out = check_config(&path);
     let _ = std::fs::remove_file(&path);
-    assert_eq!(out.status.code(), Some(64));
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr = refused_with_64(&out);
     for key in [
         "server.listen",
         "default_rule.capacity",
@@ -68,13 +97,8 @@ upstream = "http://127.0.0.1:1"
 
 #[test]
 fn serve_refuses_a_bad_environment_override_with_64() {
-    let out = tollgate()
-        .args(["serve", "--config", "config/tollgate.toml"])
-        .env("TOLLGATE__SERVER__WORKERS", "many")
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(64));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("TOLLGATE__SERVER__WORKERS"));
+    let out = serve_shipped_with("TOLLGATE__SERVER__WORKERS", "many");
+    assert!(refused_with_64(&out).contains("TOLLGATE__SERVER__WORKERS"));
 }
 
 #[test]
@@ -83,38 +107,21 @@ fn serve_refuses_an_invalid_rules_file_with_64() {
         "rules.toml",
         "[[rule]]\ntenant = \"{x}\"\nroute = \"r\"\ncapacity = 1\nrefill_per_second = 1\n",
     );
-    let out = tollgate()
-        .args(["serve", "--config", "config/tollgate.toml"])
-        .env("TOLLGATE__RULES__FILE", &rules)
-        .output()
-        .unwrap();
+    let out = serve_shipped_with("TOLLGATE__RULES__FILE", &rules);
     let _ = std::fs::remove_file(&rules);
-    assert_eq!(out.status.code(), Some(64));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("rule[0].tenant"));
+    assert!(refused_with_64(&out).contains("rule[0].tenant"));
 }
 
 #[test]
 fn missing_config_file_exits_64() {
-    let out = tollgate()
-        .args(["serve", "--config", "/nonexistent/tollgate.toml"])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(64));
+    refused_with_64(&run(&["serve", "--config", "/nonexistent/tollgate.toml"]));
 }
 
 #[test]
 fn migrate_creates_the_rules_table_and_can_run_again() {
     let db = common::TestDatabase::create();
     for _ in 0..2 {
-        let out = tollgate()
-            .args(["migrate", "--database-url", &db.url()])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        assert_success(&run(&["migrate", "--database-url", &db.url()]));
     }
     assert_eq!(
         db.sql(
@@ -124,21 +131,17 @@ fn migrate_creates_the_rules_table_and_can_run_again() {
         "DELETE,INSERT,UPDATE",
         "insert, update and delete each fire the notify trigger"
     );
-    let bad = tollgate()
-        .args(["migrate", "--database-url", "mysql://nope"])
-        .output()
-        .unwrap();
-    assert_eq!(bad.status.code(), Some(64));
+    refused_with_64(&run(&["migrate", "--database-url", "mysql://nope"]));
 }
 
 #[test]
 fn migrate_names_a_missing_database_and_how_to_create_it() {
     let name = format!("tollgate_missing_{}", std::process::id());
-    let out = tollgate()
-        .args(["migrate", "--database-url"])
-        .arg(format!("{}/{name}", common::test_postgres()))
-        .output()
-        .unwrap();
+    let out = run(&[
+        "migrate",
+        "--database-url",
+        &format!("{}/{name}", common::test_postgres()),
+    ]);
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -169,14 +172,9 @@ fn check_config_refuses_rules_for_routes_the_gateway_does_not_have() {
             rules.display()
         ),
     );
-    let out = tollgate()
-        .args(["check-config", "--config"])
-        .arg(&config)
-        .output()
-        .unwrap();
+    let out = check_config(&config);
     let _ = (std::fs::remove_file(&config), std::fs::remove_file(&rules));
-    assert_eq!(out.status.code(), Some(64));
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr = refused_with_64(&out);
     assert!(
         stderr.contains(
             "rule[1].route: no route \"order\" in this gateway's configuration (routes: orders)"
@@ -223,24 +221,27 @@ fn demo_banner(dir: &std::path::Path) -> String {
 #[test]
 fn demo_runs_from_any_directory_and_sizes_its_loop_to_the_rules() {
     let dir = common::TempDir::new("demo-anywhere");
-    // No config/rules.toml here: no rules, the default burst of 20, and a
-    // loop of 23 requests that runs past it.
+    // No config/rules.toml here: no rules, the default burst of 20 at
+    // 10/s, and a loop of 43 requests that runs past it with two seconds
+    // of refill.
     let seen = demo_banner(&dir.0);
     assert!(
         seen.contains("config/rules.toml not found: no rules"),
         "{seen}"
     );
-    assert!(seen.contains("for i in $(seq 23)"), "{seen}");
-    // Rules added to the demo's own file survive the next start.
+    assert!(seen.contains("for i in $(seq 43)"), "{seen}");
+    // The demo's own file shows an example; a rule appended to it, as a
+    // newcomer would, is valid and survives the next start.
     let own = dir.0.join("tollgate-demo-rules.toml");
-    std::fs::write(
-        &own,
-        "[[rule]]\ntenant = \"shop-b\"\nroute = \"create-order\"\ncapacity = 5\nrefill_per_second = 1\n",
-    )
-    .unwrap();
+    let made = std::fs::read_to_string(&own).unwrap();
+    assert!(made.contains("# [[rule]]"), "{made}");
+    let appended = format!(
+        "{made}[[rule]]\ntenant = \"shop-b\"\nroute = \"create-order\"\ncapacity = 5\nrefill_per_second = 1\n"
+    );
+    std::fs::write(&own, appended).unwrap();
     let seen = demo_banner(&dir.0);
     assert!(seen.contains("kept from an earlier demo"), "{seen}");
-    assert!(seen.contains("for i in $(seq 8)"), "{seen}");
+    assert!(seen.contains("for i in $(seq 10)"), "{seen}");
 }
 
 #[test]
@@ -255,11 +256,7 @@ fn check_config_says_when_an_in_flight_bound_is_held_to_the_pool() {
             rules.display()
         ),
     );
-    let out = tollgate()
-        .args(["check-config", "--config"])
-        .arg(&path)
-        .output()
-        .unwrap();
+    let out = check_config(&path);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     for key in [

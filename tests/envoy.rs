@@ -10,34 +10,25 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
+use common::peers::{Listening, assert_acme_gets_three, shipped_config};
 use common::{
-    GatewayConfig, GatewayProcess, RawResponse, RedisServer, TempDir, Upstream, free_port,
-    raw_http, wait_until,
+    GatewayConfig, GatewayProcess, RawResponse, RedisServer, TempDir, Upstream, raw_http,
 };
 use tollgate::clock::{Clock, SystemClock};
 
 /// Envoy with the shipped configuration, listening on a port of its own;
 /// killed on drop.
-struct Envoy {
-    child: Child,
-    addr: SocketAddr,
-    _dir: TempDir,
-}
+struct Envoy(Listening);
 
 impl Envoy {
     /// Envoy in front of `api`, asking the rate limit services at `rls`,
     /// its configuration then changed by `edit`.
     fn start(rls: &[SocketAddr], api: &str, edit: impl Fn(String) -> String) -> Self {
-        let shipped = std::fs::read_to_string("config/envoy-tollgate.yaml").unwrap();
-        let readme = std::fs::read_to_string("README.md").unwrap();
-        assert!(
-            readme.contains(&shipped),
-            "the README shows config/envoy-tollgate.yaml as it is"
-        );
+        let shipped = shipped_config("config/envoy-tollgate.yaml");
         let api_port = api
             .trim_end_matches('/')
             .rsplit_once(':')
@@ -55,64 +46,43 @@ impl Envoy {
             .collect();
         let envoy = common::peers::peer("envoy");
         static BASE_ID: AtomicU32 = AtomicU32::new(0);
-        for _ in 0..3 {
-            let listen = free_port();
-            let dir = TempDir::new("envoy");
-            let config = shipped
-                .replace("port_value: 8000 }", &format!("port_value: {listen} }}"))
-                .replace("port_value: 9000 }", &format!("port_value: {api_port} }}"))
-                .replace(
-                    "        - endpoint: { address: { socket_address: { address: 127.0.0.1, port_value: 8081 } } } # CHANGE: tollgate's rls.listen",
-                    &endpoints.join("\n"),
-                );
-            let path = dir.file("envoy.yaml", &edit(config));
-            let base_id = std::process::id() * 100 + BASE_ID.fetch_add(1, Ordering::Relaxed);
-            let mut child = Command::new(&envoy)
-                .arg("-c")
-                .arg(&path)
-                .args(["--base-id", &base_id.to_string(), "--concurrency", "1"])
-                .args(["--log-level", "warn"])
-                .stdout(Stdio::null())
-                .stderr(std::fs::File::create(dir.0.join("envoy.log")).unwrap())
-                .spawn()
-                .unwrap();
-            let addr = SocketAddr::from(([127, 0, 0, 1], listen));
-            let up = wait_until(Duration::from_secs(20), || {
-                std::net::TcpStream::connect(addr).is_ok()
-                    || child.try_wait().is_ok_and(|exited| exited.is_some())
-            });
-            if up && child.try_wait().is_ok_and(|exited| exited.is_none()) {
-                return Self {
-                    child,
-                    addr,
-                    _dir: dir,
-                };
-            }
-            let _ = child.kill();
-            let _ = child.wait();
-            eprintln!(
-                "envoy did not start on port {listen}: {}",
-                std::fs::read_to_string(dir.0.join("envoy.log")).unwrap_or_default()
-            );
-        }
-        panic!("envoy did not start in three tries");
+        Self(Listening::start(
+            "envoy",
+            Duration::from_secs(20),
+            |listen, dir| {
+                let config = shipped
+                    .replace("port_value: 8000 }", &format!("port_value: {listen} }}"))
+                    .replace("port_value: 9000 }", &format!("port_value: {api_port} }}"))
+                    .replace(
+                        "        - endpoint: { address: { socket_address: { address: 127.0.0.1, port_value: 8081 } } } # CHANGE: tollgate's rls.listen",
+                        &endpoints.join("\n"),
+                    );
+                let path = dir.file("envoy.yaml", &edit(config));
+                let base_id = std::process::id() * 100 + BASE_ID.fetch_add(1, Ordering::Relaxed);
+                let mut command = Command::new(&envoy);
+                command
+                    .arg("-c")
+                    .arg(&path)
+                    .args(["--base-id", &base_id.to_string(), "--concurrency", "1"])
+                    .args(["--log-level", "warn"]);
+                command
+            },
+        ))
     }
 
     /// `GET path` through Envoy, with `key` as `X-Api-Key` when given.
     fn get(&self, path: &str, key: Option<&str>) -> RawResponse {
         let key = key.map_or(String::new(), |k| format!("X-Api-Key: {k}\r\n"));
         raw_http(
-            self.addr,
+            self.0.addr,
             &format!("GET {path} HTTP/1.1\r\nHost: api\r\n{key}"),
         )
     }
 }
 
-impl Drop for Envoy {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// A Redis, the mock upstream and a directory named after `tag`.
+fn parts(tag: &str) -> (RedisServer, Upstream, TempDir) {
+    (RedisServer::start(), Upstream::start(), TempDir::new(tag))
 }
 
 /// A `tollgate serve` process on `redis` (or local-only when `None`)
@@ -151,29 +121,10 @@ fn tollgate(
 
 #[test]
 fn envoy_limits_every_request_with_the_shipped_configuration() {
-    let redis = RedisServer::start();
-    let up = Upstream::start();
-    let dir = TempDir::new("envoy-limits");
+    let (redis, up, dir) = parts("envoy-limits");
     let gw = tollgate("rls", &dir, Some(&redis), &up);
     let envoy = Envoy::start(&[gw.rls_addr()], &up.url(), |c| c);
-    for left in (0..3).rev() {
-        let res = envoy.get("/thing", Some("acme"));
-        assert_eq!(res.status, 200, "{}", res.body);
-        assert_eq!(res.json()["path"], "/thing", "the upstream answered");
-        assert_eq!(
-            res.header("ratelimit"),
-            Some(format!("\"api\";r={left};t=0").as_str())
-        );
-        assert_eq!(res.header("ratelimit-policy"), Some("\"api\";q=3;w=3"));
-    }
-    let res = envoy.get("/thing", Some("acme"));
-    assert_eq!(res.status, 429);
-    let wait: u64 = res.header("retry-after").unwrap().parse().unwrap();
-    assert!((1..=2).contains(&wait), "Retry-After {wait}");
-    assert_eq!(
-        res.header("ratelimit"),
-        Some(format!("\"api\";r=0;t={wait}").as_str())
-    );
+    assert_acme_gets_three(|key| envoy.get("/thing", Some(key)));
     assert_eq!(
         envoy.get("/thing", Some("beta")).status,
         200,
@@ -192,9 +143,7 @@ fn envoy_limits_every_request_with_the_shipped_configuration() {
 
 #[test]
 fn two_tollgates_behind_envoy_share_one_limit_and_a_paused_redis_keeps_answers_quick() {
-    let redis = RedisServer::start();
-    let up = Upstream::start();
-    let dir = TempDir::new("envoy-two");
+    let (redis, up, dir) = parts("envoy-two");
     let a = tollgate("rls-a", &dir, Some(&redis), &up);
     let b = tollgate("rls-b", &dir, Some(&redis), &up);
     let envoy = Envoy::start(&[a.rls_addr(), b.rls_addr()], &up.url(), |c| c);
@@ -256,6 +205,11 @@ fn a_frozen_tollgate_costs_at_most_envoys_timeout() {
         let res = envoy.get("/x", Some("acme"));
         let took = clock.now_ms() - started;
         assert_eq!(res.status, 200, "let through after Envoy's timeout");
+        assert_eq!(
+            res.header("server"),
+            Some("envoy"),
+            "answered through Envoy"
+        );
         assert!(
             (90..1000).contains(&took),
             "took {took} ms (timeout: 0.1 s)"

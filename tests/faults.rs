@@ -11,8 +11,8 @@ mod common;
 use std::time::Duration;
 
 use common::{
-    Gateway, GatewayConfig, RedisCluster, RedisServer, TempDir, Upstream, client, eventually, get,
-    limit_of, ready, wait_for_limit,
+    Gateway, GatewayConfig, RedisCluster, RedisServer, Stack, TempDir, Upstream,
+    assert_limit_becomes, client, eventually, get, get_as, limit_of, ready,
 };
 
 /// Limit of every tenant: 20 tokens, refilled slowly so counts are exact.
@@ -133,12 +133,8 @@ async fn degraded(setup: &Setup, tenant: &str) {
 async fn recovered(setup: &Setup) {
     all_ready(setup, "breaker", "closed".into(), Duration::from_secs(10)).await;
     for gw in &setup.gateways {
-        assert!(
-            wait_for_limit(gw, "after", "20", Duration::from_secs(2))
-                .await
-                .is_some(),
-            "limits are Redis-backed again"
-        );
+        // Limits are Redis-backed again.
+        assert_limit_becomes(gw, "after", "20", Duration::from_secs(2)).await;
     }
     let shared = burst(&setup.gateways[0], "after-shared", 15).await
         + burst(&setup.gateways[1], "after-shared", 15).await;
@@ -213,12 +209,7 @@ async fn a_cluster_losing_a_master_falls_back_and_recovers() {
 
     recovered(&setup).await;
     let c = client();
-    let res = c
-        .get(setup.gateways[0].url("/x"))
-        .insert_header(("x-api-key", "tagged"))
-        .send()
-        .await
-        .unwrap();
+    let res = get_as(&c, &setup.gateways[0].url("/x"), "tagged").await;
     assert_eq!(res.status(), 200);
     let owner = cluster
         .nodes
@@ -228,5 +219,66 @@ async fn a_cluster_losing_a_master_falls_back_and_recovers() {
     assert_eq!(
         owner, 1,
         "the bucket lives on exactly one master, under its hash tag"
+    );
+}
+
+/// A tenant whose bucket key Redis cannot use (here it holds a hash, as a
+/// share below the floor once made the expiry overflow) must not send
+/// the other decisions that shared its calls to the fallback, nor count
+/// against Redis's health.
+#[actix_web::test]
+async fn a_key_redis_refuses_fails_alone_and_the_breaker_stays_closed() {
+    let s = Stack::start("refused-key", "", |config, _| {
+        // One worker: every decision goes through one bucket client, so
+        // concurrent decisions share its calls.
+        config.workers = 1;
+        config.extra = format!(
+            "[default_rule]\ncapacity = {CAPACITY}\nrefill_per_second = 1\n\
+             [breaker]\nfailure_threshold = 3\ncooldown_ms = 3000\n"
+        );
+    });
+    let (redis, gw) = (&s.redis, &s.gw);
+    redis.cmd(&["HSET", "rl2:{poison}:api", "tokens", "1"]);
+    let refused_series = "tollgate_redis_errors_total{kind=\"refused\"}";
+    let refused_before = common::metric(gw, refused_series).await.unwrap();
+
+    // Rounds of one request from each of 35 tenants and five from the
+    // poisoned one, all at once.
+    for round in 0..3 {
+        let requests = (0..40).map(|i| {
+            let tenant = if i % 8 == 0 {
+                "poison".to_owned()
+            } else {
+                format!("t{i}")
+            };
+            let url = gw.url("/x");
+            async move { (get(&url, Some(&tenant)).await.0, tenant) }
+        });
+        for (status, tenant) in futures_util::future::join_all(requests).await {
+            assert_eq!(status, 200, "{tenant}, round {round}");
+        }
+    }
+    // Every other tenant's bucket is in Redis, charged three tokens.
+    for i in (0..40).filter(|i| i % 8 != 0) {
+        let key = format!("rl2:{{t{i}}}:api");
+        assert!(
+            redis.cmd(&["EXISTS", &key]).contains(":1"),
+            "{key} was decided without Redis"
+        );
+        let (_, remaining) = get(&gw.url("/x"), Some(&format!("t{i}"))).await;
+        let remaining: u32 = remaining.unwrap().parse().unwrap();
+        assert!(
+            (16..=18).contains(&remaining),
+            "t{i}: {remaining} left of 20 after 4 requests"
+        );
+    }
+    assert!(redis.cmd(&["TYPE", "rl2:{poison}:api"]).contains("hash"));
+    let after = ready(gw).await;
+    assert_eq!(after["breaker"], "closed", "{after}");
+    assert_eq!(after["redis"], "up", "{after}");
+    let refused = common::metric(gw, refused_series).await.unwrap();
+    assert!(
+        refused - refused_before >= 3.0,
+        "refused decisions are counted: {refused} - {refused_before}"
     );
 }

@@ -10,32 +10,16 @@ mod common;
 
 use std::time::Duration;
 
-use common::{Gateway, GatewayConfig, RedisServer, TempDir, Upstream, client};
+use common::{Fleet, client, get_as};
 use futures_util::future::join_all;
 use tollgate::clock::{Clock, SystemClock};
-
-struct Fleet {
-    redis: RedisServer,
-    gateways: Vec<Gateway>,
-    _up: Upstream,
-    _dir: TempDir,
-}
 
 /// `n` gateways sharing one Redis, with `rules` and no heartbeat noise in
 /// Redis's call counts during a test.
 fn fleet(n: usize, rules: &str) -> Fleet {
-    let redis = RedisServer::start();
-    let up = Upstream::start();
-    let dir = TempDir::new("hot");
-    let mut config = GatewayConfig::new(&redis.url(), dir.file("rules.toml", rules), &up.url());
-    config.extra.push_str("[instance]\nheartbeat_ms = 60000\n");
-    let gateways = (0..n).map(|_| Gateway::start(&config)).collect();
-    Fleet {
-        redis,
-        gateways,
-        _up: up,
-        _dir: dir,
-    }
+    Fleet::start("hot", n, rules, |_, config, _| {
+        config.extra.push_str("[instance]\nheartbeat_ms = 60000\n");
+    })
 }
 
 fn rule(tenant: &str, capacity: u32, refill: u32, extra: &str) -> String {
@@ -148,12 +132,7 @@ async fn a_spamming_tenant_costs_one_redis_call_per_retry_interval_per_instance(
         load.elapsed_ms
     );
     for gw in &fleet.gateways {
-        let res = client()
-            .get(gw.url("/hot"))
-            .insert_header(("x-api-key", "spam"))
-            .send()
-            .await
-            .unwrap();
+        let res = get_as(&client(), &gw.url("/hot"), "spam").await;
         assert_eq!(res.status(), 429);
         let retry: u64 = common::header(&res, "retry-after")
             .unwrap()
@@ -197,15 +176,49 @@ async fn sharded_rules_spread_over_untagged_sub_buckets() {
         );
     }
     assert_eq!(fleet.redis.cmd(&["EXISTS", "rl2:{wide}:api"]).trim(), ":0");
-    let res = client()
-        .get(fleet.gateways[0].url("/hot"))
-        .insert_header(("x-api-key", "wide"))
-        .send()
-        .await
-        .unwrap();
+    let res = get_as(&client(), &fleet.gateways[0].url("/hot"), "wide").await;
     assert_eq!(
         common::header(&res, "x-ratelimit-limit").as_deref(),
         Some("40"),
         "the whole limit"
     );
+}
+
+/// A sharded rule refuses a request only when no sub-bucket can take it,
+/// and reports an estimate of the whole limit's remaining tokens.
+#[actix_web::test]
+async fn a_sharded_rule_refuses_only_when_every_sub_bucket_is_empty() {
+    let fleet = fleet(1, &rule("split", 16, 1, "shards = 4\nexact = true"));
+    let gw = &fleet.gateways[0];
+    let mut seen = Vec::new();
+    for _ in 0..16 {
+        let (status, remaining) = common::get(&gw.url("/s"), Some("split")).await;
+        seen.push((status, remaining.unwrap().parse::<u32>().unwrap()));
+    }
+    // 4 sub-buckets of 4: 16 admissions whichever sub-bucket each starts at.
+    assert!(seen.iter().all(|(status, _)| *status == 200), "{seen:?}");
+    // The remaining count estimates the whole: the sub-bucket's × 4.
+    assert_eq!(seen[0].1, 12, "{seen:?}");
+    assert!(seen.iter().all(|(_, left)| left % 4 == 0), "{seen:?}");
+    // Now every sub-bucket is empty (refill is 1/s over all four): refused,
+    // with the soonest sub-bucket's wait.
+    let res = get_as(&client(), &gw.url("/s"), "split").await;
+    if res.status() == 429 {
+        assert_eq!(
+            common::header(&res, "x-ratelimit-remaining").as_deref(),
+            Some("0")
+        );
+        let wait: u32 = common::header(&res, "retry-after")
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!((1..=4).contains(&wait), "Retry-After {wait}");
+    } else {
+        // A sub-bucket refilled a token while the 16 went through.
+        assert_eq!(res.status(), 200);
+    }
+    for i in 0..4 {
+        let key = format!("rl2:split:api:{i}");
+        assert_eq!(fleet.redis.cmd(&["EXISTS", &key]).trim(), ":1", "{key}");
+    }
 }

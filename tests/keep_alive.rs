@@ -290,18 +290,7 @@ fn the_check_listener_keeps_or_closes_its_connections_the_same_way() {
 
 /// Runs `script` with python3; its stdout.
 fn python(script: &str) -> String {
-    let out = Command::new("python3")
-        .args(["-c", script])
-        .output()
-        .unwrap_or_else(|e| {
-            panic!("cannot run python3 ({e}); install it: apt-get install -y python3")
-        });
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    common::stdout_from("python3", Command::new("python3").args(["-c", script]))
 }
 
 #[test]
@@ -340,29 +329,30 @@ print(" ".join(seen))
     let dir = &s.dir;
     let body = dir.file("body.bin", &"z".repeat(20_000));
     let url = |path: &str| format!("http://127.0.0.1:{port}{path}");
-    let out = Command::new("curl")
-        .args([
-            "-sS",
-            "-o",
-            "/dev/null",
-            "-w",
-            "%{http_code} %{num_connects}\n",
-        ])
-        .args(["-X", "POST", "--data-binary"])
-        .arg(format!("@{}", body.display()))
-        .arg(url("/api/a"))
-        .args([
-            "--next",
-            "-sS",
-            "-o",
-            "/dev/null",
-            "-w",
-            "%{http_code} %{num_connects}\n",
-        ])
-        .args(["-H", "X-Api-Key: curl"])
-        .arg(url("/api/b"))
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run curl ({e}); install it: apt-get install -y curl"));
+    let out = common::output_from(
+        "curl",
+        Command::new("curl")
+            .args([
+                "-sS",
+                "-o",
+                "/dev/null",
+                "-w",
+                "%{http_code} %{num_connects}\n",
+            ])
+            .args(["-X", "POST", "--data-binary"])
+            .arg(format!("@{}", body.display()))
+            .arg(url("/api/a"))
+            .args([
+                "--next",
+                "-sS",
+                "-o",
+                "/dev/null",
+                "-w",
+                "%{http_code} %{num_connects}\n",
+            ])
+            .args(["-H", "X-Api-Key: curl"])
+            .arg(url("/api/b")),
+    );
     let text = String::from_utf8_lossy(&out.stdout);
     assert_eq!(
         text.lines().collect::<Vec<_>>(),

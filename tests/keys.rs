@@ -6,7 +6,7 @@
 mod common;
 
 use actix_web::http::header::HeaderValue;
-use common::{Stack, client};
+use common::{Stack, client, get_as};
 
 #[actix_web::test]
 async fn bad_keys_are_rejected_before_redis() {
@@ -46,13 +46,27 @@ async fn bad_keys_are_rejected_before_redis() {
     let calls = redis.command_calls("evalsha");
 
     // The longest valid key passes and is counted: the checks above can fail.
-    let ok = c
-        .get(gw.url("/x"))
-        .insert_header(("x-api-key", "k".repeat(64)))
-        .send()
-        .await
-        .unwrap();
+    let ok = get_as(&c, &gw.url("/x"), &"k".repeat(64)).await;
     assert_eq!(ok.status(), 200);
     assert!(redis.command_calls("evalsha") > calls);
     assert!(redis.cmd(&["KEYS", "rl2:*"]).starts_with("*1\r\n"));
+}
+
+/// API keys are compared byte for byte: keys differing only in case are
+/// two tenants with two buckets (an API key is a secret, and secrets are
+/// case-sensitive; folding case would merge distinct customers' keys).
+#[actix_web::test]
+async fn keys_differing_in_case_are_two_tenants() {
+    let s = Stack::start("key-case", "", |_, _| {});
+    let (gw, redis) = (&s.gw, &s.redis);
+    // The default rule holds 2 tokens: the upper-case key spends its own.
+    for _ in 0..2 {
+        assert_eq!(common::get(&gw.url("/x"), Some("Case-T")).await.0, 200);
+    }
+    assert_eq!(common::get(&gw.url("/x"), Some("Case-T")).await.0, 429);
+    let (status, remaining) = common::get(&gw.url("/x"), Some("case-t")).await;
+    assert_eq!((status, remaining.as_deref()), (200, Some("1")));
+    for key in ["rl2:{Case-T}:api", "rl2:{case-t}:api"] {
+        assert!(redis.cmd(&["EXISTS", key]).contains(":1"), "{key}");
+    }
 }

@@ -127,15 +127,18 @@ async fn metrics_text(gw: &GatewayProcess) -> String {
 
 /// Sum of one series over the gateways.
 async fn sum_metric(gateways: &[GatewayProcess], series: &str) -> f64 {
-    let mut total = 0.0;
+    let mut values = Vec::new();
     for gw in gateways {
         let text = metrics_text(gw).await;
-        total += text
-            .lines()
-            .find_map(|l| l.strip_prefix(series)?.trim().parse::<f64>().ok())
-            .unwrap_or(0.0);
+        values.extend(
+            text.lines()
+                .find_map(|l| l.strip_prefix(series)?.trim().parse::<f64>().ok()),
+        );
     }
-    total
+    // A gateway exports some series only once they count (the rebalancer's
+    // rounds on the leader); a name no gateway exports is misspelt.
+    assert!(!values.is_empty(), "no gateway exports {series}");
+    values.iter().sum()
 }
 
 #[actix_web::test]
@@ -207,19 +210,15 @@ async fn shares_follow_traffic_limits_hold_and_a_prometheus_outage_freezes_them(
     }
 
     // Convergence from 50/50 to 70/30 within ±0.05, in a bounded number of rounds.
-    let clock = SystemClock::new();
-    let start = clock.now_ms();
-    loop {
-        let share = global_share(&gateways[0]).await;
-        if (share - 0.7).abs() <= 0.05 {
-            break;
-        }
-        assert!(
-            clock.now_ms() - start < 90_000,
-            "shares did not converge: eu-west at {share}"
-        );
-        actix_web::rt::time::sleep(Duration::from_millis(500)).await;
-    }
+    let converged = eventually(Duration::from_secs(90), || async {
+        (global_share(&gateways[0]).await - 0.7).abs() <= 0.05
+    })
+    .await;
+    assert!(
+        converged,
+        "shares did not converge: eu-west at {}",
+        global_share(&gateways[0]).await
+    );
     let applied = sum_metric(
         &gateways,
         "tollgate_rebalance_rounds_total{result=\"applied\"}",
@@ -272,6 +271,7 @@ async fn shares_follow_traffic_limits_hold_and_a_prometheus_outage_freezes_them(
     // apart from a limit that does not hold.
     const FALLBACK_ALLOWED: &str = "tollgate_fallback_decisions_total{outcome=\"allowed\"}";
     let fallbacks_before = sum_metric(&gateways, FALLBACK_ALLOWED).await;
+    let clock = SystemClock::new();
     let counted_from = clock.now_ms();
     seen.counting.set(true);
     actix_web::rt::time::sleep(Duration::from_secs(20)).await;
@@ -350,17 +350,18 @@ async fn dashboards_are_valid(prometheus: &PrometheusServer, gateway: &GatewayPr
                     .replace("$__rate_interval", "30s")
                     .replace("$region", ".*");
                 // A series may reach Prometheus only at its next scrape.
-                let mut answer = prometheus.query(&promql).await;
-                for _ in 0..20 {
-                    let empty = answer["data"]["result"]
+                let answer = RefCell::new(serde_json::Value::Null);
+                eventually(Duration::from_secs(10), || async {
+                    let found = prometheus.query(&promql).await;
+                    let empty = found["data"]["result"]
                         .as_array()
                         .is_some_and(|r| r.is_empty());
-                    if answer["status"] != "success" || !empty {
-                        break;
-                    }
-                    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
-                    answer = prometheus.query(&promql).await;
-                }
+                    let done = found["status"] != "success" || !empty;
+                    *answer.borrow_mut() = found;
+                    done
+                })
+                .await;
+                let answer = answer.into_inner();
                 assert_eq!(
                     answer["status"], "success",
                     "{}: {expr}: {answer}",

@@ -8,65 +8,41 @@ mod common;
 use std::time::Duration;
 
 use common::{
-    Gateway, GatewayConfig, RedisServer, TempDir, TestDatabase, Upstream, admin, get, limit_of,
-    metric, ready, wait_for_limit,
+    Gateway, GatewayConfig, RedisServer, TempDir, TestDatabase, Upstream, admin, answers,
+    eventually, get, get_as, limit_of, metric, ready, wait_for_limit,
 };
 
 const TOKEN: &str = "s3cret-token";
 const READ_TOKEN: &str = "read-only-token";
 
+/// Gateways on one database and one Redis.
 struct Fleet {
     db: TestDatabase,
-    gateways: Vec<Gateway>,
-    redis: RedisServer,
-    _up: Upstream,
-    _dir: TempDir,
+    fleet: common::Fleet,
+}
+
+impl std::ops::Deref for Fleet {
+    type Target = common::Fleet;
+
+    fn deref(&self) -> &common::Fleet {
+        &self.fleet
+    }
 }
 
 /// `n` gateways on one database and one Redis, admin token [`TOKEN`] and
 /// read token [`READ_TOKEN`].
 fn fleet(n: usize) -> Fleet {
     let db = TestDatabase::create();
-    let redis = RedisServer::start();
-    let up = Upstream::start();
-    let dir = TempDir::new("pg");
-    let gateways = (0..n)
-        .map(|i| {
-            let mut config = GatewayConfig::new(&redis.url(), dir.0.join("unused.toml"), &up.url());
-            config.database_url = db.url();
-            config.admin_token = TOKEN.to_owned();
-            config.admin_read_token = READ_TOKEN.to_owned();
-            config.rules_extra = format!(
-                "snapshot_file = \"{}\"",
-                dir.0.join(format!("snap-{i}.json")).display()
-            );
-            Gateway::start(&config)
-        })
-        .collect();
-    Fleet {
-        db,
-        gateways,
-        redis,
-        _up: up,
-        _dir: dir,
-    }
-}
-
-/// Whether the database refuses `sql` (a constraint, say).
-fn table_refuses(db: &TestDatabase, sql: &str) -> bool {
-    let out = std::process::Command::new("psql")
-        .args([
-            "-X",
-            "-v",
-            "ON_ERROR_STOP=1",
-            "-d",
-            db.url().as_str(),
-            "-c",
-            sql,
-        ])
-        .output()
-        .unwrap();
-    !out.status.success()
+    let fleet = common::Fleet::start("pg", n, "", |i, config, dir| {
+        config.database_url = db.url();
+        config.admin_token = TOKEN.to_owned();
+        config.admin_read_token = READ_TOKEN.to_owned();
+        config.rules_extra = format!(
+            "snapshot_file = \"{}\"",
+            dir.0.join(format!("snap-{i}.json")).display()
+        );
+    });
+    Fleet { db, fleet }
 }
 
 async fn all_reach(fleet: &Fleet, tenant: &str, limit: &str) {
@@ -79,6 +55,16 @@ async fn all_reach(fleet: &Fleet, tenant: &str, limit: &str) {
     }
 }
 
+/// `method path` on `gw`'s admin API with the admin token.
+async fn with_token(gw: &Gateway, method: &str, path: &str) -> (u16, serde_json::Value) {
+    admin(gw, method, path, Some(TOKEN), None).await
+}
+
+/// `PUT path` on `gw`'s admin API with the admin token and `body`.
+async fn put(gw: &Gateway, path: &str, body: &str) -> (u16, serde_json::Value) {
+    admin(gw, "PUT", path, Some(TOKEN), Some(body)).await
+}
+
 #[actix_web::test]
 async fn an_admin_put_through_one_gateway_is_enforced_by_both_within_one_second() {
     let fleet = fleet(2);
@@ -89,12 +75,10 @@ async fn an_admin_put_through_one_gateway_is_enforced_by_both_within_one_second(
         "default rule before"
     );
 
-    let (status, row) = admin(
+    let (status, row) = put(
         a,
-        "PUT",
         "/admin/rules/acme/api",
-        Some(TOKEN),
-        Some(r#"{"capacity": 40, "refill_per_second": 7}"#),
+        r#"{"capacity": 40, "refill_per_second": 7}"#,
     )
     .await;
     assert_eq!(status, 201, "{row}");
@@ -112,12 +96,10 @@ async fn an_admin_put_through_one_gateway_is_enforced_by_both_within_one_second(
     );
     all_reach(&fleet, "acme", "40").await;
 
-    let (status, row) = admin(
+    let (status, row) = put(
         b,
-        "PUT",
         "/admin/rules/acme/api",
-        Some(TOKEN),
-        Some(r#"{"capacity": 41, "refill_per_second": 7}"#),
+        r#"{"capacity": 41, "refill_per_second": 7}"#,
     )
     .await;
     assert_eq!((status, row["capacity"].as_i64()), (200, Some(41)));
@@ -125,12 +107,10 @@ async fn an_admin_put_through_one_gateway_is_enforced_by_both_within_one_second(
 
     // Hot-key options travel the same way: a sharded rule is enforced in
     // untagged sub-bucket keys on every gateway.
-    let (status, row) = admin(
+    let (status, row) = put(
         a,
-        "PUT",
         "/admin/rules/wide/api",
-        Some(TOKEN),
-        Some(r#"{"capacity": 40, "refill_per_second": 4, "shards": 4, "exact": true}"#),
+        r#"{"capacity": 40, "refill_per_second": 4, "shards": 4, "exact": true}"#,
     )
     .await;
     assert_eq!(
@@ -144,22 +124,15 @@ async fn an_admin_put_through_one_gateway_is_enforced_by_both_within_one_second(
         "sub-bucket keys exist: {sub_buckets}"
     );
 
-    let (status, row) = admin(a, "GET", "/admin/rules/acme/api", Some(TOKEN), None).await;
+    let (status, row) = with_token(a, "GET", "/admin/rules/acme/api").await;
     assert_eq!((status, row["capacity"].as_i64()), (200, Some(41)));
 
-    let (status, _) = admin(a, "DELETE", "/admin/rules/acme/api", Some(TOKEN), None).await;
+    let (status, _) = with_token(a, "DELETE", "/admin/rules/acme/api").await;
     assert_eq!(status, 204);
     all_reach(&fleet, "acme", "2").await;
+    assert_eq!(with_token(a, "GET", "/admin/rules/acme/api").await.0, 404);
     assert_eq!(
-        admin(a, "GET", "/admin/rules/acme/api", Some(TOKEN), None)
-            .await
-            .0,
-        404
-    );
-    assert_eq!(
-        admin(a, "DELETE", "/admin/rules/acme/api", Some(TOKEN), None)
-            .await
-            .0,
+        with_token(a, "DELETE", "/admin/rules/acme/api").await.0,
         404
     );
 }
@@ -168,12 +141,10 @@ async fn an_admin_put_through_one_gateway_is_enforced_by_both_within_one_second(
 async fn a_rule_name_is_stored_and_labels_the_tenant_on_every_gateway() {
     let fleet = fleet(2);
     let (a, b) = (&fleet.gateways[0], &fleet.gateways[1]);
-    let (status, row) = admin(
+    let (status, row) = put(
         a,
-        "PUT",
         "/admin/rules/sk-named-key/api",
-        Some(TOKEN),
-        Some(r#"{"capacity": 30, "refill_per_second": 3, "name": "Pg Named Tenant"}"#),
+        r#"{"capacity": 30, "refill_per_second": 3, "name": "Pg Named Tenant"}"#,
     )
     .await;
     assert_eq!(
@@ -188,22 +159,27 @@ async fn a_rule_name_is_stored_and_labels_the_tenant_on_every_gateway() {
             "tollgate_requests_total{{route=\"api\",tenant=\"Pg Named Tenant\",outcome=\"{outcome}\",entry=\"proxy\"}}"
         )
     };
-    let before = metric(b, &series("allowed")).await + metric(b, &series("rejected")).await;
+    let answered = || async {
+        let allowed = metric(b, &series("allowed"))
+            .await
+            .expect("allowed exported");
+        allowed
+            + metric(b, &series("rejected"))
+                .await
+                .expect("rejected exported")
+    };
+    let before = answered().await;
     limit_of(b, "sk-named-key").await;
-    let after = metric(b, &series("allowed")).await + metric(b, &series("rejected")).await;
+    let after = answered().await;
     assert_eq!(after, before + 1.0);
     let (_, text) = admin(b, "GET", "/metrics", None, None).await;
     assert!(!text.as_str().unwrap().contains("sk-named-key"));
 
     // The table refuses a name the gateway would refuse.
-    assert!(
-        table_refuses(
-            &fleet.db,
-            "UPDATE rate_limit_rule SET name = '_other' WHERE tenant_id = 'sk-named-key'"
-        ),
-        "the check constraint refuses '_other'"
-    );
-    let (_, row) = admin(a, "GET", "/admin/rules/sk-named-key/api", Some(TOKEN), None).await;
+    fleet
+        .db
+        .refuses("UPDATE rate_limit_rule SET name = '_other' WHERE tenant_id = 'sk-named-key'");
+    let (_, row) = with_token(a, "GET", "/admin/rules/sk-named-key/api").await;
     assert_eq!(row["name"], "Pg Named Tenant");
 }
 
@@ -240,12 +216,7 @@ async fn invalid_writes_are_refused_with_the_field_and_change_nothing() {
     let fleet = fleet(1);
     let gw = &fleet.gateways[0];
     let ok = r#"{"capacity": 5, "refill_per_second": 1}"#;
-    assert_eq!(
-        admin(gw, "PUT", "/admin/rules/keep/api", Some(TOKEN), Some(ok))
-            .await
-            .0,
-        201
-    );
+    assert_eq!(put(gw, "/admin/rules/keep/api", ok).await.0, 201);
 
     let cases = [
         (
@@ -279,6 +250,17 @@ async fn invalid_writes_are_refused_with_the_field_and_change_nothing() {
             "burst",
         ),
         ("/admin/rules/keep/api", "not json", "body"),
+        // A key named twice is refused, not settled by the last copy.
+        (
+            "/admin/rules/keep/api",
+            r#"{"capacity": 5, "refill_per_second": 1, "capacity": 5000}"#,
+            "body",
+        ),
+        (
+            "/admin/rules/keep/api",
+            r#"{"capacity": 5, "refill_per_second": 1, "limits": [{"quota": 9, "window": "day", "quota": 1}]}"#,
+            "body",
+        ),
         ("/admin/rules/ke%7Bep/api", ok, "tenant"),
         (
             &format!("/admin/rules/{}/api", "t".repeat(65)),
@@ -290,26 +272,19 @@ async fn invalid_writes_are_refused_with_the_field_and_change_nothing() {
         ("/admin/rules/keep/no-such-route", ok, "route"),
     ];
     for (path, body, field) in cases {
-        let (status, error) = admin(gw, "PUT", path, Some(TOKEN), Some(body)).await;
+        let (status, error) = put(gw, path, body).await;
         assert_eq!(status, 400, "{path} {body}: {error}");
         assert_eq!(error["field"], field, "{path} {body}: {error}");
         assert_eq!(error["error"], "invalid_request");
     }
     let large = " ".repeat(70_000);
-    let (status, error) = admin(
-        gw,
-        "PUT",
-        "/admin/rules/keep/api",
-        Some(TOKEN),
-        Some(&large),
-    )
-    .await;
+    let (status, error) = put(gw, "/admin/rules/keep/api", &large).await;
     assert_eq!(
         (status, error["field"].as_str()),
         (413, Some("body")),
         "{error}"
     );
-    let (_, row) = admin(gw, "GET", "/admin/rules/keep/api", Some(TOKEN), None).await;
+    let (_, row) = with_token(gw, "GET", "/admin/rules/keep/api").await;
     assert_eq!(row["capacity"], 5, "nothing changed");
     assert_eq!(fleet.db.sql("SELECT count(*) FROM rate_limit_rule"), "1");
 }
@@ -368,7 +343,7 @@ async fn rules_are_listed_in_pages_and_by_tenant() {
     let mut seen = Vec::new();
     let mut path = "/admin/rules?limit=2".to_owned();
     loop {
-        let (status, page) = admin(gw, "GET", &path, Some(TOKEN), None).await;
+        let (status, page) = with_token(gw, "GET", &path).await;
         assert_eq!(status, 200, "{page}");
         let rules = page["rules"].as_array().unwrap();
         assert!(rules.len() <= 2);
@@ -386,58 +361,41 @@ async fn rules_are_listed_in_pages_and_by_tenant() {
     }
     assert_eq!(seen, vec!["a/r1", "a/r2", "b/r1", "b/r2", "c/r1"]);
 
-    let (_, page) = admin(gw, "GET", "/admin/rules?tenant=b", Some(TOKEN), None).await;
-    let caps: Vec<i64> = page["rules"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| r["capacity"].as_i64().unwrap())
-        .collect();
-    assert_eq!(caps, vec![3, 4]);
+    let (_, page) = with_token(gw, "GET", "/admin/rules?tenant=b").await;
+    assert_eq!(common::each(&page["rules"], "capacity"), [3, 4]);
     assert_eq!(
-        admin(gw, "GET", "/admin/rules?limit=0", Some(TOKEN), None)
-            .await
-            .1["field"],
+        with_token(gw, "GET", "/admin/rules?limit=0").await.1["field"],
         "limit"
     );
     assert_eq!(
-        admin(gw, "GET", "/admin/rules?page=2", Some(TOKEN), None)
-            .await
-            .1["field"],
+        with_token(gw, "GET", "/admin/rules?page=2").await.1["field"],
         "page"
     );
 }
 
 #[actix_web::test]
 async fn file_mode_lists_rules_but_refuses_writes_with_409() {
-    let redis = RedisServer::start();
-    let up = Upstream::start();
-    let dir = TempDir::new("filemode");
-    let rules = dir.file(
-        "rules.toml",
-        "[[rule]]\ntenant = \"f\"\nroute = \"api\"\ncapacity = 9\nrefill_per_second = 1\n",
-    );
+    let rules = "[[rule]]\ntenant = \"f\"\nroute = \"api\"\ncapacity = 9\nrefill_per_second = 1\n";
     // No admin token (writes disabled), only a read token. The 409 says
     // where rules come from, before any token check.
-    let mut config = GatewayConfig::new(&redis.url(), rules, &up.url());
-    config.admin_read_token = TOKEN.to_owned();
-    let gw = Gateway::start(&config);
+    let s = common::Stack::start("filemode", rules, |config, _| {
+        config.admin_read_token = TOKEN.to_owned();
+    });
+    let gw = &s.gw;
     let put = r#"{"capacity": 5, "refill_per_second": 1}"#;
     for (method, body) in [("PUT", Some(put)), ("DELETE", None)] {
-        let (status, error) = admin(&gw, method, "/admin/rules/f/api", None, body).await;
+        let (status, error) = admin(gw, method, "/admin/rules/f/api", None, body).await;
         assert_eq!(
             (status, error["error"].as_str()),
             (409, Some("rules_from_file")),
             "{method}"
         );
     }
-    let (status, page) = admin(&gw, "GET", "/admin/rules", Some(TOKEN), None).await;
+    let (status, page) = with_token(gw, "GET", "/admin/rules").await;
     assert_eq!(status, 200);
     assert_eq!(page["rules"][0]["capacity"], 9);
     assert_eq!(
-        admin(&gw, "GET", "/admin/rules/f/api", Some(TOKEN), None)
-            .await
-            .1["capacity"],
+        with_token(gw, "GET", "/admin/rules/f/api").await.1["capacity"],
         9
     );
 }
@@ -470,54 +428,40 @@ async fn writes_are_disabled_when_no_token_is_configured() {
 async fn a_rule_put_in_shadow_mode_forwards_refusals_on_every_gateway() {
     let fleet = fleet(2);
     let (a, b) = (&fleet.gateways[0], &fleet.gateways[1]);
-    let (status, row) = admin(
+    let (status, row) = put(
         a,
-        "PUT",
         "/admin/rules/dry-run/api",
-        Some(TOKEN),
-        Some(r#"{"capacity": 1, "refill_per_second": 1, "mode": "shadow"}"#),
+        r#"{"capacity": 1, "refill_per_second": 1, "mode": "shadow"}"#,
     )
     .await;
     assert_eq!((status, row["mode"].as_str()), (201, Some("shadow")));
     all_reach(&fleet, "dry-run", "1").await;
     // The change event carried the mode: b forwards what the bucket refuses.
-    let mut seen = Vec::new();
-    for _ in 0..3 {
-        seen.push(get(&b.url("/x"), Some("dry-run")).await);
-    }
+    let seen = answers(&b.url("/x"), "dry-run", 3).await;
     assert!(seen.iter().all(|(status, _)| *status == 200), "{seen:?}");
     assert_eq!(seen[2].1.as_deref(), Some("0"));
 
     // The table refuses a mode the gateway would refuse.
-    assert!(table_refuses(
-        &fleet.db,
-        "UPDATE rate_limit_rule SET mode = 'dry' WHERE tenant_id = 'dry-run'"
-    ));
+    fleet
+        .db
+        .refuses("UPDATE rate_limit_rule SET mode = 'dry' WHERE tenant_id = 'dry-run'");
     // Back to enforcing, by plain SQL: the third request is a 429 again.
     fleet.db.sql(
         "UPDATE rate_limit_rule SET mode = 'enforce', capacity = 2 WHERE tenant_id = 'dry-run'",
     );
     all_reach(&fleet, "dry-run", "2").await;
-    let mut statuses = Vec::new();
-    for _ in 0..3 {
-        statuses.push(get(&b.url("/x"), Some("dry-run")).await.0);
-    }
-    assert!(statuses.contains(&429), "{statuses:?}");
+    let seen = answers(&b.url("/x"), "dry-run", 3).await;
+    assert!(seen.iter().any(|(status, _)| *status == 429), "{seen:?}");
 }
 
 /// Waits until every gateway of `fleet` holds `n` rules (a `/ready`
 /// without a rule count is not an answer).
 async fn all_hold(fleet: &Fleet, n: u64) {
     for (i, gw) in fleet.gateways.iter().enumerate() {
-        let mut held = None;
-        for _ in 0..50 {
-            held = ready(gw).await["rules"]["count"].as_u64();
-            if held == Some(n) {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
+        let held = || async { ready(gw).await["rules"]["count"].as_u64() };
+        if !eventually(Duration::from_secs(1), || async { held().await == Some(n) }).await {
+            panic!("gateway {i} holds {:?} rules, not {n}", held().await);
         }
-        assert_eq!(held, Some(n), "gateway {i} holds {held:?} rules, not {n}");
     }
 }
 
@@ -526,12 +470,10 @@ async fn quotas_and_tenant_wide_rules_travel_through_the_database() {
     let fleet = fleet(2);
     let (a, b) = (&fleet.gateways[0], &fleet.gateways[1]);
     // A tenant-wide rule of one quota: 3 requests a day on every route.
-    let (status, row) = admin(
+    let (status, row) = put(
         a,
-        "PUT",
         "/admin/rules/acme/*",
-        Some(TOKEN),
-        Some(r#"{"limits": [{"quota": 3, "window": "day"}]}"#),
+        r#"{"limits": [{"quota": 3, "window": "day"}]}"#,
     )
     .await;
     assert_eq!(status, 201, "{row}");
@@ -550,12 +492,7 @@ async fn quotas_and_tenant_wide_rules_travel_through_the_database() {
     }
     assert_eq!(statuses, [200, 200, 200]);
     // The quota refuses the fourth: a wait for its day, not a second.
-    let refused = common::client()
-        .get(b.url("/four"))
-        .insert_header(("x-api-key", "acme"))
-        .send()
-        .await
-        .unwrap();
+    let refused = get_as(&common::client(), &b.url("/four"), "acme").await;
     assert_eq!(refused.status(), 429);
     let retry: u64 = common::header(&refused, "retry-after")
         .unwrap()
@@ -574,7 +511,7 @@ async fn quotas_and_tenant_wide_rules_travel_through_the_database() {
         r#"{{"capacity": 1, "refill_per_second": 1, "limits": [{}]}}"#,
         [r#"{"capacity": 5, "refill_per_second": 1}"#; 7].join(", ")
     );
-    let (status, body) = admin(a, "PUT", "/admin/rules/acme/api", Some(TOKEN), Some(&nine)).await;
+    let (status, body) = put(a, "/admin/rules/acme/api", &nine).await;
     assert_eq!(
         (status, body["field"].as_str()),
         (400, Some("limits")),
@@ -582,16 +519,14 @@ async fn quotas_and_tenant_wide_rules_travel_through_the_database() {
     );
 
     // The table refuses half a first bucket, and a rule with no limit.
-    assert!(table_refuses(
-        &fleet.db,
-        "INSERT INTO rate_limit_rule (tenant_id, route_id, capacity) VALUES ('x', 'api', 5)"
-    ));
-    assert!(table_refuses(
-        &fleet.db,
-        "INSERT INTO rate_limit_rule (tenant_id, route_id) VALUES ('x', 'api')"
-    ));
+    fleet.db.refuses(
+        "INSERT INTO rate_limit_rule (tenant_id, route_id, capacity) VALUES ('x', 'api', 5)",
+    );
+    fleet
+        .db
+        .refuses("INSERT INTO rate_limit_rule (tenant_id, route_id) VALUES ('x', 'api')");
     // Deleting the tenant-wide rule reaches every gateway.
-    let (status, _) = admin(a, "DELETE", "/admin/rules/acme/*", Some(TOKEN), None).await;
+    let (status, _) = with_token(a, "DELETE", "/admin/rules/acme/*").await;
     assert_eq!(status, 204);
     all_hold(&fleet, 0).await;
 }
@@ -618,7 +553,8 @@ async fn existing_rows_become_one_limit_rules_when_migrated() {
          VALUES ('old', 'api', 7, 3)",
     );
     db.sql(&std::fs::read_to_string(dir.join("0008_rule_limits.sql")).unwrap());
-    let store = tollgate::rules::RuleStore::connect_lazy(&db.url()).unwrap();
+    let store =
+        tollgate::db::RuleStore::new(tollgate::db::Database::connect_lazy(&db.url()).unwrap());
     let rules = store.load_all().await.unwrap();
     assert_eq!(rules.len(), 1);
     assert_eq!(rules[0].limit.capacity.get(), 7);

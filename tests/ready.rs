@@ -10,8 +10,8 @@ mod common;
 use std::time::Duration;
 
 use common::{
-    Gateway, GatewayConfig, RedisCluster, RedisServer, Stack, TempDir, Upstream, eventually, get,
-    ready, refused_port,
+    Gateway, GatewayConfig, RedisCluster, Stack, TempDir, Upstream, eventually, get, ready,
+    refused_port,
 };
 
 /// `/ready`'s `redis` field becomes `state` within `within`, with no
@@ -78,15 +78,12 @@ async fn first_decisions_are_shared(gw: &Gateway, bucket_exists: impl Fn() -> bo
 
 #[actix_web::test]
 async fn after_ready_the_first_decisions_on_one_server_are_shared() {
-    let redis = RedisServer::start();
-    let up = Upstream::start();
-    let dir = TempDir::new("ready-single");
-    let mut config = GatewayConfig::new(&redis.url(), dir.file("rules.toml", ""), &up.url());
-    config.redis_timeout_ms = 5;
-    config.extra = "[default_rule]\ncapacity = 10\nrefill_per_second = 1\n".into();
-    let gw = Gateway::start(&config);
-    first_decisions_are_shared(&gw, || {
-        redis.cmd(&["EXISTS", "rl2:{first-tenant}:api"]).trim() == ":1"
+    let s = Stack::start("ready-single", "", |config, _| {
+        config.redis_timeout_ms = 5;
+        config.extra = "[default_rule]\ncapacity = 10\nrefill_per_second = 1\n".into();
+    });
+    first_decisions_are_shared(&s.gw, || {
+        s.redis.cmd(&["EXISTS", "rl2:{first-tenant}:api"]).trim() == ":1"
     })
     .await;
 }

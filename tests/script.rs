@@ -12,7 +12,7 @@ use std::time::Duration;
 use common::{RedisServer, wait_until};
 use redis::AsyncCommands;
 use tollgate::bucket::decision::GroupLimit;
-use tollgate::bucket::{Ask, BucketSpec, RedisBucket};
+use tollgate::bucket::{Ask, BucketSpec, Decision, RedisBucket};
 use tollgate::clock::{Clock, SystemClock};
 use tollgate::config::{RedisSettings, RedisTarget};
 use tollgate::redis_client::{RedisCallError, RedisConnector};
@@ -34,6 +34,23 @@ fn bucket(redis: &RedisServer, timeout: Duration) -> RedisBucket {
     RedisBucket::new(conn, timeout, Metrics::new(), SystemClock::shared())
 }
 
+/// A fresh Redis, and a bucket client on it with a 2 s timeout.
+fn redis_and_bucket() -> (RedisServer, RedisBucket) {
+    let redis = RedisServer::start();
+    let b = bucket(&redis, Duration::from_secs(2));
+    (redis, b)
+}
+
+/// The decision on taking `cost` tokens from `key`'s bucket.
+async fn decide(b: &RedisBucket, key: &str, spec: &BucketSpec, cost: u32) -> Decision {
+    b.take(key, spec, Ask::single(cost)).await.unwrap().decision
+}
+
+/// The decisions on taking one token from every limit of `group`.
+async fn decide_group(b: &RedisBucket, group: &[(String, GroupLimit)]) -> Vec<Decision> {
+    b.take_group(group, Ask::single(1)).await.unwrap().decisions
+}
+
 fn spec(capacity: u32, refill: u32) -> BucketSpec {
     BucketSpec::of(
         NonZeroU32::new(capacity).unwrap(),
@@ -49,13 +66,8 @@ async fn redis_now_us(conn: &mut redis::aio::MultiplexedConnection) -> f64 {
 
 #[actix_web::test]
 async fn first_call_fills_then_takes_and_stores_one_value_with_a_ttl() {
-    let redis = RedisServer::start();
-    let b = bucket(&redis, Duration::from_secs(2));
-    let d = b
-        .take("rl2:{t}:r", &spec(10, 2), Ask::single(1))
-        .await
-        .unwrap()
-        .decision;
+    let (redis, b) = redis_and_bucket();
+    let d = decide(&b, "rl2:{t}:r", &spec(10, 2), 1).await;
     assert!(d.allowed);
     assert_eq!((d.remaining, d.retry_after_ms), (9, 0));
 
@@ -84,15 +96,10 @@ async fn first_call_fills_then_takes_and_stores_one_value_with_a_ttl() {
 
 #[actix_web::test]
 async fn refill_follows_redis_time_since_the_stored_timestamp() {
-    let redis = RedisServer::start();
-    let b = bucket(&redis, Duration::from_secs(2));
+    let (redis, b) = redis_and_bucket();
     let key = "rl2:{refill}:r";
     b.take(key, &spec(10, 4), Ask::single(10)).await.unwrap();
-    let rejected = b
-        .take(key, &spec(10, 4), Ask::single(1))
-        .await
-        .unwrap()
-        .decision;
+    let rejected = decide(&b, key, &spec(10, 4), 1).await;
     assert!(!rejected.allowed);
     assert!((1..=250).contains(&rejected.retry_after_ms), "{rejected:?}");
 
@@ -100,11 +107,7 @@ async fn refill_follows_redis_time_since_the_stored_timestamp() {
     let mut conn = redis.conn().await;
     let tat: f64 = conn.get::<_, String>(key).await.unwrap().parse().unwrap();
     let _: () = conn.set(key, tat - 1_500_000.0).await.unwrap();
-    let d = b
-        .take(key, &spec(10, 4), Ask::single(1))
-        .await
-        .unwrap()
-        .decision;
+    let d = decide(&b, key, &spec(10, 4), 1).await;
     assert!(d.allowed);
     assert_eq!(d.remaining, 5);
 }
@@ -139,8 +142,7 @@ async fn one_call_decides_several_keys_with_one_reading_of_the_clock() {
 
 #[actix_web::test]
 async fn plain_asks_and_leases_share_a_call_and_read_back_in_order() {
-    let redis = RedisServer::start();
-    let b = bucket(&redis, Duration::from_secs(2));
+    let (_redis, b) = redis_and_bucket();
     let lease = Ask {
         want: 8,
         min: 2,
@@ -260,20 +262,11 @@ async fn every_answer_is_the_one_format_1_gave() {
 
 #[actix_web::test]
 async fn cost_above_capacity_waits_for_a_full_bucket() {
-    let redis = RedisServer::start();
-    let b = bucket(&redis, Duration::from_secs(2));
-    let first = b
-        .take("rl2:{c}:r", &spec(3, 1), Ask::single(10))
-        .await
-        .unwrap()
-        .decision;
+    let (_redis, b) = redis_and_bucket();
+    let first = decide(&b, "rl2:{c}:r", &spec(3, 1), 10).await;
     assert!(first.allowed);
     assert_eq!(first.remaining, 0);
-    let second = b
-        .take("rl2:{c}:r", &spec(3, 1), Ask::single(10))
-        .await
-        .unwrap()
-        .decision;
+    let second = decide(&b, "rl2:{c}:r", &spec(3, 1), 10).await;
     assert!(!second.allowed);
     assert!(
         (2_900..=3_000).contains(&second.retry_after_ms),
@@ -283,18 +276,13 @@ async fn cost_above_capacity_waits_for_a_full_bucket() {
 
 #[actix_web::test]
 async fn a_flushed_script_cache_is_reloaded_on_noscript() {
-    let redis = RedisServer::start();
-    let b = bucket(&redis, Duration::from_secs(2));
+    let (redis, b) = redis_and_bucket();
     b.take("rl2:{n}:r", &spec(5, 1), Ask::single(1))
         .await
         .unwrap();
     let loads = redis.command_calls("script|load");
     redis.cmd(&["SCRIPT", "FLUSH"]);
-    let d = b
-        .take("rl2:{n}:r", &spec(5, 1), Ask::single(1))
-        .await
-        .unwrap()
-        .decision;
+    let d = decide(&b, "rl2:{n}:r", &spec(5, 1), 1).await;
     assert!(d.allowed);
     assert_eq!(d.remaining, 3);
     assert_eq!(redis.command_calls("script|load"), loads + 1);
@@ -303,6 +291,27 @@ async fn a_flushed_script_cache_is_reloaded_on_noscript() {
         0,
         "the script is never sent by body per call"
     );
+}
+
+#[actix_web::test]
+async fn whole_and_fractional_rates_are_read_alike() {
+    let (_redis, b) = redis_and_bucket();
+    // A whole rate travels to the script as an integer, any other as a
+    // float: both must refill at the rate given.
+    for (key, rate, wait_ms) in [("rl2:{whole}:r", 4.0, 250), ("rl2:{half}:r", 2.5, 400)] {
+        let spec = BucketSpec {
+            capacity: NonZeroU32::new(2).unwrap(),
+            refill_per_second: rate,
+        };
+        let emptied = decide(&b, key, &spec, 2).await;
+        assert!(emptied.allowed && emptied.remaining == 0, "{emptied:?}");
+        let refused = decide(&b, key, &spec, 1).await;
+        assert!(!refused.allowed, "{refused:?}");
+        assert!(
+            (wait_ms - 100..=wait_ms).contains(&refused.retry_after_ms),
+            "rate {rate}: {refused:?}"
+        );
+    }
 }
 
 #[actix_web::test]
@@ -329,14 +338,13 @@ async fn a_timed_out_call_is_not_replayed() {
         > calls_before));
     std::thread::sleep(Duration::from_millis(300));
     assert_eq!(redis.command_calls("evalsha"), calls_before + 1);
-    let d = b.take(key, &spec, Ask::single(1)).await.unwrap().decision;
+    let d = decide(&b, key, &spec, 1).await;
     assert_eq!(d.remaining, 2, "exactly two earlier takes spent tokens");
 }
 
 #[actix_web::test]
 async fn a_lease_takes_up_to_want_but_at_least_min_or_just_the_request() {
-    let redis = RedisServer::start();
-    let b = bucket(&redis, Duration::from_secs(2));
+    let (_redis, b) = redis_and_bucket();
     let key = "rl2:{lease}:r";
     // A negligible refill, so only takes move the count.
     let spec = BucketSpec {
@@ -415,26 +423,17 @@ fn bucket_and_quota(capacity: u32, quota: u32, window_s: u32) -> Vec<(String, Gr
 
 #[actix_web::test]
 async fn a_group_takes_from_every_limit_or_from_none() {
-    let redis = RedisServer::start();
-    let b = bucket(&redis, Duration::from_secs(2));
+    let (redis, b) = redis_and_bucket();
     let mut conn = redis.conn().await;
     // The quota (2 per hour-long window) runs out before the bucket (5).
     let group = bucket_and_quota(5, 2, 3600);
     for left in [1, 0] {
-        let d = b
-            .take_group(&group, Ask::single(1))
-            .await
-            .unwrap()
-            .decisions;
+        let d = decide_group(&b, &group).await;
         assert!(d.iter().all(|d| d.allowed), "{d:?}");
         assert_eq!(d[1].remaining, left);
     }
     let tat_before: f64 = conn.get("rl2:{g}:r").await.unwrap();
-    let refused = b
-        .take_group(&group, Ask::single(1))
-        .await
-        .unwrap()
-        .decisions;
+    let refused = decide_group(&b, &group).await;
     assert!(refused.iter().all(|d| !d.allowed), "{refused:?}");
     // The bucket had room: it says so, and keeps its tokens.
     assert_eq!((refused[0].remaining, refused[0].retry_after_ms), (3, 0));
@@ -454,19 +453,14 @@ async fn a_group_takes_from_every_limit_or_from_none() {
 
 #[actix_web::test]
 async fn a_quota_starts_again_when_its_window_ends() {
-    let redis = RedisServer::start();
-    let b = bucket(&redis, Duration::from_secs(2));
+    let (_redis, b) = redis_and_bucket();
     let group = bucket_and_quota(100, 1, 1);
     let clock = SystemClock::new();
     let started = clock.now_ms();
     let mut admitted = 0;
     // One per one-second window: a bit over two seconds touch 3 or 4.
     while clock.now_ms() - started < 2_100 {
-        let d = b
-            .take_group(&group, Ask::single(1))
-            .await
-            .unwrap()
-            .decisions;
+        let d = decide_group(&b, &group).await;
         if d[0].allowed {
             admitted += 1;
         } else {
@@ -479,8 +473,7 @@ async fn a_quota_starts_again_when_its_window_ends() {
 
 #[actix_web::test]
 async fn a_group_lease_takes_the_same_batch_from_every_limit() {
-    let redis = RedisServer::start();
-    let b = bucket(&redis, Duration::from_secs(2));
+    let (redis, b) = redis_and_bucket();
     // The quota (30 an hour) holds fewer than the bucket (50) and binds.
     let group = bucket_and_quota(50, 30, 3600);
     let lease = Ask {
@@ -503,4 +496,107 @@ async fn a_group_lease_takes_the_same_batch_from_every_limit() {
     let mut conn = redis.conn().await;
     let counted: u32 = conn.get("rl2:{g}:r#1s").await.unwrap();
     assert_eq!(counted, 30);
+}
+
+#[actix_web::test]
+async fn a_key_holding_another_value_fails_alone_and_the_rest_of_its_call_is_decided() {
+    let (redis, b) = redis_and_bucket();
+    let mut conn = redis.conn().await;
+    // Values the script never writes: a hash, and a string that is no number.
+    let _: () = conn.hset("rl2:{hash}:r", "tokens", 1).await.unwrap();
+    let _: () = conn.set("rl2:{text}:r", "full").await.unwrap();
+    let lease = Ask {
+        want: 5,
+        min: 2,
+        need: 1,
+    };
+    let batch = [
+        ("rl2:{a}:r", spec(10, 1), Ask::single(1)),
+        ("rl2:{hash}:r", spec(10, 1), Ask::single(1)),
+        ("rl2:{text}:r", spec(10, 1), lease),
+        ("rl2:{b}:r", spec(10, 1), lease),
+    ];
+    let items: Vec<_> = batch.iter().map(|(k, s, a)| (*k, *s, *a)).collect();
+    let grants = b.take_many(&items).await;
+    assert!(
+        matches!(grants, Err(RedisCallError::Refused)),
+        "take_many reports the refused key: {grants:?}"
+    );
+    // One at a time, the others pass and the refused keys are left as found.
+    for (key, spec, ask) in [batch[0], batch[3]] {
+        let grant = b.take(key, &spec, ask).await.unwrap();
+        assert!(grant.decision.allowed, "{key}");
+    }
+    let a: f64 = conn.get("rl2:{a}:r").await.unwrap();
+    assert!(a > 0.0, "the first key was charged in the shared call too");
+    for key in ["rl2:{hash}:r", "rl2:{text}:r"] {
+        let refused = b.take(key, &spec(10, 1), Ask::single(1)).await;
+        assert!(
+            matches!(refused, Err(RedisCallError::Refused)),
+            "{refused:?}"
+        );
+    }
+    let text: String = conn.get("rl2:{text}:r").await.unwrap();
+    assert_eq!(text, "full");
+    assert!(redis.cmd(&["TYPE", "rl2:{hash}:r"]).contains("hash"));
+}
+
+#[actix_web::test]
+async fn a_group_with_a_key_it_cannot_decide_writes_none_of_its_keys() {
+    let (redis, b) = redis_and_bucket();
+    let mut conn = redis.conn().await;
+    let group = bucket_and_quota(5, 2, 3600);
+    let _: () = conn.set("rl2:{g}:r#1s", "not a count").await.unwrap();
+    let refused = b.take_group(&group, Ask::single(1)).await;
+    assert!(
+        matches!(refused, Err(RedisCallError::Refused)),
+        "{refused:?}"
+    );
+    let bucket: Option<String> = conn.get("rl2:{g}:r").await.unwrap();
+    assert_eq!(bucket, None, "the group's bucket was not charged");
+}
+
+#[actix_web::test]
+async fn malformed_asks_and_unusable_limits_fail_their_own_keys_only() {
+    let redis = RedisServer::start();
+    let mut conn = redis.conn().await;
+    let _: () = conn.hset("rl2:{h}:r", "f", 1).await.unwrap();
+    // Keys: a bad ask; a '-' key that no group holds; a rate so slow
+    // that its expiry cannot be set; a capacity of 0; a group of two whose
+    // second key holds a hash; then a good key, which must still be
+    // decided.
+    let unwritten = [
+        "rl2:{x}:a",
+        "rl2:{x}:b",
+        "rl2:{x}:c",
+        "rl2:{x}:d",
+        "rl2:{x}:e",
+    ];
+    let reply: Vec<i64> = redis::cmd("EVAL")
+        .arg(include_str!("../lua/token_bucket.lua"))
+        .arg(7)
+        .arg(&unwritten)
+        .arg(&["rl2:{h}:r", "rl2:{x}:ok"])
+        .arg(&["5", "1", "x"])
+        .arg(&["5", "1", "-"])
+        .arg(&["5", "1e-300", "1"])
+        .arg(&["0", "1", "1"])
+        .arg(&["5", "1", "1*2"])
+        .arg(&["5", "1", "-"])
+        .arg(&["5", "1", "1"])
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let answers: Vec<&[i64]> = reply.chunks(3).collect();
+    assert_eq!(answers.len(), 7, "{reply:?}");
+    for (i, answer) in answers[..6].iter().enumerate() {
+        assert_eq!(*answer, [-1, 0, 0], "key {i}: {reply:?}");
+    }
+    assert_eq!(answers[6], [1, 4, 0]);
+    let written: Vec<Option<String>> = redis::cmd("MGET")
+        .arg(&unwritten)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(written.iter().all(Option::is_none), "{written:?}");
 }

@@ -8,10 +8,16 @@ mod common;
 use std::time::Duration;
 
 use common::{
-    Gateway, GatewayConfig, RedisServer, TempDir, TestDatabase, Upstream, admin, wait_for_limit,
+    Gateway, GatewayConfig, RedisServer, Stack, TempDir, TestDatabase, Upstream, admin,
+    assert_limit_becomes,
 };
 
 const TOKEN: &str = "shares-token";
+
+/// `PUT path` on `gw`'s admin API with the admin token and `body`.
+async fn put(gw: &Gateway, path: &str, body: &str) -> (u16, serde_json::Value) {
+    admin(gw, "PUT", path, Some(TOKEN), Some(body)).await
+}
 
 #[actix_web::test]
 async fn shares_are_validated_stored_and_enforced_per_region() {
@@ -43,35 +49,14 @@ async fn shares_are_validated_stored_and_enforced_per_region() {
     };
     let (eu, us) = (gateway("eu"), gateway("us"));
 
-    let (status, _) = admin(
-        &eu,
-        "PUT",
-        "/admin/rules/t/api",
-        Some(TOKEN),
-        Some(r#"{"capacity": 100, "refill_per_second": 10}"#),
-    )
-    .await;
-    assert_eq!(status, 201);
-    let (status, _) = admin(
-        &eu,
-        "PUT",
-        "/admin/rules/u/api",
-        Some(TOKEN),
-        Some(r#"{"capacity": 100, "refill_per_second": 10}"#),
-    )
-    .await;
-    assert_eq!(status, 201);
+    for tenant in ["t", "u"] {
+        let path = format!("/admin/rules/{tenant}/api");
+        let (status, _) = put(&eu, &path, r#"{"capacity": 100, "refill_per_second": 10}"#).await;
+        assert_eq!(status, 201, "{tenant}");
+    }
     // The region defaults apply: 70 and 30 of the 100-token limit.
-    assert!(
-        wait_for_limit(&eu, "t", "70", Duration::from_secs(1))
-            .await
-            .is_some()
-    );
-    assert!(
-        wait_for_limit(&us, "t", "30", Duration::from_secs(1))
-            .await
-            .is_some()
-    );
+    assert_limit_becomes(&eu, "t", "70", Duration::from_secs(1)).await;
+    assert_limit_becomes(&us, "t", "30", Duration::from_secs(1)).await;
     // Each region's own Redis holds its bucket.
     assert!(eu_redis.cmd(&["EXISTS", "rl2:{t}:api"]).contains(":1"));
     assert!(us_redis.cmd(&["EXISTS", "rl2:{t}:api"]).contains(":1"));
@@ -84,20 +69,26 @@ async fn shares_are_validated_stored_and_enforced_per_region() {
             "names an unknown region",
         ),
         (r#"{"shares": {"eu": 1.2, "us": -0.2}}"#, "is out of range"),
+        (
+            r#"{"shares": {"eu": 5e-324, "us": 1.0}}"#,
+            "is below the floor",
+        ),
+        (
+            r#"{"shares": {"eu": 1e-17, "us": 1.0}}"#,
+            "is below the floor",
+        ),
     ] {
-        let (status, error) = admin(&eu, "PUT", "/admin/shares", Some(TOKEN), Some(body)).await;
+        let (status, error) = put(&eu, "/admin/shares", body).await;
         assert_eq!(
             (status, error["field"].as_str()),
             (400, Some("shares")),
             "{why}: {error}"
         );
     }
-    let (status, error) = admin(
+    let (status, error) = put(
         &eu,
-        "PUT",
         "/admin/shares",
-        Some(TOKEN),
-        Some(r#"{"tenant": "{x}", "shares": {"eu": 0.5, "us": 0.5}}"#),
+        r#"{"tenant": "{x}", "shares": {"eu": 0.5, "us": 0.5}}"#,
     )
     .await;
     assert_eq!((status, error["field"].as_str()), (400, Some("tenant")));
@@ -118,54 +109,46 @@ async fn shares_are_validated_stored_and_enforced_per_region() {
         "0",
         "nothing was written"
     );
+    let (_, error) = put(
+        &eu,
+        "/admin/shares",
+        r#"{"shares": {"eu": 0.0001, "us": 0.9999}}"#,
+    )
+    .await;
+    assert_eq!(
+        error["message"].as_str(),
+        Some("eu: must be a number in [0.001, 1], found 0.0001"),
+        "{error}"
+    );
+    // The table holds the same floor for writes that bypass the API.
+    let refused = db.refuses("INSERT INTO region_share (region_id, share) VALUES ('eu', 0.0001)");
+    assert!(refused.contains("region_share_share_check"), "{refused}");
 
     // A tenant-specific split, then a global one: the most specific wins.
-    let (status, _) = admin(
+    let (status, _) = put(
         &us,
-        "PUT",
         "/admin/shares",
-        Some(TOKEN),
-        Some(r#"{"tenant": "t", "shares": {"eu": 0.2, "us": 0.8}}"#),
+        r#"{"tenant": "t", "shares": {"eu": 0.2, "us": 0.8}}"#,
     )
     .await;
     assert_eq!(status, 200);
-    assert!(
-        wait_for_limit(&eu, "t", "20", Duration::from_secs(1))
-            .await
-            .is_some()
-    );
-    assert!(
-        wait_for_limit(&us, "t", "80", Duration::from_secs(1))
-            .await
-            .is_some()
-    );
-    let (status, _) = admin(
+    assert_limit_becomes(&eu, "t", "20", Duration::from_secs(1)).await;
+    assert_limit_becomes(&us, "t", "80", Duration::from_secs(1)).await;
+    let (status, _) = put(
         &us,
-        "PUT",
         "/admin/shares",
-        Some(TOKEN),
-        Some(r#"{"shares": {"eu": 0.4, "us": 0.6}}"#),
+        r#"{"shares": {"eu": 0.4, "us": 0.6}}"#,
     )
     .await;
     assert_eq!(status, 200);
-    assert!(
-        wait_for_limit(&eu, "u", "40", Duration::from_secs(1))
-            .await
-            .is_some(),
-        "u's 100 x the global 0.4"
-    );
+    // u's 100 x the global 0.4.
+    assert_limit_becomes(&eu, "u", "40", Duration::from_secs(1)).await;
     assert_eq!(common::limit_of(&eu, "t").await.as_deref(), Some("20"));
 
     let (_, listing) = admin(&eu, "GET", "/admin/shares", Some(TOKEN), None).await;
     assert_eq!(listing["region"], "eu");
     assert_eq!(listing["rows"].as_array().unwrap().len(), 4);
-    let global: Vec<f64> = listing["regions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| r["share"].as_f64().unwrap())
-        .collect();
-    assert_eq!(global, vec![0.4, 0.6]);
+    assert_eq!(common::each(&listing["regions"], "share"), [0.4, 0.6]);
 
     assert_eq!(
         admin(&eu, "DELETE", "/admin/shares?tenant=t", Some(TOKEN), None)
@@ -173,12 +156,8 @@ async fn shares_are_validated_stored_and_enforced_per_region() {
             .0,
         204
     );
-    assert!(
-        wait_for_limit(&eu, "t", "40", Duration::from_secs(1))
-            .await
-            .is_some(),
-        "back to the global 0.4"
-    );
+    // Back to the global 0.4.
+    assert_limit_becomes(&eu, "t", "40", Duration::from_secs(1)).await;
     assert_eq!(
         admin(&eu, "DELETE", "/admin/shares?tenant=t", Some(TOKEN), None)
             .await
@@ -189,25 +168,16 @@ async fn shares_are_validated_stored_and_enforced_per_region() {
 
 #[actix_web::test]
 async fn without_regions_share_writes_are_refused() {
-    let redis = RedisServer::start();
-    let up = Upstream::start();
-    let dir = TempDir::new("noregions");
-    let mut config = GatewayConfig::new(&redis.url(), dir.file("rules.toml", ""), &up.url());
-    config.admin_token = TOKEN.to_owned();
-    let gw = Gateway::start(&config);
-    let (status, error) = admin(
-        &gw,
-        "PUT",
-        "/admin/shares",
-        Some(TOKEN),
-        Some(r#"{"shares": {}}"#),
-    )
-    .await;
+    let s = Stack::start("noregions", "", |config, _| {
+        config.admin_token = TOKEN.to_owned();
+    });
+    let gw = &s.gw;
+    let (status, error) = put(gw, "/admin/shares", r#"{"shares": {}}"#).await;
     assert_eq!(
         (status, error["error"].as_str()),
         (409, Some("shares_unavailable"))
     );
-    let (status, listing) = admin(&gw, "GET", "/admin/shares", Some(TOKEN), None).await;
+    let (status, listing) = admin(gw, "GET", "/admin/shares", Some(TOKEN), None).await;
     assert_eq!(
         (status, listing["region"].clone()),
         (200, serde_json::Value::Null)
@@ -219,13 +189,14 @@ async fn recorded_decisions_keep_the_newest_hundred_in_order() {
     use std::collections::BTreeMap;
 
     use sqlx::Connection as _;
-    use tollgate::region::shares::{Decision, Scope, ShareStore};
-    use tollgate::rules::RuleStore;
+    use tollgate::db::Database;
+    use tollgate::db::shares::{Decision, ShareStore};
+    use tollgate::region::shares::Scope;
 
     let db = TestDatabase::create();
-    let rules = RuleStore::connect_lazy(&db.url()).unwrap();
-    rules.migrate().await.unwrap();
-    let store = ShareStore::new(&rules);
+    let database = Database::connect_lazy(&db.url()).unwrap();
+    database.migrate().await.unwrap();
+    let store = ShareStore::new(database);
     let mut conn = sqlx::PgConnection::connect(&db.url()).await.unwrap();
     let global = Scope {
         tenant: None,

@@ -170,6 +170,29 @@ fn concurrent(
     rx
 }
 
+/// The next `n` statuses `statuses` receives, each within `within`.
+fn next_statuses(statuses: &mpsc::Receiver<u16>, n: usize, within: Duration) -> Vec<u16> {
+    (0..n)
+        .map(|_| statuses.recv_timeout(within).unwrap())
+        .collect()
+}
+
+/// `GET /slow?ms=0` (answered by the upstream at once) as `tenant`.
+fn quick_get(addr: SocketAddr, tenant: &str) -> common::RawResponse {
+    raw_http(
+        addr,
+        &format!("GET /slow?ms=0 HTTP/1.1\r\nHost: gw\r\nX-Api-Key: {tenant}\r\n"),
+    )
+}
+
+/// `acme`, a tenant with a rule, is served within a second.
+fn acme_is_served_at_once(addr: SocketAddr) {
+    let clock = SystemClock::new();
+    let res = quick_get(addr, "acme");
+    assert_eq!(res.status, 200);
+    assert!(clock.now_ms() < 1000, "served after {} ms", clock.now_ms());
+}
+
 /// A one-worker gateway whose upstream answers `/slow?ms=N` after N ms.
 fn bounded_stack(tag: &str, upstream_extra: &str) -> Stack {
     let rules = "[[rule]]\ntenant = \"acme\"\nroute = \"api\"\ncapacity = 100\nrefill_per_second = 100\n\
@@ -187,22 +210,12 @@ fn fresh_keys_cannot_take_every_upstream_connection() {
     let s = bounded_stack("fresh-keys", "max_connections_without_rule = 3");
     let flood = concurrent(s.gw.addr, "/slow?ms=2000", 6, |i| format!("fresh{i}"));
     // Three are refused at once, before any decision.
-    let refused: Vec<u16> = (0..3)
-        .map(|_| flood.recv_timeout(Duration::from_secs(5)).unwrap())
-        .collect();
+    let refused = next_statuses(&flood, 3, Duration::from_secs(5));
     assert_eq!(refused, vec![429, 429, 429]);
     // While the other three hold their connections, a tenant with a rule
     // is served at once.
-    let clock = SystemClock::new();
-    let res = raw_http(
-        s.gw.addr,
-        "GET /slow?ms=0 HTTP/1.1\r\nHost: gw\r\nX-Api-Key: acme\r\n",
-    );
-    assert_eq!(res.status, 200);
-    assert!(clock.now_ms() < 1000, "served after {} ms", clock.now_ms());
-    let served: Vec<u16> = (0..3)
-        .map(|_| flood.recv_timeout(Duration::from_secs(10)).unwrap())
-        .collect();
+    acme_is_served_at_once(s.gw.addr);
+    let served = next_statuses(&flood, 3, Duration::from_secs(10));
     assert_eq!(served, vec![200, 200, 200]);
 }
 
@@ -212,15 +225,8 @@ fn one_tenant_cannot_take_every_upstream_connection() {
     let busy = concurrent(s.gw.addr, "/slow?ms=2000", 3, |_| "acme".to_owned());
     let first = busy.recv_timeout(Duration::from_secs(5)).unwrap();
     assert_eq!(first, 429, "the third request of acme is refused at once");
-    let res = raw_http(
-        s.gw.addr,
-        "GET /slow?ms=0 HTTP/1.1\r\nHost: gw\r\nX-Api-Key: beta\r\n",
-    );
-    assert_eq!(res.status, 200);
-    let refused = raw_http(
-        s.gw.addr,
-        "GET /slow?ms=0 HTTP/1.1\r\nHost: gw\r\nX-Api-Key: acme\r\n",
-    );
+    assert_eq!(quick_get(s.gw.addr, "beta").status, 200);
+    let refused = quick_get(s.gw.addr, "acme");
     assert_eq!(refused.status, 429);
     assert_eq!(refused.json()["error"], "too_many_in_flight");
     assert_eq!(refused.header("retry-after"), Some("1"));
@@ -236,19 +242,55 @@ fn a_small_pool_keeps_half_its_connections_for_tenants_with_a_rule() {
     // is held to half of it.
     let s = bounded_stack("small-pool", "max_connections_per_worker = 8");
     let flood = concurrent(s.gw.addr, "/slow?ms=3000", 40, |i| format!("fresh{i}"));
-    let refused: Vec<u16> = (0..36)
-        .map(|_| flood.recv_timeout(Duration::from_secs(5)).unwrap())
-        .collect();
+    let refused = next_statuses(&flood, 36, Duration::from_secs(5));
     assert!(refused.iter().all(|&s| s == 429), "{refused:?}");
-    let clock = SystemClock::new();
-    let res = raw_http(
-        s.gw.addr,
-        "GET /slow?ms=0 HTTP/1.1\r\nHost: gw\r\nX-Api-Key: acme\r\n",
-    );
-    assert_eq!(res.status, 200);
-    assert!(clock.now_ms() < 1000, "served after {} ms", clock.now_ms());
-    let served: Vec<u16> = (0..4)
-        .map(|_| flood.recv_timeout(Duration::from_secs(10)).unwrap())
-        .collect();
+    acme_is_served_at_once(s.gw.addr);
+    let served = next_statuses(&flood, 4, Duration::from_secs(10));
     assert_eq!(served, vec![200; 4]);
+}
+
+/// Regression: a client that closed its socket before the answer came
+/// freed its in-flight slot while the upstream kept working on the
+/// request, so batches of abandoned requests held several times the cap
+/// at the upstream.
+#[test]
+fn abandoned_requests_keep_their_slots_until_the_upstream_answers() {
+    let s = bounded_stack(
+        "abandoned",
+        "max_connections_per_tenant = 2\nmax_connections_without_rule = 3",
+    );
+    for batch in 0..5 {
+        // Six requests of acme (cap 2) and six with fresh keys (cap 3),
+        // each socket closed 300 ms after its request went out.
+        let sockets: Vec<TcpStream> = (0..12)
+            .map(|i| {
+                let key = if i % 2 == 0 {
+                    "acme".to_owned()
+                } else {
+                    format!("fresh-{batch}-{i}")
+                };
+                let mut socket = TcpStream::connect(s.gw.addr).unwrap();
+                write!(
+                    socket,
+                    "GET /slow?ms=1500 HTTP/1.1\r\nHost: gw\r\nX-Api-Key: {key}\r\n\r\n"
+                )
+                .unwrap();
+                socket
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(300));
+        drop(sockets);
+    }
+    let most = s.up.most_slow_at_once();
+    assert!(
+        (2..=5).contains(&most),
+        "the upstream worked on {most} requests at once; the caps allow 2 + 3"
+    );
+    // Once the upstream has answered them, the slots are free again.
+    assert!(
+        wait_until(Duration::from_secs(5), || s.up.slow_now() == 0),
+        "the upstream still works on {} requests",
+        s.up.slow_now()
+    );
+    assert_eq!(quick_get(s.gw.addr, "acme").status, 200);
 }

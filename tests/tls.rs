@@ -10,12 +10,12 @@ mod common;
 use std::io::{BufRead, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
 use common::certs::{make_ca, make_leaf};
-use common::{Gateway, Stack, TempDir, wait_until};
+use common::{Gateway, KillOnDrop, Stack, TempDir, spawn_from, wait_until};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName};
 
@@ -213,7 +213,7 @@ fn a_client_that_stalls_its_handshake_is_closed() {
 /// send no SNI (or another name), `named` for those that ask for
 /// `localhost`.
 struct TlsUpstream {
-    child: Child,
+    _child: KillOnDrop,
     port: u16,
 }
 
@@ -221,24 +221,23 @@ impl TlsUpstream {
     fn start(dir: &Path, default: (&Path, &Path), named: (&Path, &Path)) -> Self {
         // Port 0: s_server binds a free port itself and prints it, so no
         // other process can take it in between.
-        let mut child = Command::new("openssl")
-            .args(["s_server", "-www", "-accept", "127.0.0.1:0"])
-            .arg("-cert")
-            .arg(default.0)
-            .arg("-key")
-            .arg(default.1)
-            .args(["-servername", "localhost", "-cert2"])
-            .arg(named.0)
-            .arg("-key2")
-            .arg(named.1)
-            .current_dir(dir)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!("cannot run openssl ({e}); install it: apt-get install -y openssl")
-            });
+        let mut child = spawn_from(
+            "openssl",
+            Command::new("openssl")
+                .args(["s_server", "-www", "-accept", "127.0.0.1:0"])
+                .arg("-cert")
+                .arg(default.0)
+                .arg("-key")
+                .arg(default.1)
+                .args(["-servername", "localhost", "-cert2"])
+                .arg(named.0)
+                .arg("-key2")
+                .arg(named.1)
+                .current_dir(dir)
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::null()),
+        );
         let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
         let port = lines
             .by_ref()
@@ -248,14 +247,10 @@ impl TlsUpstream {
         // What it prints per connection is read, so it never blocks on a
         // full pipe.
         std::thread::spawn(move || lines.for_each(drop));
-        Self { child, port }
-    }
-}
-
-impl Drop for TlsUpstream {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        Self {
+            _child: KillOnDrop(child),
+            port,
+        }
     }
 }
 

@@ -260,10 +260,15 @@ class Postgres:
 
 
 class Upstream:
-    """An HTTP/1.1 upstream: /download?bytes=N streams N bytes, POST reads
+    """An HTTP/1.1 upstream: /download?bytes=N streams N bytes, /slow?ms=N
+    answers after N ms (counting how many it works on at once), POST reads
     the body, anything else answers a small JSON document."""
 
     def __init__(self):
+        upstream = self
+        self.lock = threading.Lock()
+        self.slow_now = self.slow_most = 0
+
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
             # The head and the body leave in separate writes: without
@@ -274,6 +279,15 @@ class Upstream:
                 pass
 
             def do_GET(self):
+                if self.path.startswith("/slow"):
+                    with upstream.lock:
+                        upstream.slow_now += 1
+                        upstream.slow_most = max(upstream.slow_most, upstream.slow_now)
+                    try:
+                        time.sleep(int(self.path.split("ms=")[1]) / 1000)
+                    finally:
+                        with upstream.lock:
+                            upstream.slow_now -= 1
                 if self.path.startswith("/download"):
                     total = int(self.path.split("bytes=")[1])
                     self.send_response(200)
@@ -325,7 +339,7 @@ class Gateway:
         self.name, self.work, self.binary = name, work, binary
         self.config_text = config
         self.log_path = os.path.join(work, f"gateway-{name}.log")
-        self.proxy = self.admin = 0
+        self.proxy = self.admin = self.rls = 0
         self.proc = None
         self.start()
 
@@ -352,6 +366,8 @@ class Gateway:
                         fields = dict(w.split("=", 1) for w in line.split() if "=" in w)
                         self.proxy = int(fields["proxy"].rsplit(":", 1)[1])
                         self.admin = int(fields["admin"].rsplit(":", 1)[1])
+                        if "rls" in fields:
+                            self.rls = int(fields["rls"].rsplit(":", 1)[1])
                         return True
             if self.proc.poll() is not None:
                 fail(f"gateway {self.name} exited; see {self.log_path}")

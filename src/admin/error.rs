@@ -9,8 +9,7 @@ use actix_web::http::header::{HeaderValue, WWW_AUTHENTICATE};
 use actix_web::{HttpResponse, ResponseError};
 use serde_json::json;
 
-use crate::region::shares::ShareStoreError;
-use crate::rules::RuleStoreError;
+use crate::db::DbError;
 
 /// Why an admin request was refused or failed.
 #[derive(Debug, thiserror::Error)]
@@ -46,11 +45,8 @@ pub enum AdminError {
     #[error("no rule for this tenant and route")]
     NotFound,
     /// The database failed or is unreachable.
-    #[error("database unavailable")]
-    Database(#[from] RuleStoreError),
-    /// The shares table failed or is unreachable.
-    #[error("database unavailable")]
-    ShareDatabase(#[from] ShareStoreError),
+    #[error("database unavailable: {0}")]
+    Database(#[from] DbError),
 }
 
 impl AdminError {
@@ -72,7 +68,7 @@ impl AdminError {
             Self::Invalid { .. } => "invalid_request",
             Self::TooLarge => "body_too_large",
             Self::NotFound => "not_found",
-            Self::Database(_) | Self::ShareDatabase(_) => "database_unavailable",
+            Self::Database(_) => "database_unavailable",
         }
     }
 }
@@ -86,17 +82,20 @@ impl ResponseError for AdminError {
             Self::Invalid { .. } => StatusCode::BAD_REQUEST,
             Self::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::NotFound => StatusCode::NOT_FOUND,
-            Self::Database(_) | Self::ShareDatabase(_) => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Database(_) => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 
     fn error_response(&self) -> HttpResponse {
         let message = match self {
             Self::Unauthorized => "Send Authorization: Bearer <admin.token>.".to_owned(),
-            Self::WritesDisabled => "Admin writes are disabled: admin.token is empty.".to_owned(),
-            Self::ReadsDisabled => {
-                "Admin reads are disabled: admin.token and admin.read_token are empty.".to_owned()
-            }
+            Self::WritesDisabled => "Admin writes are disabled: admin.token is empty. Set it \
+                                     (or TOLLGATE__ADMIN__TOKEN) and send Authorization: Bearer <token>."
+                .to_owned(),
+            Self::ReadsDisabled => "Admin reads are disabled: admin.token and admin.read_token \
+                                    are empty. Set one (or TOLLGATE__ADMIN__READ_TOKEN) and send \
+                                    Authorization: Bearer <token>."
+                .to_owned(),
             Self::FileMode => {
                 "Rules come from a file (rules.file); edit the file instead, it is reloaded on change."
                     .to_owned()
@@ -105,8 +104,8 @@ impl ResponseError for AdminError {
             Self::Invalid { message, .. } => message.clone(),
             Self::TooLarge => "The request body is larger than 64 KiB.".to_owned(),
             Self::NotFound => "No rule exists for this tenant and route.".to_owned(),
-            Self::Database(_) | Self::ShareDatabase(_) => {
-                tracing::warn!(error = %self, "Admin request failed on the database.");
+            Self::Database(e) => {
+                tracing::warn!(error = %e, "Admin request failed on the database.");
                 "PostgreSQL did not answer; nothing was changed. Retry later.".to_owned()
             }
         };

@@ -9,6 +9,7 @@
 //! database, never to the snapshot directly.
 
 pub mod error;
+mod json;
 pub mod rules;
 pub mod shares;
 
@@ -66,7 +67,7 @@ fn authorize_write<'a, T>(
 ) -> Result<&'a T, AdminError> {
     let store = store.ok_or(missing)?;
     let token = state.token.as_deref().ok_or(AdminError::WritesDisabled)?;
-    if presents(req, token) {
+    if presents(credentials(req)?, token) {
         Ok(store)
     } else {
         Err(AdminError::Unauthorized)
@@ -87,8 +88,9 @@ fn authorize_read(req: &HttpRequest, state: &AdminState) -> Result<(), AdminErro
     if tokens.peek().is_none() {
         return Err(AdminError::ReadsDisabled);
     }
+    let presented = credentials(req)?;
     // Compare with every token, so the time taken does not tell which.
-    let matched = tokens.fold(false, |ok, token| presents(req, token) | ok);
+    let matched = tokens.fold(false, |ok, token| presents(presented, token) | ok);
     if matched {
         Ok(())
     } else {
@@ -96,14 +98,32 @@ fn authorize_read(req: &HttpRequest, state: &AdminState) -> Result<(), AdminErro
     }
 }
 
-/// Whether `req` carries `Authorization: Bearer <token>` (compared in
-/// constant time).
-fn presents(req: &HttpRequest, token: &str) -> bool {
-    req.headers()
-        .get(AUTHORIZATION)
+/// The credentials of `req`'s `Authorization: Bearer <token>`, if it has
+/// one.
+///
+/// # Errors
+/// [`AdminError::Invalid`] (field `authorization`) when the header comes
+/// more than once: which copy counts would be a guess, and a proxy that
+/// appends its own would decide it.
+fn credentials(req: &HttpRequest) -> Result<Option<&str>, AdminError> {
+    let mut all = req.headers().get_all(AUTHORIZATION);
+    let first = all.next();
+    if all.next().is_some() {
+        return Err(AdminError::invalid(
+            "authorization",
+            "the header came more than once; send exactly one",
+        ));
+    }
+    Ok(first
         .and_then(|v| v.to_str().ok())
         .and_then(bearer)
-        .is_some_and(|presented| constant_time_eq(presented.trim().as_bytes(), token.as_bytes()))
+        .map(str::trim))
+}
+
+/// Whether `presented` credentials are `token` (compared in constant
+/// time).
+fn presents(presented: Option<&str>, token: &str) -> bool {
+    presented.is_some_and(|presented| constant_time_eq(presented.as_bytes(), token.as_bytes()))
 }
 
 /// Reads a request body of at most [`MAX_BODY_BYTES`] (the 64 KiB that

@@ -15,9 +15,10 @@ use serde_json::{Value, json};
 use super::error::AdminError;
 use super::{AdminState, authorize_read, authorize_write, read_body, refuse};
 use crate::config::unknown_route;
+use crate::db::{RuleStore, StoredRule};
 use crate::key::{RouteId, TenantId, tenant_label};
-use crate::rules::model::{LimitSpec, Rule, RuleSpec};
-use crate::rules::{RuleStore, StoredRule};
+use crate::rules::model::Rule;
+use crate::rules::spec::RuleSpec;
 
 /// Page size when `limit` is not given.
 const DEFAULT_PAGE: u32 = 100;
@@ -206,79 +207,30 @@ fn ids(path: &(String, String)) -> Result<(TenantId, RouteId), AdminError> {
 
 /// The rule of `tenant` on `route` that a PUT body such as
 /// `{"capacity":…,"refill_per_second":…}` states, naming the first bad
-/// field. The body's shape (an object of known fields with whole numbers,
-/// a boolean and a string) is checked here; the values are checked by the
+/// field: the body is a [`RuleSpec`] without `tenant` and `route` (the
+/// path names them), read as every source reads one and checked by the
 /// one rule validation, [`RuleSpec::validate`].
 fn parse_rule(tenant: &str, route: &str, body: &[u8]) -> Result<Rule, AdminError> {
     let example = "expected a JSON object such as {\"capacity\": 200, \"refill_per_second\": 100} \
                    (optional: \"limits\": [{\"quota\": 10000, \"window\": \"day\"}], \"shards\": 1..64, \"exact\": true|false, \"mode\": \"enforce\"|\"shadow\", \"name\": \"Acme\")";
-    let value: Value = serde_json::from_slice(body)
+    let value = super::json::parse(body)
         .map_err(|e| AdminError::invalid("body", format!("not valid JSON ({e}); {example}")))?;
-    let object = value
-        .as_object()
-        .ok_or_else(|| AdminError::invalid("body", example))?;
-    if let Some(unknown) = object.keys().find(|k| {
-        ![
-            "capacity",
-            "refill_per_second",
-            "limits",
-            "shards",
-            "exact",
-            "mode",
-            "name",
-        ]
-        .contains(&k.as_str())
-    }) {
-        return Err(AdminError::invalid(unknown.as_str(), "unknown field"));
+    let Value::Object(mut fields) = value else {
+        return Err(AdminError::invalid("body", example));
+    };
+    for (field, value) in [("tenant", tenant), ("route", route)] {
+        if fields.insert(field.to_owned(), value.into()).is_some() {
+            return Err(AdminError::invalid(
+                field,
+                "is named by the path /admin/rules/{tenant}/{route}, not by the body",
+            ));
+        }
     }
-    let number = |field: &'static str, default: Option<i64>| match object.get(field) {
-        None => default.ok_or_else(|| AdminError::invalid(field, "is required")),
-        Some(value) => value.as_i64().ok_or_else(|| {
-            AdminError::invalid(field, format!("must be a whole number, found {value}"))
-        }),
-    };
-    let optional = |field: &'static str| match object.get(field) {
-        None | Some(Value::Null) => Ok(None),
-        Some(_) => number(field, None).map(Some),
-    };
-    let limits: Vec<LimitSpec> = match object.get("limits") {
-        None | Some(Value::Null) => Vec::new(),
-        Some(list) => serde_json::from_value(list.clone()).map_err(|e| {
-            AdminError::invalid(
-                "limits",
-                format!(
-                    "must be a list of {{\"capacity\", \"refill_per_second\"}} or {{\"quota\", \"window\" | \"window_seconds\"}} objects ({e})"
-                ),
-            )
-        })?,
-    };
-    let exact = match object.get("exact") {
-        None => false,
-        Some(v) => v.as_bool().ok_or_else(|| {
-            AdminError::invalid("exact", format!("must be true or false, found {v}"))
-        })?,
-    };
-    let text = |field: &'static str| match object.get(field) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::String(text)) => Ok(Some(text.clone())),
-        Some(other) => Err(AdminError::invalid(
-            field,
-            format!("must be a string or null, found {other}"),
-        )),
-    };
-    RuleSpec {
-        tenant: tenant.to_owned(),
-        route: route.to_owned(),
-        capacity: optional("capacity")?,
-        refill_per_second: optional("refill_per_second")?,
-        limits,
-        shards: number("shards", Some(1))?,
-        exact,
-        mode: text("mode")?,
-        name: text("name")?,
-    }
-    .validate()
-    .map_err(|problems| {
+    let spec: RuleSpec = serde_path_to_error::deserialize(Value::Object(fields)).map_err(|e| {
+        let field = e.path().to_string();
+        AdminError::invalid(field, e.into_inner().to_string())
+    })?;
+    spec.validate().map_err(|problems| {
         // validate() reports at least one problem whenever it fails.
         problems.into_iter().next().map_or_else(
             || AdminError::invalid("body", "invalid rule"),
@@ -291,6 +243,11 @@ fn parse_rule(tenant: &str, route: &str, body: &[u8]) -> Result<Rule, AdminError
 mod tests {
     use super::*;
 
+    /// The rule `body` declares for tenant `acme` on `route`.
+    fn acme(route: &str, body: &str) -> Rule {
+        parse_rule("acme", route, body.as_bytes()).unwrap()
+    }
+
     fn field_of(body: &str) -> String {
         match parse_rule("t", "r", body.as_bytes()) {
             Err(AdminError::Invalid { field, .. }) => field,
@@ -300,12 +257,10 @@ mod tests {
 
     #[test]
     fn a_valid_body_parses() {
-        let rule = parse_rule(
-            "acme",
+        let rule = acme(
             "api",
-            br#"{"capacity": 200, "refill_per_second": 100, "mode": "shadow", "name": "Acme"}"#,
-        )
-        .unwrap();
+            r#"{"capacity": 200, "refill_per_second": 100, "mode": "shadow", "name": "Acme"}"#,
+        );
         assert_eq!(rule.limit.mode, crate::rules::model::Mode::Shadow);
         assert_eq!(
             (
@@ -369,23 +324,25 @@ mod tests {
         assert_eq!(field_of(r#"{"limits": 3}"#), "limits");
         assert_eq!(
             field_of(r#"{"limits": [{"quota": 5, "every": "day"}]}"#),
-            "limits"
+            "limits[0].every"
         );
         assert_eq!(
             field_of(r#"{"limits": [{"quota": 5, "window": "week"}]}"#),
             "limits.window"
         );
         assert_eq!(field_of(r#"{"limits": []}"#), "capacity");
+        assert_eq!(
+            field_of(r#"{"tenant": "other", "capacity": 5, "refill_per_second": 1}"#),
+            "tenant"
+        );
     }
 
     #[test]
     fn limits_and_tenant_wide_scopes_parse() {
-        let rule = parse_rule(
-            "acme",
+        let rule = acme(
             "*",
-            br#"{"limits": [{"quota": 1000, "window": "day"}, {"capacity": 5, "refill_per_second": 1}]}"#,
-        )
-        .unwrap();
+            r#"{"limits": [{"quota": 1000, "window": "day"}, {"capacity": 5, "refill_per_second": 1}]}"#,
+        );
         assert!(rule.route.is_all());
         assert!(!rule.limit.bucket);
         assert_eq!(rule.limits().count(), 2);

@@ -3,7 +3,7 @@
 //! `GET` shows every region (its default and current global share) and
 //! every `region_share` row. `PUT` sets the shares of one scope (global, a
 //! tenant, a route, or a tenant's route) for all regions at once, in one
-//! transaction; they must name every region, lie in (0, 1] and sum to 1.
+//! transaction; they must name every region, lie in [0.001, 1] and sum to 1.
 //! `DELETE` removes a scope's rows (back to the next broader scope). Writes
 //! need the bearer token, regions and a database.
 
@@ -15,9 +15,10 @@ use serde_json::{Value, json};
 use super::error::AdminError;
 use super::rules::id;
 use super::{AdminState, authorize_read, authorize_write, read_body, refuse};
+use crate::db::ShareStore;
 use crate::key::{RouteId, TenantId};
-use crate::region::model::SUM_TOLERANCE;
-use crate::region::shares::{Scope, ShareStore, effective};
+use crate::region::model::{SUM_TOLERANCE, check_share};
+use crate::region::shares::{Scope, effective};
 
 /// Adds the share routes to an actix `App`.
 pub fn configure(cfg: &mut web::ServiceConfig) {
@@ -90,7 +91,7 @@ async fn put(
         Err(e) => return Err(refuse(body, e).await),
     };
     let body = read_body(body).await?;
-    let value: Value = serde_json::from_slice(&body)
+    let value = super::json::parse(&body)
         .map_err(|e| AdminError::invalid("body", format!("not valid JSON: {e}")))?;
     let object = value.as_object().ok_or_else(|| {
         AdminError::invalid(
@@ -167,7 +168,7 @@ fn writable<'a>(req: &HttpRequest, state: &'a AdminState) -> Result<&'a ShareSto
 }
 
 /// Validates `{"<region>": share, …}`: every region named once, each share
-/// in (0, 1], summing to 1.
+/// in [`crate::region::model::MIN_SHARE`, 1] ([`check_share`]), summing to 1.
 fn parse_shares(
     value: Option<&Value>,
     state: &AdminState,
@@ -189,13 +190,9 @@ fn parse_shares(
         }
         let share = share
             .as_f64()
-            .filter(|s| *s > 0.0 && *s <= 1.0)
-            .ok_or_else(|| {
-                AdminError::invalid(
-                    "shares",
-                    format!("{region}: must be a number in (0, 1], found {share}"),
-                )
-            })?;
+            .ok_or_else(|| format!("must be a number, found {share}"))
+            .and_then(check_share)
+            .map_err(|message| AdminError::invalid("shares", format!("{region}: {message}")))?;
         shares.insert(region.clone(), share);
     }
     if let Some(missing) = regions.ids().find(|id| !shares.contains_key(*id)) {

@@ -1,6 +1,7 @@
 //! What `check-config` verifies beyond the configuration file itself: the
 //! region files, the rules file, and the Redis client's files (password,
-//! CA, client certificate) it names.
+//! CA, client certificate) it names; and what `serve` tells at start about
+//! the upstreams it will need (`warn_unreachable_upstreams`).
 
 use std::sync::Arc;
 
@@ -83,4 +84,33 @@ pub(super) fn regions(config: &Config) -> Result<Option<(RegionSpec, Arc<Regions
         )]);
     };
     Ok(Some((this, Arc::new(all))))
+}
+
+/// Tries each upstream of `routes` once, within `timeout`, and warns
+/// about every one that does not accept a connection (its routes will
+/// answer 502 until it does): the first thing a newcomer's gateway needs
+/// that the gateway cannot start itself.
+pub(super) async fn warn_unreachable_upstreams(
+    routes: Vec<crate::config::RouteSpec>,
+    timeout: std::time::Duration,
+) {
+    let mut by_address: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+    for route in &routes {
+        let (authority, port) = route.upstream_authority();
+        by_address
+            .entry(format!("{}:{port}", authority.host()))
+            .or_default()
+            .push(route.id.to_string());
+    }
+    for (address, ids) in by_address {
+        let connected =
+            tokio::time::timeout(timeout, tokio::net::TcpStream::connect(address.as_str())).await;
+        if !matches!(connected, Ok(Ok(_))) {
+            tracing::warn!(
+                upstream = %address,
+                routes = %ids.join(", "),
+                "No upstream accepts connections at this address: its routes answer 502 until one does."
+            );
+        }
+    }
 }

@@ -2,44 +2,32 @@
 //! shuts down gracefully.
 //!
 //! Owns startup order (telemetry → rules → regions and shares → Redis
-//! client and its topology watcher → membership and breaker actors → limiter → rebalancer →
-//! scheduled jobs → proxy and admin listeners) and shutdown order (stop
+//! client, membership, topology watcher and breaker → limiter →
+//! rebalancer → scheduled jobs → proxy and admin listeners), which [`run`]
+//! reads as a list of the steps in `start`, and shutdown order (stop
 //! accepting, drain in-flight requests, stop jobs). [`run`] takes its
 //! listeners and shutdown signal as arguments, so tests bind port 0 and stop
 //! a gateway whenever they like.
 
 use std::future::Future;
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use actix_web::{App, HttpServer, web};
-use anyhow::Context as _;
 use tokio_cron_scheduler::{Job, JobScheduler};
 
-use crate::admin::{self, AdminState};
-use crate::breaker;
-use crate::bucket::{
-    BucketClient, HotKeys, Limiter, LimiterCore, LocalBuckets, RedisBucket, WarmWorkers,
-};
-use crate::clock::{SharedClock, SystemClock};
-use crate::cluster::{LiveInstances, Membership};
-use crate::config::{self, Config, RedisTarget, RouteSpec, RuleSource};
-use crate::proxy::forward::Forwarder;
-use crate::proxy::route::RouteTable;
-use crate::proxy::server::{ProxyServer, Serving};
-use crate::proxy::{self, ProxyState, Worker};
-use crate::redis_client::RedisConnector;
+use crate::bucket::LimiterCore;
+use crate::config::Config;
 use crate::region;
 use crate::region::shares::SharesHandle;
-use crate::rules::{self, RulesHandle};
-use crate::telemetry::{self, ClientNoise, Entry, Metrics, RequestCounters};
-use crate::tls::{ListenerTls, UpstreamTls};
+use crate::rules::RulesHandle;
+use crate::telemetry::{ClientNoise, Entry};
 
 mod checks;
 mod listeners;
+mod start;
 
 pub use checks::check;
-use checks::regions;
 pub use listeners::Listeners;
 
 /// Period of metric upkeep and local-bucket eviction.
@@ -49,8 +37,8 @@ const HOUSEKEEPING_PERIOD: Duration = Duration::from_secs(5);
 ///
 /// # Errors
 /// When the database is unreachable or a migration fails.
-pub async fn migrate(url: &str) -> Result<(), rules::RuleStoreError> {
-    rules::RuleStore::connect_lazy(url)?.migrate().await
+pub async fn migrate(url: &str) -> Result<(), crate::db::DbError> {
+    crate::db::Database::connect_lazy(url)?.migrate().await
 }
 
 /// Runs one gateway until `shutdown` resolves, then drains and stops.
@@ -64,261 +52,27 @@ pub async fn run(
     listeners: Listeners,
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
-    for note in &config.notes {
-        tracing::warn!(adjustment = %note, "A configured bound was adjusted.");
-    }
-    let prometheus = telemetry::install();
-    let metrics = Metrics::new();
-    let clock = SystemClock::shared();
-
-    let mut entries = Vec::new();
-    entries.extend(config.rls.as_ref().map(|_| Entry::Rls));
-    entries.extend(config.check.as_ref().map(|_| Entry::Check));
-    let requests = Arc::new(RequestCounters::new(
-        config.routes.iter().map(|r| r.id.as_str()),
-        &entries,
-        config.metrics.max_tenant_labels,
-    ));
-    let rules = rules::cache::start(
-        &config.rules,
-        config.default_rule.into(),
-        metrics.clone(),
-        requests.clone(),
-        clock.clone(),
-    )
-    .await?;
-
-    let region = regions(&config).map_err(|p| anyhow::anyhow!(p.join("; ")))?;
-    // A region brings its own Redis.
-    let redis_settings = match &region {
-        Some((this, _)) => this.redis_settings(&config.redis),
-        None => config.redis.clone(),
-    };
-    let shares = match &region {
-        Some((this, all)) => region::shares::start(
-            &this.id,
-            all.clone(),
-            rules.store(),
-            requests.clone(),
-            metrics.clone(),
-        ),
-        None => SharesHandle::whole(),
-    };
-    let redis = RedisConnector::new(&redis_settings).context("cannot set up the Redis client")?;
-    match &redis_settings.target {
-        RedisTarget::LocalOnly => tracing::warn!(
-            instances = config.instance.expected_count.get(),
-            "No Redis configured: every limit is enforced by this instance alone, at 1/N."
-        ),
-        RedisTarget::Single(url) => {
-            tracing::info!(url = %config::redact_url(url), "Buckets live in Redis.")
-        }
-        RedisTarget::Cluster(nodes) => {
-            tracing::info!(seeds = nodes.len(), "Buckets live in a Redis Cluster.")
-        }
-        RedisTarget::Sentinel { nodes, master } => tracing::info!(
-            sentinels = nodes.len(),
-            master = %master,
-            "Buckets live in the Redis primary that Sentinel names."
-        ),
-    }
-    // Control-plane calls (membership, probes) may wait a little longer
-    // than request-path calls.
-    let control_timeout = config.redis.timeout.max(config.redis.connect_timeout);
-    let live = Arc::new(LiveInstances::new(config.instance.expected_count));
-    let membership = Membership::start(
-        redis.as_ref().map(RedisConnector::connect),
-        live.clone(),
-        &config.instance.id,
-        config.instance.region.as_deref(),
-        config.instance.heartbeat,
-        control_timeout,
-        metrics.clone(),
-    );
-    if let Some(connector) = &redis {
-        connector
-            .watch(clock.clone())
-            .context("cannot follow the Redis deployment")?;
-    }
-    let breaker = redis.as_ref().map(|connector| {
-        breaker::prober::start(
-            connector.topology().clone(),
-            config.breaker,
-            connector.connect(),
-            config.instance.id.clone(),
-            control_timeout,
-            clock.clone(),
-            metrics.clone(),
-        );
-        connector.topology().clone()
-    });
-    let limiter = Arc::new(LimiterCore::new(
-        LocalBuckets::new(config.fallback.max_keys, clock.clone()),
-        HotKeys::new(
-            config.lease,
-            config.fallback.max_keys,
-            clock.clone(),
-            metrics.clone(),
-        ),
-        live,
-        breaker.clone(),
-        clock.clone(),
-        metrics.clone(),
-    ));
-
-    // The rebalancer writes shares: it needs regions and a database.
-    let rebalancer = match (&region, shares.store(), &config.rules.source) {
-        (Some((_, all)), Some(store), RuleSource::Database(url)) if config.rebalancer.enabled => {
-            Some(region::rebalancer::start(
-                config.rebalancer.clone(),
-                all.clone(),
-                store.clone(),
-                url.clone(),
-                config.instance.id.clone(),
-                requests.clone(),
-                metrics.clone(),
-            ))
-        }
-        _ => None,
-    };
-    let mut scheduler = schedule(
-        &config,
-        &rules,
-        &shares,
-        &limiter,
-        &prometheus,
-        rebalancer,
-        &clock,
-    )
-    .await?;
-
-    let proxy_addr = listeners.proxy_addr()?;
-    let admin_addr = listeners.admin_addr()?;
-    let shown =
-        |addr: Option<std::net::SocketAddr>| addr.map_or("off".to_owned(), |a| a.to_string());
-    let (rls_addr, check_addr) = (shown(listeners.rls_addr()), shown(listeners.check_addr()));
-    let proxy_state = Arc::new(ProxyState {
-        routes: RouteTable::new(&config.routes),
-        rules: rules.clone(),
-        shares: shares.clone(),
-        metrics: metrics.clone(),
-        requests,
-        clock: clock.clone(),
-        shadow: config.shadow,
-        access: config
-            .log
-            .access_sample_percent
-            .map(proxy::access::AccessLog::new),
-        rls: config.rls.clone(),
-        check: config.check,
-    });
-    let upstream = config.upstream.clone();
-    let client = config.client;
-    let routes = config.routes.clone();
-    let request_timeout = redis_settings.timeout;
-    let max_keys_per_call = redis_settings.max_keys_per_call;
-    let cluster = matches!(redis_settings.target, RedisTarget::Cluster(_));
-    let warm = redis
-        .as_ref()
-        .map(|_| Arc::new(WarmWorkers::new(config.server.workers)));
-    let warm_workers = warm.clone();
-    let core = limiter.clone();
-    let listener_tls = match &config.server.tls {
-        Some(files) => {
-            let tls = Arc::new(
-                ListenerTls::load(&files.cert, &files.key)
-                    .context("cannot load the listener's certificate")?,
-            );
-            tls.clone().watch(files.reload);
-            Some(tls)
-        }
-        None => None,
-    };
-    let upstream_tls = if routes.iter().any(RouteSpec::is_tls) {
-        Some(
-            UpstreamTls::new(upstream.ca_file.as_deref())
-                .context("cannot load the CA certificates for https:// upstreams")?,
-        )
-    } else {
-        None
-    };
-    let serving = Serving {
-        workers: config.server.workers,
-        header_timeout: config.client.header_timeout,
-        grace: config.server.shutdown_timeout,
-        h2c: config.server.h2c,
-        tls: listener_tls,
-    };
-    let mut listening = vec![(listeners.proxy, Entry::Proxy)];
-    listening.extend(listeners.rls.map(|l| (l, Entry::Rls)));
-    listening.extend(listeners.check.map(|l| (l, Entry::Check)));
-    let proxy = ProxyServer::start(listening, serving, move || {
-        // Per worker: its own upstream pool and Redis connection, warmed
-        // (connected, script loaded) before the gateway says it is ready.
-        // Its bucket client (an actor on this worker) coalesces the
-        // worker's decisions into shared script calls.
-        let store = redis.as_ref().map(|r| {
-            let bucket = RedisBucket::new(
-                r.connect_reporting(),
-                request_timeout,
-                metrics.clone(),
-                clock.clone(),
-            );
-            if let Some(warm) = &warm_workers {
-                let (bucket, warm) = (bucket.clone(), warm.clone());
-                actix_web::rt::spawn(async move { bucket.warm_up(control_timeout, &warm).await });
-            }
-            BucketClient::start(bucket, metrics.clone(), cluster, max_keys_per_call)
-        });
-        Worker {
-            state: proxy_state.clone(),
-            limiter: Limiter::new(store, core.clone()),
-            forwarder: Forwarder::new(
-                &upstream,
-                upstream_tls.clone(),
-                client,
-                &routes,
-                &clock,
-                metrics.clone(),
-            ),
-        }
-    })
-    .context("cannot start the proxy workers")?;
-
-    let admin_state = web::Data::new(AdminState {
-        prometheus,
-        rules: rules.clone(),
-        limiter,
-        instance_id: config.instance.id.clone(),
-        region: config.instance.region.clone(),
-        shares: shares.clone(),
-        token: config.admin.token.clone(),
-        read_token: config.admin.read_token.clone(),
-        routes: config.rules.routes.clone(),
-        warm,
-    });
-    let admin = HttpServer::new(move || {
-        App::new()
-            .app_data(admin_state.clone())
-            .configure(admin::configure)
-    })
-    .workers(1)
-    .shutdown_timeout(1)
-    .disable_signals()
-    .listen(listeners.admin)?
-    .run();
-
+    let base = start::base(&config);
+    let rules = start::rules(&config, &base).await?;
+    let (region, shares) = start::region(&config, &base, &rules)?;
+    let shared = start::redis(&config, &base, &region)?;
+    let limiter = start::limiter(&config, &base, &shared);
+    let rebalancer = start::rebalancer(&config, &base, &region, &shares);
+    let mut scheduler = schedule(&config, &base, (&rules, &shares, &limiter), rebalancer).await?;
+    let addresses = Addresses::of(&listeners)?;
+    let mut sockets = vec![(listeners.proxy, Entry::Proxy)];
+    sockets.extend(listeners.rls.map(|l| (l, Entry::Rls)));
+    sockets.extend(listeners.check.map(|l| (l, Entry::Check)));
+    let parts = (&rules, &shares, &limiter);
+    let (proxy, warm) = start::proxy(&config, &base, parts, &shared, sockets)?;
+    let admin = start::admin(&config, &base, parts, warm, listeners.admin)?;
     let admin_handle = admin.handle();
     let admin_task = actix_web::rt::spawn(admin);
-    tracing::info!(
-        instance = %config.instance.id,
-        proxy = %proxy_addr,
-        admin = %admin_addr,
-        rls = %rls_addr,
-        check = %check_addr,
-        routes = config.routes.len(),
-        "tollgate is serving."
-    );
+    addresses.announce(&config);
+    actix_web::rt::spawn(checks::warn_unreachable_upstreams(
+        config.routes.clone(),
+        config.upstream.connect_timeout,
+    ));
 
     shutdown.await;
     tracing::info!("Shutting down: draining in-flight requests.");
@@ -328,11 +82,47 @@ pub async fn run(
     if let Err(e) = scheduler.shutdown().await {
         tracing::warn!(error = %e, "Scheduled jobs did not stop cleanly.");
     }
-    membership.leave().await;
+    shared.membership.leave().await;
     shares.shutdown().await;
     rules.shutdown().await;
     tracing::info!("Stopped.");
     Ok(())
+}
+
+/// Where a gateway serves, as its start-up line names it.
+struct Addresses {
+    proxy: SocketAddr,
+    admin: SocketAddr,
+    /// The rate limit service's, or "off".
+    rls: String,
+    /// The check listener's, or "off".
+    check: String,
+}
+
+impl Addresses {
+    /// The addresses `listeners` are bound to.
+    fn of(listeners: &Listeners) -> std::io::Result<Self> {
+        let shown = |addr: Option<SocketAddr>| addr.map_or("off".to_owned(), |a| a.to_string());
+        Ok(Self {
+            proxy: listeners.proxy_addr()?,
+            admin: listeners.admin_addr()?,
+            rls: shown(listeners.rls_addr()),
+            check: shown(listeners.check_addr()),
+        })
+    }
+
+    /// Says that the gateway is serving, and where.
+    fn announce(&self, config: &Config) {
+        tracing::info!(
+            instance = %config.instance.id,
+            proxy = %self.proxy,
+            admin = %self.admin,
+            rls = %self.rls,
+            check = %self.check,
+            routes = config.routes.len(),
+            "tollgate is serving."
+        );
+    }
 }
 
 /// Starts the periodic jobs: the full rule and share reload (safety net
@@ -341,13 +131,12 @@ pub async fn run(
 /// rounds.
 async fn schedule(
     config: &Config,
-    rules: &RulesHandle,
-    shares: &SharesHandle,
-    limiter: &Arc<LimiterCore>,
-    prometheus: &metrics_exporter_prometheus::PrometheusHandle,
+    base: &start::Base,
+    parts: (&RulesHandle, &SharesHandle, &Arc<LimiterCore>),
     rebalancer: Option<actix::Addr<region::rebalancer::Rebalancer>>,
-    clock: &SharedClock,
 ) -> anyhow::Result<JobScheduler> {
+    let (rules, shares, limiter) = parts;
+    let (prometheus, clock) = (&base.prometheus, &base.clock);
     let scheduler = JobScheduler::new().await?;
 
     if let Some(rebalancer) = rebalancer {

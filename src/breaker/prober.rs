@@ -52,7 +52,7 @@ pub fn start(
     clock: SharedClock,
     metrics: Metrics,
 ) {
-    metrics.breaker_state(State::Closed as u8);
+    metrics.breaker_state(State::Closed);
     BreakerActor {
         topology,
         settings,
@@ -193,7 +193,7 @@ impl BreakerActor {
         if let Some(breaker) = self.shards.get(addr) {
             breaker.gate.publish(to);
         }
-        self.metrics.breaker_transition(to.as_str());
+        self.metrics.breaker_transition(to);
         let node = addr.to_string();
         let cluster = self.topology.mode() == Mode::Cluster;
         match to {
@@ -224,7 +224,7 @@ impl BreakerActor {
         let worst = self.topology.worst_state().unwrap_or(State::Open);
         if worst != self.worst {
             self.worst = worst;
-            self.metrics.breaker_state(worst as u8);
+            self.metrics.breaker_state(worst);
         }
     }
 }

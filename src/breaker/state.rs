@@ -15,36 +15,7 @@ use crate::config::BreakerSettings;
 /// Failed health probes in a row that open a closed breaker.
 pub const HEALTH_FAILURES_TO_OPEN: u32 = 2;
 
-/// Where the breaker stands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum State {
-    /// Calls go to Redis.
-    Closed = 0,
-    /// Calls skip Redis; the local limiter decides.
-    Open = 1,
-    /// Calls still skip Redis while one probe checks whether it is back.
-    HalfOpen = 2,
-}
-
-impl State {
-    /// Lower-case name for JSON, logs and labels.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Closed => "closed",
-            Self::Open => "open",
-            Self::HalfOpen => "half_open",
-        }
-    }
-
-    /// The state stored as `n` by [`State`]'s discriminant.
-    pub fn from_u8(n: u8) -> Self {
-        match n {
-            1 => Self::Open,
-            2 => Self::HalfOpen,
-            _ => Self::Closed,
-        }
-    }
-}
+pub use crate::telemetry::BreakerState as State;
 
 /// Call outcomes observed since the previous step.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -174,7 +145,15 @@ impl Machine {
 mod tests {
     use super::*;
     use crate::clock::{Clock, ManualClock};
+    use std::sync::Arc;
     use std::time::Duration;
+
+    /// A machine with the test settings, closed at time 0 of its clock.
+    fn machine() -> (Arc<ManualClock>, Machine) {
+        let clock = ManualClock::new(0);
+        let m = Machine::new(settings(), clock.now_ms());
+        (clock, m)
+    }
 
     fn settings() -> BreakerSettings {
         BreakerSettings {
@@ -196,8 +175,7 @@ mod tests {
 
     #[test]
     fn a_run_of_consecutive_failures_opens() {
-        let clock = ManualClock::new(0);
-        let mut m = Machine::new(settings(), clock.now_ms());
+        let (clock, mut m) = machine();
         assert_eq!(m.observe(seen(100, 4, 4), clock.now_ms()), None);
         assert_eq!(
             m.observe(seen(0, 5, 5), clock.now_ms()),
@@ -207,8 +185,7 @@ mod tests {
 
     #[test]
     fn a_failure_ratio_over_the_window_opens_only_with_enough_calls() {
-        let clock = ManualClock::new(0);
-        let mut m = Machine::new(settings(), clock.now_ms());
+        let (clock, mut m) = machine();
         // 10 calls, 6 failed in short runs: above the ratio, below min_calls.
         assert_eq!(m.observe(seen(4, 6, 2), clock.now_ms()), None);
         clock.advance(Duration::from_secs(1));
@@ -221,8 +198,7 @@ mod tests {
 
     #[test]
     fn the_window_forgets_old_failures() {
-        let clock = ManualClock::new(0);
-        let mut m = Machine::new(settings(), clock.now_ms());
+        let (clock, mut m) = machine();
         assert_eq!(m.observe(seen(5, 9, 2), clock.now_ms()), None);
         clock.advance(Duration::from_secs(10));
         assert_eq!(m.observe(seen(9, 2, 1), clock.now_ms()), None);
@@ -231,8 +207,7 @@ mod tests {
 
     #[test]
     fn cooldown_then_probe_closes_or_reopens() {
-        let clock = ManualClock::new(0);
-        let mut m = Machine::new(settings(), clock.now_ms());
+        let (clock, mut m) = machine();
         m.observe(seen(0, 5, 5), clock.now_ms());
         clock.advance(Duration::from_millis(999));
         assert_eq!(m.observe(Outcomes::default(), clock.now_ms()), None);

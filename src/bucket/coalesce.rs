@@ -30,6 +30,7 @@ use std::time::Duration;
 
 use actix::fut::{ActorFutureExt, WrapFuture};
 use actix::{Actor, Addr, AsyncContext, Context, Handler, Message};
+use futures_util::future::join_all;
 use redis::cluster_routing::Slot;
 use tokio::sync::oneshot;
 
@@ -37,7 +38,7 @@ use super::decision::{Ask, BucketSpec, Grant, GroupGrant, GroupLimit};
 use super::redis::RedisBucket;
 use super::store::{Answer, BatchStore, Item, SharedStore};
 use crate::redis_client::RedisCallError;
-use crate::telemetry::Metrics;
+use crate::telemetry::{Metrics, RedisErrorKind};
 
 /// Which calls may share a script call: every key on a single server, the
 /// keys of one hash slot on a Cluster.
@@ -121,16 +122,10 @@ impl Job {
     fn answer(self, result: Result<Answer, RedisCallError>) {
         match self {
             Self::One(take) => {
-                let _ = take.reply.send(result.and_then(|answer| match answer {
-                    Answer::One(grant) => Ok(grant),
-                    Answer::Group(_) => Err(RedisCallError::BadReply),
-                }));
+                let _ = take.reply.send(result.and_then(Answer::one));
             }
             Self::Group(take) => {
-                let _ = take.reply.send(result.and_then(|answer| match answer {
-                    Answer::Group(grant) => Ok(grant),
-                    Answer::One(_) => Err(RedisCallError::BadReply),
-                }));
+                let _ = take.reply.send(result.and_then(Answer::group));
             }
         }
     }
@@ -175,13 +170,17 @@ impl<B: BatchStore> BucketClient<B> {
         let timeout = redis.timeout();
         let addr = Self {
             redis,
-            metrics,
+            metrics: metrics.clone(),
             cluster,
             max_keys: max_keys.max(1),
             queues: HashMap::new(),
         }
         .start();
-        Coalesced { addr, timeout }
+        Coalesced {
+            addr,
+            timeout,
+            metrics,
+        }
     }
 
     /// Sends `group`'s next call, unless one is in flight: its oldest
@@ -220,45 +219,27 @@ impl<B: BatchStore> BucketClient<B> {
         self.send(ctx, group, batch, keys);
     }
 
-    /// Counts a failed call (the store told the breaker).
-    fn report(&self, result: Result<(), &RedisCallError>) {
-        if let Err(e) = result {
-            self.metrics.redis_error(e.kind());
-        }
-    }
-
     /// One script call for `batch` (of `keys` keys); its answers go to
     /// their decisions.
     fn send(&mut self, ctx: &mut Context<Self>, group: Group, batch: Vec<Job>, keys: usize) {
-        let redis = self.redis.clone();
+        let (redis, metrics) = (self.redis.clone(), self.metrics.clone());
         self.metrics.redis_keys_per_call(keys);
         let call = async move {
-            let items: Vec<Item<'_>> = batch.iter().map(Job::item).collect();
-            let result = redis.take_batch(&items).await;
-            drop(items);
-            (result, batch)
+            let answers = answers_for(&redis, &metrics, &batch, keys).await;
+            (answers, batch)
         };
-        ctx.spawn(call.into_actor(self).map(move |(result, batch), client, ctx| {
-            client.report(result.as_ref().map(|_| ()));
-            match result {
-                Ok(answers) => {
-                    let mut answers = answers.into_iter();
-                    for job in batch {
-                        job.answer(answers.next().ok_or(RedisCallError::BadReply));
+        ctx.spawn(
+            call.into_actor(self)
+                .map(move |(answers, batch), client, ctx| {
+                    for (job, answer) in batch.into_iter().zip(answers) {
+                        job.answer(answer);
                     }
-                }
-                Err(e) => {
-                    tracing::debug!(error = %e, keys, "Redis call failed; its decisions are made locally.");
-                    for job in batch {
-                        job.answer(Err(RedisCallError::CallFailed(e.kind())));
+                    if let Some(queue) = client.queues.get_mut(&group) {
+                        queue.busy = false;
                     }
-                }
-            }
-            if let Some(queue) = client.queues.get_mut(&group) {
-                queue.busy = false;
-            }
-            client.dispatch(ctx, group);
-        }));
+                    client.dispatch(ctx, group);
+                }),
+        );
     }
 
     /// Queues `job` in its group and sends the group's next call if none is
@@ -271,6 +252,55 @@ impl<B: BatchStore> BucketClient<B> {
         };
         self.queues.entry(group).or_default().waiting.push_back(job);
         self.dispatch(ctx, group);
+    }
+}
+
+/// The answer to each job of `batch` (of `keys` keys), failures counted
+/// in `metrics`: from one call for the whole batch or, when Redis refuses
+/// that call for what it carried (a script error), from one call per job,
+/// so that one decision's fault fails that decision alone. (A script that
+/// failed after writing some keys leaves them charged: the repeat charges
+/// them again, which admits fewer, never more.)
+async fn answers_for<B: BatchStore>(
+    redis: &B,
+    metrics: &Metrics,
+    batch: &[Job],
+    keys: usize,
+) -> Vec<Result<Answer, RedisCallError>> {
+    let items: Vec<Item<'_>> = batch.iter().map(Job::item).collect();
+    let counted = |result: Result<Answer, RedisCallError>| {
+        match &result {
+            Ok(Answer::Refused) => metrics.redis_error(RedisErrorKind::Refused),
+            Err(e) => metrics.redis_error(e.kind()),
+            Ok(_) => {}
+        }
+        result
+    };
+    match redis.take_batch(&items).await {
+        Ok(answers) => {
+            let mut answers = answers.into_iter();
+            items
+                .iter()
+                .map(|_| counted(answers.next().ok_or(RedisCallError::BadReply)))
+                .collect()
+        }
+        Err(e) if e.is_refusal() && items.len() > 1 => {
+            tracing::debug!(error = %e, keys, "Redis refused a shared call; its decisions are asked alone.");
+            let alone = items.iter().map(|item| async {
+                let answers = redis.take_batch(std::slice::from_ref(item)).await;
+                counted(answers.and_then(|mut a| a.pop().ok_or(RedisCallError::BadReply)))
+            });
+            join_all(alone).await
+        }
+        Err(e) => {
+            tracing::debug!(error = %e, keys, "Redis call failed; its decisions are made locally.");
+            let kind = e.kind();
+            metrics.redis_error(kind);
+            items
+                .iter()
+                .map(|_| Err(RedisCallError::CallFailed(kind)))
+                .collect()
+        }
     }
 }
 
@@ -309,6 +339,8 @@ pub struct Coalesced<B: BatchStore = RedisBucket> {
     addr: Addr<BucketClient<B>>,
     /// The bound on one call; a decision waits at most twice this.
     timeout: Duration,
+    /// Counts decisions turned away by a full queue.
+    metrics: Metrics,
 }
 
 impl<B: BatchStore> Clone for Coalesced<B> {
@@ -316,6 +348,7 @@ impl<B: BatchStore> Clone for Coalesced<B> {
         Self {
             addr: self.addr.clone(),
             timeout: self.timeout,
+            metrics: self.metrics.clone(),
         }
     }
 }
@@ -334,7 +367,7 @@ impl<B: BatchStore> SharedStore for Coalesced<B> {
             reply,
         };
         if self.addr.try_send(take).is_err() {
-            return Err(RedisCallError::CallFailed("queue full"));
+            return Err(self.queue_full());
         }
         answered(answer, 2 * self.timeout).await
     }
@@ -351,9 +384,17 @@ impl<B: BatchStore> SharedStore for Coalesced<B> {
             reply,
         };
         if self.addr.try_send(take).is_err() {
-            return Err(RedisCallError::CallFailed("queue full"));
+            return Err(self.queue_full());
         }
         answered(answer, 2 * self.timeout).await
+    }
+}
+
+impl<B: BatchStore> Coalesced<B> {
+    /// Counts a decision the full queue turned away; its error.
+    fn queue_full(&self) -> RedisCallError {
+        self.metrics.redis_error(RedisErrorKind::QueueFull);
+        RedisCallError::CallFailed(RedisErrorKind::QueueFull)
     }
 }
 
@@ -364,8 +405,8 @@ async fn answered<T>(
 ) -> Result<T, RedisCallError> {
     match tokio::time::timeout(limit, answer).await {
         Ok(Ok(result)) => result,
-        Ok(Err(_)) => Err(RedisCallError::CallFailed("connection")),
-        Err(_) => Err(RedisCallError::CallFailed("timeout")),
+        Ok(Err(_)) => Err(RedisCallError::CallFailed(RedisErrorKind::Connection)),
+        Err(_) => Err(RedisCallError::CallFailed(RedisErrorKind::Timeout)),
     }
 }
 
@@ -528,7 +569,10 @@ mod tests {
         for rider in riders {
             let failed = rider.await.unwrap();
             assert!(
-                matches!(failed, Err(RedisCallError::CallFailed("connection"))),
+                matches!(
+                    failed,
+                    Err(RedisCallError::CallFailed(RedisErrorKind::Connection))
+                ),
                 "{failed:?}"
             );
         }
@@ -537,6 +581,46 @@ mod tests {
             (seen.successes, seen.failures),
             (1, 1),
             "one failure for the call"
+        );
+    }
+
+    #[actix_web::test]
+    async fn a_refused_decision_fails_alone_and_the_breaker_does_not_count_it() {
+        tokio::time::pause();
+        let (store, gate, client) = setup(16, false);
+        store.poison("rl2:{t2}:r");
+        let (first, riders) = behind_a_slow_call(&store, &client, 5, 5).await;
+        first.await.unwrap().unwrap();
+        for (i, rider) in riders.into_iter().enumerate() {
+            let answer = rider.await.unwrap();
+            if i == 2 {
+                assert!(matches!(answer, Err(RedisCallError::Refused)), "{answer:?}");
+            } else {
+                assert!(answer.unwrap().decision.allowed, "rider {i}");
+            }
+        }
+        assert_eq!(store.batch_sizes(), [1, 5], "no call was repeated");
+        let seen = gate.drain();
+        assert_eq!((seen.successes, seen.failures), (2, 0));
+    }
+
+    #[actix_web::test]
+    async fn a_call_refused_whole_is_asked_again_one_decision_per_call() {
+        tokio::time::pause();
+        let (store, gate, client) = setup(16, false);
+        let (first, riders) = behind_a_slow_call(&store, &client, 5, 4).await;
+        // The riders' call fails with a script error: Redis is well.
+        store.fail_next(Fault::ScriptError);
+        first.await.unwrap().unwrap();
+        for rider in riders {
+            assert!(rider.await.unwrap().unwrap().decision.allowed);
+        }
+        assert_eq!(store.batch_sizes(), [1, 4, 1, 1, 1, 1]);
+        let seen = gate.drain();
+        assert_eq!(
+            (seen.successes, seen.failures),
+            (5, 0),
+            "a refused call is no failure of Redis"
         );
     }
 
@@ -561,7 +645,10 @@ mod tests {
         assert!(answers[0].is_ok(), "{:?}", answers[0]);
         for gave_up in &answers[1..] {
             assert!(
-                matches!(gave_up, Err(RedisCallError::CallFailed("timeout"))),
+                matches!(
+                    gave_up,
+                    Err(RedisCallError::CallFailed(RedisErrorKind::Timeout))
+                ),
                 "{gave_up:?}"
             );
         }
@@ -580,7 +667,10 @@ mod tests {
         let started = tokio::time::Instant::now();
         let result = client.take("rl2:{slow}:r", &spec(), Ask::single(1)).await;
         assert!(
-            matches!(result, Err(RedisCallError::CallFailed("timeout"))),
+            matches!(
+                result,
+                Err(RedisCallError::CallFailed(RedisErrorKind::Timeout))
+            ),
             "{result:?}"
         );
         assert!(started.elapsed() <= TIMEOUT + Duration::from_millis(1));

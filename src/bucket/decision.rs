@@ -13,13 +13,22 @@ use std::num::NonZeroU32;
 
 use crate::rules::Window;
 
+/// The slowest refill a bucket in force has (tokens per second): however
+/// a limit is shared and divided, the bucket script's numbers then stay
+/// far inside what its arithmetic holds exactly (for a capacity up to
+/// `i32::MAX`, a refill time under 2.2 × 10^15 ms and a bucket state under
+/// 2.2 × 10^18 µs, below 2^63), and `Retry-After` and `RateLimit-Policy`
+/// stay finite.
+pub const MIN_REFILL_PER_SECOND: f64 = 1e-3;
+
 /// The token bucket in force for one decision: the rule's limit after any
 /// regional share or fallback division.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct BucketSpec {
     /// Burst size in tokens.
     pub capacity: NonZeroU32,
-    /// Tokens added per second; always finite and > 0.
+    /// Tokens added per second; always finite and at least
+    /// [`MIN_REFILL_PER_SECOND`].
     pub refill_per_second: f64,
 }
 
@@ -33,7 +42,7 @@ impl BucketSpec {
     }
 
     /// This bucket's `share` (0 < share ≤ 1): capacity × share (floored, at
-    /// least 1) and refill × share.
+    /// least 1) and refill × share (at least [`MIN_REFILL_PER_SECOND`]).
     pub fn scaled(&self, share: f64) -> Self {
         if share >= 1.0 || share.is_nan() || share <= 0.0 {
             return *self;
@@ -42,17 +51,18 @@ impl BucketSpec {
         let capacity = (f64::from(self.capacity.get()) * share).floor() as u32;
         Self {
             capacity: NonZeroU32::new(capacity).unwrap_or(NonZeroU32::MIN),
-            refill_per_second: self.refill_per_second * share,
+            refill_per_second: (self.refill_per_second * share).max(MIN_REFILL_PER_SECOND),
         }
     }
 
     /// This bucket split `n` ways: capacity / n (floored, at least 1) and
-    /// refill / n.
+    /// refill / n (at least [`MIN_REFILL_PER_SECOND`]).
     pub fn divided(&self, n: NonZeroU32) -> Self {
         let capacity = NonZeroU32::new(self.capacity.get() / n.get()).unwrap_or(NonZeroU32::MIN);
         Self {
             capacity,
-            refill_per_second: self.refill_per_second / f64::from(n.get()),
+            refill_per_second: (self.refill_per_second / f64::from(n.get()))
+                .max(MIN_REFILL_PER_SECOND),
         }
     }
 
@@ -221,6 +231,24 @@ mod tests {
             BucketSpec::of(nz(5), nz(5)).scaled(1.0),
             BucketSpec::of(nz(5), nz(5))
         );
+    }
+
+    #[test]
+    fn no_share_or_division_makes_a_refill_slower_than_the_floor() {
+        let widest = BucketSpec::of(nz(i32::MAX.unsigned_abs()), nz(1));
+        for spec in [
+            widest.scaled(5e-324),
+            widest.scaled(1e-17),
+            widest.divided(nz(u32::MAX)),
+            widest.scaled(1e-3).divided(nz(1000)),
+        ] {
+            assert_eq!(spec.refill_per_second, MIN_REFILL_PER_SECOND, "{spec:?}");
+            // What the script computes from it stays exact in a double
+            // and below 2^63: the expiry (ms) and the time until full (µs).
+            let capacity = f64::from(spec.capacity.get());
+            assert!(2000.0 * capacity / spec.refill_per_second < 2f64.powi(53));
+            assert!(capacity * 1e6 / spec.refill_per_second + 4e15 < 2f64.powi(63));
+        }
     }
 
     #[test]

@@ -101,6 +101,9 @@ struct KeyState {
     lease_expires_ms: u64,
     /// Reject locally until this time (ms); 0 when not blocked.
     blocked_until_ms: u64,
+    /// The cost the block was computed for: a cheaper request is blocked
+    /// for less (see [`KeyState::blocked_for`]).
+    blocked_need: u32,
     /// Length of the last block (ms), quoted to requests turned away while
     /// the one request after a block is in flight.
     last_wait_ms: u64,
@@ -126,6 +129,7 @@ impl KeyState {
             leased: 0,
             lease_expires_ms: 0,
             blocked_until_ms: 0,
+            blocked_need: 0,
             last_wait_ms: 0,
             in_flight: false,
             fetch: None,
@@ -157,6 +161,25 @@ impl KeyState {
         } else {
             self.rate
         }
+    }
+
+    /// How long a request of `cost` tokens from `spec` is still blocked at
+    /// `now_ms`, if it is: the block was computed for `blocked_need`
+    /// tokens, and a cheaper request needs (need − cost) / refill less.
+    /// (Rounding down the difference keeps the answer no shorter than the
+    /// wait Redis would give.)
+    fn blocked_for(&self, cost: u32, spec: &BucketSpec, now_ms: u64) -> Option<u64> {
+        let left = self
+            .blocked_until_ms
+            .checked_sub(now_ms)
+            .filter(|l| *l > 0)?;
+        let capacity = spec.capacity.get();
+        let (need, cost) = (self.blocked_need.min(capacity), cost.min(capacity));
+        if cost >= need {
+            return Some(left);
+        }
+        let sooner = (f64::from(need - cost) * 1000.0 / spec.refill_per_second).floor() as u64;
+        left.checked_sub(sooner).filter(|w| *w > 0)
     }
 
     /// Ends a probe or lease fetch, waking the requests waiting on it.
@@ -273,8 +296,8 @@ impl HotKeys {
                 None => Plan::Local(allowed, DecisionSource::Lease),
             };
         }
-        let wait = if now < s.blocked_until_ms {
-            Some(s.blocked_until_ms - now)
+        let wait = if let Some(blocked) = s.blocked_for(cost, r.spec, now) {
+            Some(blocked)
         } else if s.in_flight {
             Some(s.last_wait_ms.max(1))
         } else {
@@ -379,6 +402,7 @@ impl HotKeys {
                 0 => 0,
                 wait => {
                     s.last_wait_ms = wait;
+                    s.blocked_need = cost;
                     now + wait
                 }
             };
@@ -640,6 +664,34 @@ mod tests {
         // An admission with tokens to spare lifts the block.
         hot.record("k", &grant(1, 3, 0, 0), 1, true);
         assert_eq!(call(plan(&hot, &s, true)), (1, 1, false));
+    }
+
+    #[test]
+    fn a_block_for_a_larger_cost_holds_a_cheaper_request_only_as_long_as_it_needs() {
+        let clock = ManualClock::new(0);
+        let hot = table(&clock);
+        let s = spec(20, 2);
+        let ask = |cost| hot.plan("k", &s, cost, true, true);
+        assert!(matches!(ask(20), Plan::Call { .. }));
+        // 20 tokens taken: full again in 10 s at 2/s; one token in 0.5 s.
+        hot.record("k", &grant(20, 0, 10_000, 10_000), 20, false);
+        let Plan::Local(d, DecisionSource::Cache) = ask(20) else {
+            panic!("the same cost waits for the whole block");
+        };
+        assert_eq!(d.retry_after_ms, 10_000);
+        let Plan::Local(d, DecisionSource::Cache) = ask(1) else {
+            panic!("one token is not there yet");
+        };
+        assert_eq!(d.retry_after_ms, 500, "19 tokens sooner at 2/s");
+        clock.advance(Duration::from_millis(500));
+        assert!(
+            matches!(ask(1), Plan::Call { .. }),
+            "a token may exist: Redis is asked"
+        );
+        let Plan::Local(d, DecisionSource::Cache) = ask(20) else {
+            panic!("the larger cost is still blocked");
+        };
+        assert_eq!(d.retry_after_ms, 9_500);
     }
 
     #[test]

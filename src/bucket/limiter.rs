@@ -2,7 +2,8 @@
 //!
 //! Owns the order in which a request's tokens are sought, and the bucket in
 //! force for the answer:
-//! 1. sub-bucket: a sharded rule picks one of its sub-buckets ([`super::shard`]);
+//! 1. sub-bucket: a sharded rule tries its sub-buckets from a random one
+//!    ([`super::shard`]) until one admits, each through steps 2–5;
 //! 2. breaker: while the breaker of the primary serving the key is open
 //!    (on a Cluster, each primary has its own), the local limiter decides;
 //! 3. hot keys ([`super::lease`]): the over-limit cache rejects, or a lease
@@ -49,6 +50,25 @@ pub struct Verdict {
     pub spec: BucketSpec,
     /// Which limiter decided.
     pub source: DecisionSource,
+}
+
+/// The verdict of a sharded rule's sub-bucket `decision` under the whole
+/// limit `whole`: its remaining tokens estimated for the whole as the
+/// sub-bucket's count × the `shards` in force (exact when they drain
+/// evenly, which random first choices make them do).
+fn sharded(
+    mut decision: Decision,
+    source: DecisionSource,
+    shards: NonZeroU32,
+    whole: BucketSpec,
+) -> Verdict {
+    decision.remaining =
+        (decision.remaining * u64::from(shards.get())).min(u64::from(whole.capacity.get()));
+    Verdict {
+        decision,
+        spec: whole,
+        source,
+    }
 }
 
 /// Whether Redis is in use and answering, for `/ready`.
@@ -185,6 +205,20 @@ impl LimiterCore {
     }
 }
 
+/// One decision on one rule's bucket, as the shared path takes it.
+struct Asked<'a> {
+    /// Whose bucket.
+    tenant: &'a TenantId,
+    /// On which route.
+    route: &'a RouteId,
+    /// The rule's limit: its shards, whether it is exact.
+    limit: Limit,
+    /// This region's share of the limit.
+    whole: BucketSpec,
+    /// Tokens asked for.
+    cost: NonZeroU32,
+}
+
 /// One proxy worker's limiter: its own connection to the shared store (so
 /// Redis replies wake the worker that asked, not another thread) over the
 /// shared core.
@@ -215,7 +249,16 @@ impl<S: SharedStore> Limiter<S> {
         let started = core.clock.now_micros();
         let whole = BucketSpec::of(limit.capacity, limit.refill_per_second).scaled(share);
         let verdict = match (&self.redis, &core.breaker) {
-            (Some(redis), Some(_)) => self.shared(redis, tenant, route, limit, whole, cost).await,
+            (Some(redis), Some(_)) => {
+                let asked = Asked {
+                    tenant,
+                    route,
+                    limit,
+                    whole,
+                    cost,
+                };
+                self.shared(redis, asked).await
+            }
             (Some(_), None) => core.fallback(&BucketKey::new(tenant, route), &whole, cost),
             (None, _) => core.local(&BucketKey::new(tenant, route), &whole, cost),
         };
@@ -224,61 +267,93 @@ impl<S: SharedStore> Limiter<S> {
         verdict
     }
 
-    /// Steps 1–5; `whole` is this region's share of `limit`.
-    async fn shared(
-        &self,
-        redis: &S,
-        tenant: &TenantId,
-        route: &RouteId,
-        limit: Limit,
-        whole: BucketSpec,
-        cost: NonZeroU32,
-    ) -> Verdict {
-        let core = &self.core;
+    /// Steps 1–5; `whole` is this region's share of `limit`. A sharded
+    /// rule tries its sub-buckets in turn from a random one until one
+    /// admits the request: it is refused only when none can take it.
+    async fn shared(&self, redis: &S, asked: Asked<'_>) -> Verdict {
+        let Asked {
+            tenant,
+            route,
+            limit,
+            whole,
+            cost,
+        } = asked;
         let n = cost.get();
         // Every sub-bucket must hold at least one request's cost, or k small
         // buckets would admit more than the whole one: fewer shards then.
         let shards = NonZeroU32::new(limit.shards.get().min(whole.capacity.get() / n))
             .unwrap_or(NonZeroU32::MIN);
-        let (key, spec) = if shards.get() == 1 {
-            (BucketKey::new(tenant, route), whole)
-        } else {
-            let index = shard::pick(shards);
-            (
-                BucketKey::shard(tenant, route, index),
-                whole.divided(shards),
-            )
+        let fallback = || {
+            self.core
+                .fallback(&BucketKey::new(tenant, route), &whole, cost)
         };
+        let k = shards.get();
+        if k == 1 {
+            let key = BucketKey::new(tenant, route);
+            return match self.take_key(redis, &key, &whole, n, limit.exact).await {
+                Some((decision, source)) => Verdict {
+                    decision,
+                    spec: whole,
+                    source,
+                },
+                None => fallback(),
+            };
+        }
+        let spec = whole.divided(shards);
+        let start = shard::pick(shards);
+        let mut refused: Option<(Decision, DecisionSource)> = None;
+        for i in 0..k {
+            let key = BucketKey::shard(tenant, route, (start + i) % k);
+            match self.take_key(redis, &key, &spec, n, limit.exact).await {
+                None => return fallback(),
+                Some((decision, source)) if decision.allowed => {
+                    return sharded(decision, source, shards, whole);
+                }
+                // The refusal to quote is the one that passes soonest.
+                Some(this) => {
+                    if refused.is_none_or(|(r, _)| this.0.retry_after_ms < r.retry_after_ms) {
+                        refused = Some(this);
+                    }
+                }
+            }
+        }
+        // Every one of the k ≥ 2 sub-buckets refused.
+        let Some((mut decision, source)) = refused else {
+            return fallback();
+        };
+        decision.remaining = 0;
+        sharded(decision, source, shards, whole)
+    }
+
+    /// Steps 2–5 for one key, holding `spec`: the decision and where it
+    /// came from, or `None` when Redis gave no answer (the breaker is open,
+    /// or the call failed) and the local limiter must decide.
+    async fn take_key(
+        &self,
+        redis: &S,
+        key: &BucketKey,
+        spec: &BucketSpec,
+        n: u32,
+        exact: bool,
+    ) -> Option<(Decision, DecisionSource)> {
+        let core = &self.core;
         // The breaker of the primary serving the key.
         if !core
             .breaker
             .as_ref()
             .is_some_and(|t| t.allows(key.as_str()))
         {
-            return core.fallback(&BucketKey::new(tenant, route), &whole, cost);
+            return None;
         }
-        // Remaining tokens of one sub-bucket, scaled to the whole limit.
-        let verdict = |mut decision: Decision, source| {
-            decision.remaining =
-                (decision.remaining * u64::from(shards.get())).min(u64::from(whole.capacity.get()));
-            Verdict {
-                decision,
-                spec: whole,
-                source,
-            }
-        };
         // Wait (bounded) for another request's lease at most twice, then
         // ask Redis alone.
         let mut waits = 0;
         let (ask, owner) = loop {
-            match core
-                .hot
-                .plan(key.as_str(), &spec, n, limit.exact, waits < 2)
-            {
-                Plan::Local(decision, source) => return verdict(decision, source),
+            match core.hot.plan(key.as_str(), spec, n, exact, waits < 2) {
+                Plan::Local(decision, source) => return Some((decision, source)),
                 Plan::Refresh { decision, ask } => {
-                    self.refresh(redis, key.as_str(), spec, ask);
-                    return verdict(decision, DecisionSource::Lease);
+                    self.refresh(redis, key.as_str(), *spec, ask);
+                    return Some((decision, DecisionSource::Lease));
                 }
                 Plan::Call { ask, owner } => break (ask, owner),
                 Plan::Wait(lease) => {
@@ -290,7 +365,7 @@ impl<S: SharedStore> Limiter<S> {
         // Whatever happens to a call holding the key's slot (an error, or
         // the request being dropped mid-await), the slot is released.
         let mut settle = owner.then(|| SlotGuard::new(&**core, key.as_str()));
-        match redis.take(key.as_str(), &spec, ask).await {
+        match redis.take(key.as_str(), spec, ask).await {
             Ok(grant) => {
                 core.hot.record(key.as_str(), &grant, n, owner);
                 // record() released the slot; the guard must not release a
@@ -301,19 +376,12 @@ impl<S: SharedStore> Limiter<S> {
                 let mut decision = grant.decision;
                 // Tokens leased for later requests are still this key's.
                 decision.remaining += u64::from(grant.granted.saturating_sub(n));
-                verdict(decision, DecisionSource::Redis)
+                Some((decision, DecisionSource::Redis))
             }
             Err(e) => {
                 drop(settle);
                 tracing::debug!(error = %e, "No answer from Redis; deciding locally.");
-                // The fallback holds the whole bucket: the key just used,
-                // unless it named a sub-bucket.
-                let whole_key = if shards.get() == 1 {
-                    key
-                } else {
-                    BucketKey::new(tenant, route)
-                };
-                core.fallback(&whole_key, &whole, cost)
+                None
             }
         }
     }
@@ -377,8 +445,9 @@ impl<C: Borrow<LimiterCore>, K: Borrow<str>> Drop for SlotGuard<C, K> {
 }
 
 mod group;
+mod memory;
 
-use group::GroupMemory;
 pub use group::{GroupVerdict, LimitVerdict};
+use memory::GroupMemory;
 #[cfg(test)]
 mod tests;

@@ -131,10 +131,11 @@ impl RedisBucket {
         group: &[(String, GroupLimit)],
         ask: Ask,
     ) -> Result<GroupGrant, RedisCallError> {
-        match self.take_batch(&[Item::Group(group, ask)]).await?.pop() {
-            Some(Answer::Group(grant)) => Ok(grant),
-            _ => Err(RedisCallError::BadReply),
-        }
+        self.take_batch(&[Item::Group(group, ask)])
+            .await?
+            .pop()
+            .ok_or(RedisCallError::BadReply)
+            .and_then(Answer::group)
     }
 
     /// Runs one script invocation on the primary serving `key` under the
@@ -171,16 +172,14 @@ impl RedisBucket {
         self.take_batch(&items)
             .await?
             .into_iter()
-            .map(|answer| match answer {
-                Answer::One(grant) => Ok(grant),
-                Answer::Group(_) => Err(RedisCallError::BadReply),
-            })
+            .map(Answer::one)
             .collect()
     }
 
     /// Decides every item of `batch` in one script call (one reading of
     /// Redis's clock): single buckets as their `Ask` says, groups all or
-    /// nothing; the answers come in the same order. Every key must live on
+    /// nothing; the answers come in the same order, [`Answer::Refused`]
+    /// for an item the script could not decide. Every key must live on
     /// one node (on a Cluster: one slot).
     ///
     /// # Errors
@@ -191,10 +190,8 @@ impl RedisBucket {
         for item in batch {
             match *item {
                 Item::One(key, spec, ask) => {
-                    invocation
-                        .key(key)
-                        .arg(spec.capacity.get())
-                        .arg(spec.refill_per_second);
+                    invocation.key(key).arg(spec.capacity.get());
+                    arg_rate(&mut invocation, spec.refill_per_second);
                     if ask.is_plain() {
                         invocation.arg(ask.need);
                     } else {
@@ -206,9 +203,8 @@ impl RedisBucket {
                         invocation.key(key.as_str());
                         match limit {
                             GroupLimit::Bucket(spec) => {
-                                invocation
-                                    .arg(spec.capacity.get())
-                                    .arg(spec.refill_per_second);
+                                invocation.arg(spec.capacity.get());
+                                arg_rate(&mut invocation, spec.refill_per_second);
                             }
                             GroupLimit::Quota { quota, window } => {
                                 invocation.arg(quota.get()).arg(window.script_code());
@@ -246,7 +242,11 @@ impl RedisBucket {
                         .split_at_checked(if plain { 3 } else { 5 })
                         .ok_or(RedisCallError::BadReply)?;
                     rest = tail;
-                    answers.push(Answer::One(grant_of(r, &spec, ask)));
+                    answers.push(if r[0] < 0 {
+                        Answer::Refused
+                    } else {
+                        Answer::One(grant_of(r, &spec, ask))
+                    });
                 }
                 Item::Group(group, ask) => {
                     let width = if ask.is_plain() { 3 } else { 5 };
@@ -254,7 +254,11 @@ impl RedisBucket {
                         .split_at_checked(width * group.len())
                         .ok_or(RedisCallError::BadReply)?;
                     rest = tail;
-                    answers.push(Answer::Group(group_grant_of(r, width, ask)));
+                    answers.push(if r.first().is_none_or(|allowed| *allowed < 0) {
+                        Answer::Refused
+                    } else {
+                        Answer::Group(group_grant_of(r, width, ask))
+                    });
                 }
             }
         }
@@ -263,6 +267,19 @@ impl RedisBucket {
         } else {
             Err(RedisCallError::BadReply)
         }
+    }
+}
+
+/// Writes a refill rate as the script reads it: a whole rate (the common
+/// case: a rule's own rate, or an even share of it) as an integer, whose
+/// digits cost far less to write than a float's shortest form; any other
+/// in full precision.
+fn arg_rate(invocation: &mut redis::ScriptInvocation<'_>, rate: f64) {
+    // Whole numbers below 2^53 are exact in both forms.
+    if rate.fract() == 0.0 && (1.0..9_007_199_254_740_992.0).contains(&rate) {
+        invocation.arg(rate as u64);
+    } else {
+        invocation.arg(rate);
     }
 }
 

@@ -2,12 +2,10 @@
 //!
 //! A rule with `shards = k` is held in k Redis keys `rl2:<tenant>:<route>:<i>`
 //! (no hash tag, so they spread over Redis Cluster nodes), each with 1/k of
-//! the capacity and refill. A request picks one sub-bucket uniformly at
-//! random and is decided by it alone: on a rejection no other sub-bucket is
-//! tried, so every request costs at most one Redis call. Under steady load
-//! the sub-buckets drain evenly; near the limit a request can be rejected
-//! while another sub-bucket still holds a token, which errs on the side of
-//! the limit.
+//! the capacity and refill. A request starts at a sub-bucket picked
+//! uniformly at random, so the sub-buckets drain evenly; when that one
+//! refuses, the limiter tries the next ones in turn and refuses only when
+//! none can take it (see [`super::Limiter`]).
 
 use std::cell::Cell;
 use std::hash::{BuildHasher, RandomState};

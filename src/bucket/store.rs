@@ -68,6 +68,36 @@ pub enum Answer {
     One(Grant),
     /// For [`Item::Group`].
     Group(GroupGrant),
+    /// The store could not decide this item (its key holds a value the
+    /// store did not write); the call's other items were decided.
+    Refused,
+}
+
+impl Answer {
+    /// The grant of an [`Item::One`].
+    ///
+    /// # Errors
+    /// [`RedisCallError::Refused`] for a refused item,
+    /// [`RedisCallError::BadReply`] for a group's answer.
+    pub fn one(self) -> Result<Grant, RedisCallError> {
+        match self {
+            Self::One(grant) => Ok(grant),
+            Self::Refused => Err(RedisCallError::Refused),
+            Self::Group(_) => Err(RedisCallError::BadReply),
+        }
+    }
+
+    /// The grant of an [`Item::Group`].
+    ///
+    /// # Errors
+    /// As [`Answer::one`], for a single bucket's answer.
+    pub fn group(self) -> Result<GroupGrant, RedisCallError> {
+        match self {
+            Self::Group(grant) => Ok(grant),
+            Self::Refused => Err(RedisCallError::Refused),
+            Self::One(_) => Err(RedisCallError::BadReply),
+        }
+    }
 }
 
 /// What the coalescer needs below it: several decisions in one atomic call.
@@ -131,6 +161,8 @@ pub(crate) mod fake {
         Dropped,
         /// The server does not know the script.
         NoScript,
+        /// The script fails for what this call carries (nothing taken).
+        ScriptError,
     }
 
     /// The state every clone shares.
@@ -139,6 +171,8 @@ pub(crate) mod fake {
         faults: VecDeque<Fault>,
         /// Every call: its keys with what was asked of each.
         batches: Vec<Vec<(String, Ask)>>,
+        /// Keys holding a value the script did not write: refused.
+        poisoned: std::collections::HashSet<String>,
     }
 
     /// Buckets in memory, on `clock`; faults are queued per call; each
@@ -162,6 +196,7 @@ pub(crate) mod fake {
                     buckets: HashMap::new(),
                     faults: VecDeque::new(),
                     batches: Vec::new(),
+                    poisoned: Default::default(),
                 })),
                 clock,
                 timeout,
@@ -172,6 +207,12 @@ pub(crate) mod fake {
         /// Queues `fault` for the next call without one.
         pub(crate) fn fail_next(&self, fault: Fault) {
             self.lock().faults.push_back(fault);
+        }
+
+        /// Makes `key` hold a value the script did not write, so every
+        /// decision on it is refused.
+        pub(crate) fn poison(&self, key: &str) {
+            self.lock().poisoned.insert(key.to_owned());
         }
 
         /// Every key asked for so far, with what was asked, in order.
@@ -227,10 +268,7 @@ pub(crate) mod fake {
             spec: &BucketSpec,
             ask: Ask,
         ) -> Result<Grant, RedisCallError> {
-            match self.reported(Item::One(key, *spec, ask)).await? {
-                Answer::One(grant) => Ok(grant),
-                Answer::Group(_) => Err(RedisCallError::BadReply),
-            }
+            self.reported(Item::One(key, *spec, ask)).await?.one()
         }
 
         async fn take_group(
@@ -238,10 +276,7 @@ pub(crate) mod fake {
             group: &[(String, GroupLimit)],
             ask: Ask,
         ) -> Result<GroupGrant, RedisCallError> {
-            match self.reported(Item::Group(group, ask)).await? {
-                Answer::Group(grant) => Ok(grant),
-                Answer::One(_) => Err(RedisCallError::BadReply),
-            }
+            self.reported(Item::Group(group, ask)).await?.group()
         }
     }
 
@@ -252,7 +287,7 @@ pub(crate) mod fake {
 
         async fn take_batch(&self, batch: &[Item<'_>]) -> Result<Vec<Answer>, RedisCallError> {
             let result = self.call(batch).await;
-            self.tell_gate(result.is_ok());
+            self.tell_gate(&result);
             result
         }
     }
@@ -261,21 +296,31 @@ pub(crate) mod fake {
         /// One call of `item` alone, its outcome told to the breaker.
         async fn reported(&self, item: Item<'_>) -> Result<Answer, RedisCallError> {
             let result = self.call(&[item]).await;
-            self.tell_gate(result.is_ok());
+            self.tell_gate(&result);
             result.and_then(|mut answers| answers.pop().ok_or(RedisCallError::BadReply))
         }
 
-        /// Tells the breaker how a call went, as the real store does.
-        fn tell_gate(&self, ok: bool) {
-            if ok {
-                self.gate.success();
-            } else {
-                self.gate.failure();
+        /// Tells the breaker how a call went, as the real store does: a
+        /// refusal is not a failure of the store.
+        fn tell_gate<T>(&self, result: &Result<T, RedisCallError>) {
+            match result {
+                Ok(_) => self.gate.success(),
+                Err(e) if e.is_refusal() => {}
+                Err(_) => self.gate.failure(),
             }
         }
 
-        /// What the script answers for `item`.
+        /// What the script answers for `item`: refused when one of its
+        /// keys is poisoned.
         fn answer(&self, item: &Item<'_>) -> Answer {
+            let poisoned = |key: &str| self.lock().poisoned.contains(key);
+            let refused = match *item {
+                Item::One(key, ..) => poisoned(key),
+                Item::Group(group, _) => group.iter().any(|(key, _)| poisoned(key)),
+            };
+            if refused {
+                return Answer::Refused;
+            }
             match *item {
                 Item::One(key, spec, ask) => Answer::One(self.grant(key, &spec, ask)),
                 // The script's group arithmetic is the local limiter's.
@@ -317,6 +362,10 @@ pub(crate) mod fake {
                 Some(Fault::NoScript) => Err(RedisCallError::Redis(RedisError::from((
                     ErrorKind::Server(ServerErrorKind::NoScript),
                     "NOSCRIPT No matching script",
+                )))),
+                Some(Fault::ScriptError) => Err(RedisCallError::Redis(RedisError::from((
+                    ErrorKind::Server(ServerErrorKind::ResponseError),
+                    "ERR Error running script",
                 )))),
             }
         }

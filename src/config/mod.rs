@@ -152,14 +152,27 @@ pub fn load_file(path: &Path, env: &BTreeMap<String, String>) -> Result<Config, 
         path: path.to_path_buf(),
         source,
     })?;
-    load(&contents, env)
+    load_in(&contents, env, path.parent())
 }
 
-/// Parses and validates `contents`, with `env` overrides.
+/// Parses and validates `contents`, with `env` overrides; relative paths
+/// are relative to the working directory.
 ///
 /// # Errors
 /// [`ConfigError`] listing everything wrong with the configuration.
 pub fn load(contents: &str, env: &BTreeMap<String, String>) -> Result<Config, ConfigError> {
+    load_in(contents, env, None)
+}
+
+/// As [`load`], relative paths (from the file, the environment or the
+/// defaults) taken from `base` when given: the directory of the file
+/// `contents` came from, so a gateway finds its files whatever directory
+/// it is started in.
+fn load_in(
+    contents: &str,
+    env: &BTreeMap<String, String>,
+    base: Option<&Path>,
+) -> Result<Config, ConfigError> {
     let mut table: Table = contents
         .parse()
         .map_err(|e: toml::de::Error| ConfigError::Syntax(e.to_string()))?;
@@ -182,8 +195,13 @@ pub fn load(contents: &str, env: &BTreeMap<String, String>) -> Result<Config, Co
                 .is_some_and(|rest| rest.is_empty() || rest.starts_with(['.', '[']))
         })
     };
-    let raw: RawConfig = match Value::Table(table).try_into() {
-        Ok(raw) => raw,
+    let raw: RawConfig = match Value::Table(table).try_into::<RawConfig>() {
+        Ok(mut raw) => {
+            if let Some(base) = base.filter(|b| !b.as_os_str().is_empty()) {
+                raw.rebase_paths(base);
+            }
+            raw
+        }
         Err(e) => {
             let e: toml::de::Error = e;
             problems.push(Problem::new("config", e.to_string()));

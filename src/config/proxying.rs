@@ -144,6 +144,10 @@ fn half_the_pool(c: &mut Check, key: &str, value: u32, pool: usize, why: &str) -
     }
 }
 
+/// The smallest body budget: one whole gRPC message (64 KiB) with its
+/// 5-byte prefix, the largest body a listener reads whole.
+const MIN_BODY_BUFFER: i64 = 64 * 1024 + 5;
+
 /// A connection count in `1..=100_000`.
 fn count(c: &mut Check, key: &str, value: i64) -> usize {
     c.range(key, value, 1, 100_000)
@@ -166,8 +170,63 @@ pub(super) fn client(c: &mut Check, raw: &RawClient) -> ClientSettings {
             1 << 40,
         )
         .unwrap_or(0);
+    let header_timeout = c.millis("client.header_timeout_ms", raw.header_timeout_ms, 3_600_000);
+    let h2_idle_timeout = c.millis(
+        "client.h2_idle_timeout_ms",
+        raw.h2_idle_timeout_ms,
+        86_400_000,
+    );
+    if h2_idle_timeout <= header_timeout {
+        c.bad(
+            "client.h2_idle_timeout_ms",
+            format!(
+                "must be longer than client.header_timeout_ms ({} ms), found {} ms",
+                header_timeout.as_millis(),
+                h2_idle_timeout.as_millis()
+            ),
+        );
+    }
+    // A connection's budget must hold one whole body of the largest kind
+    // read whole (a gRPC message: 64 KiB and its 5-byte prefix).
+    let body_buffer_bytes_per_connection = c
+        .range(
+            "client.body_buffer_bytes_per_connection",
+            raw.body_buffer_bytes_per_connection,
+            MIN_BODY_BUFFER,
+            1 << 30,
+        )
+        .and_then(|n| u32::try_from(n).ok())
+        .unwrap_or(1 << 20);
+    let body_buffer_bytes = c
+        .range(
+            "client.body_buffer_bytes",
+            raw.body_buffer_bytes,
+            MIN_BODY_BUFFER,
+            1 << 40,
+        )
+        .unwrap_or(64 << 20);
+    if body_buffer_bytes < u64::from(body_buffer_bytes_per_connection) {
+        c.bad(
+            "client.body_buffer_bytes",
+            format!(
+                "must be at least client.body_buffer_bytes_per_connection ({body_buffer_bytes_per_connection}), found {body_buffer_bytes}"
+            ),
+        );
+    }
     ClientSettings {
-        header_timeout: c.millis("client.header_timeout_ms", raw.header_timeout_ms, 3_600_000),
+        header_timeout,
+        h2_idle_timeout,
+        h2_max_concurrent_streams: c
+            .range(
+                "client.h2_max_concurrent_streams",
+                raw.h2_max_concurrent_streams,
+                1,
+                10_000,
+            )
+            .and_then(|n| u32::try_from(n).ok())
+            .unwrap_or(100),
+        body_buffer_bytes_per_connection,
+        body_buffer_bytes,
         read: Pace {
             timeout: c.millis("client.read_timeout_ms", raw.read_timeout_ms, 3_600_000),
             min_bytes_per_second,

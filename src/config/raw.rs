@@ -33,6 +33,38 @@ pub(crate) struct RawConfig {
     pub(crate) routes: Vec<RawRoute>,
 }
 
+impl RawConfig {
+    /// Makes every relative path (files, directories) relative to `base`,
+    /// unless nothing is there while the path names something from the
+    /// working directory (as every path did before); empty ones ("not
+    /// set") stay empty.
+    pub(crate) fn rebase_paths(&mut self, base: &std::path::Path) {
+        let redis = &mut self.redis;
+        for path in [
+            &mut self.server.tls_cert_file,
+            &mut self.server.tls_key_file,
+            &mut redis.password_file,
+            &mut redis.sentinel_password_file,
+            &mut redis.ca_file,
+            &mut redis.tls_cert_file,
+            &mut redis.tls_key_file,
+            &mut self.rules.file,
+            &mut self.rules.snapshot_file,
+            &mut self.regions.dir,
+            &mut self.upstream.ca_file,
+        ] {
+            let given = std::path::Path::new(path.as_str());
+            if path.is_empty() || given.is_absolute() {
+                continue;
+            }
+            let rebased = base.join(given);
+            if rebased.exists() || !given.exists() {
+                *path = rebased.to_string_lossy().into_owned();
+            }
+        }
+    }
+}
+
 /// `[server]`: listeners and workers.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -332,6 +364,10 @@ pub(crate) struct RawClient {
     pub(crate) read_timeout_ms: i64,
     pub(crate) write_timeout_ms: i64,
     pub(crate) min_bytes_per_second: i64,
+    pub(crate) h2_idle_timeout_ms: i64,
+    pub(crate) h2_max_concurrent_streams: i64,
+    pub(crate) body_buffer_bytes_per_connection: i64,
+    pub(crate) body_buffer_bytes: i64,
 }
 
 impl Default for RawClient {
@@ -341,6 +377,10 @@ impl Default for RawClient {
             read_timeout_ms: 10_000,
             write_timeout_ms: 10_000,
             min_bytes_per_second: 1024,
+            h2_idle_timeout_ms: 300_000,
+            h2_max_concurrent_streams: 100,
+            body_buffer_bytes_per_connection: 1 << 20,
+            body_buffer_bytes: 64 << 20,
         }
     }
 }

@@ -371,6 +371,17 @@ pub struct ClientSettings {
     pub read: Pace,
     /// Responses: the pace a client must keep while downloading.
     pub write: Pace,
+    /// Longest time an HTTP/2 connection may go without starting a
+    /// request (its first included) before it is ended with `GOAWAY`;
+    /// longer than `header_timeout`.
+    pub h2_idle_timeout: Duration,
+    /// Most streams one HTTP/2 connection may have open at once.
+    pub h2_max_concurrent_streams: u32,
+    /// Most bytes of request bodies read whole (a check, a gRPC message)
+    /// that one connection's requests may hold at once.
+    pub body_buffer_bytes_per_connection: u32,
+    /// The same, all connections of the process together.
+    pub body_buffer_bytes: u64,
 }
 
 /// A progress-based deadline's settings: a transfer that waits on its
@@ -429,5 +440,24 @@ impl RouteSpec {
     /// Whether the upstream is reached over TLS (`https://`).
     pub fn is_tls(&self) -> bool {
         self.upstream_origin.starts_with("https://")
+    }
+
+    /// The upstream's authority, and the port it is reached on (the
+    /// scheme's, 80 or 443, when the origin names none).
+    ///
+    /// # Panics
+    /// Never for a checked route: validation accepts only
+    /// `http[s]://host[:port]` origins.
+    pub fn upstream_authority(&self) -> (hyper::http::uri::Authority, u16) {
+        let (authority, default_port) = match self.upstream_origin.split_once("://") {
+            Some(("https", authority)) => (authority, 443),
+            Some((_, authority)) => (authority, 80),
+            None => (self.upstream_origin.as_str(), 80),
+        };
+        // expect: validation accepts only `http[s]://host[:port]` origins.
+        let authority: hyper::http::uri::Authority =
+            authority.parse().expect("a validated upstream origin");
+        let port = authority.port_u16().unwrap_or(default_port);
+        (authority, port)
     }
 }

@@ -300,9 +300,9 @@ fn passwords_in_urls_are_redacted() {
 }
 
 #[test]
-fn the_readme_and_the_reference_file_document_every_key() {
+fn the_reference_page_and_the_reference_file_document_every_key() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let readme = std::fs::read_to_string(root.join("docs/configuration.md")).unwrap();
     let reference = std::fs::read_to_string(root.join("config/tollgate.toml")).unwrap();
     // The keys of `[section]` in the reference file, up to the next header.
     let keys_in = |section: &str| -> Vec<String> {
@@ -326,7 +326,7 @@ fn the_readme_and_the_reference_file_document_every_key() {
         for key in keys.keys() {
             let name = format!("{section}.{key}");
             if !readme.contains(&format!("`{name}`")) {
-                missing.push(format!("README: {name}"));
+                missing.push(format!("docs/configuration.md: {name}"));
             }
             if !documented.contains(key) {
                 missing.push(format!("config/tollgate.toml: {name}"));
@@ -336,7 +336,7 @@ fn the_readme_and_the_reference_file_document_every_key() {
     let route_keys = keys_in("[routes]");
     for key in schema.route.keys() {
         if !readme.contains(&format!("`routes[].{key}`")) {
-            missing.push(format!("README: routes[].{key}"));
+            missing.push(format!("docs/configuration.md: routes[].{key}"));
         }
         if !route_keys.contains(key) {
             missing.push(format!("config/tollgate.toml: routes[].{key}"));
@@ -494,4 +494,80 @@ fn in_flight_bounds_are_held_to_half_the_upstream_pool() {
         one.upstream.max_connections_per_tenant, 1,
         "never below one"
     );
+}
+
+#[test]
+fn http2_and_body_budget_keys_are_checked_against_each_other() {
+    let contents = format!(
+        "{MINIMAL}\n[client]\nheader_timeout_ms = 5000\nh2_idle_timeout_ms = 5000\n\
+         h2_max_concurrent_streams = 0\nbody_buffer_bytes_per_connection = 65540\n\
+         body_buffer_bytes = 100000\n"
+    );
+    let all = problems(&contents, &[]);
+    for (key, message) in [
+        (
+            "client.h2_idle_timeout_ms",
+            "must be longer than client.header_timeout_ms (5000 ms)",
+        ),
+        ("client.h2_max_concurrent_streams", "must be between 1 and"),
+        (
+            "client.body_buffer_bytes_per_connection",
+            "must be between 65541 and",
+        ),
+    ] {
+        assert!(
+            all.iter().any(|p| p.contains(key) && p.contains(message)),
+            "{key}: {all:#?}"
+        );
+    }
+    let all = problems(
+        &format!(
+            "{MINIMAL}\n[client]\nbody_buffer_bytes_per_connection = 200000\nbody_buffer_bytes = 100000\n"
+        ),
+        &[],
+    );
+    assert!(
+        all.iter()
+            .any(|p| p.contains("client.body_buffer_bytes") && p.contains("at least")),
+        "{all:#?}"
+    );
+    let config = load(MINIMAL, &BTreeMap::new()).unwrap();
+    assert_eq!(config.client.h2_idle_timeout.as_secs(), 300);
+    assert_eq!(config.client.body_buffer_bytes, 64 << 20);
+}
+
+#[test]
+fn relative_paths_follow_the_config_file_unless_only_the_working_directory_has_them() {
+    let dir = std::env::temp_dir().join(format!("tollgate-paths-{}", std::process::id()));
+    std::fs::create_dir_all(dir.join("here")).unwrap();
+    std::fs::write(dir.join("here/rules.toml"), "").unwrap();
+    let config_path = dir.join("gateway.toml");
+    // rules.toml is next to nothing in the working directory but is in
+    // the file's; Cargo.toml is in the working directory (the crate's)
+    // alone; the snapshot exists nowhere yet.
+    std::fs::write(
+        &config_path,
+        format!(
+            "{MINIMAL}\n[rules]\nfile = \"here/rules.toml\"\nsnapshot_file = \"state/snap.json\"\n\
+             [upstream]\nca_file = \"\"\n[server]\ntls_cert_file = \"\"\ntls_key_file = \"\"\n"
+        ),
+    )
+    .unwrap();
+    let config = load_file(&config_path, &BTreeMap::new()).unwrap();
+    assert_eq!(
+        config.rules.source,
+        RuleSource::File(dir.join("here/rules.toml"))
+    );
+    assert_eq!(
+        config.rules.snapshot_file.as_deref(),
+        Some(dir.join("state/snap.json").as_path())
+    );
+    let old_style = format!("{MINIMAL}\n[rules]\nfile = \"Cargo.toml\"\n");
+    std::fs::write(&config_path, old_style).unwrap();
+    let config = load_file(&config_path, &BTreeMap::new()).unwrap();
+    assert_eq!(
+        config.rules.source,
+        RuleSource::File(std::path::PathBuf::from("Cargo.toml"))
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -1,16 +1,13 @@
-//! Request and response bodies between a client and an upstream.
+//! Bodies between a client and the gateway.
 //!
-//! Owns streaming in both directions, never waiting to buffer a whole
-//! body, and the client deadlines on each: [`RequestBody`] reads the
-//! client's upload as hyper asks for it and fails it when the client falls
-//! behind `client.read_timeout_ms` / `client.min_bytes_per_second`,
-//! recording that the client (not the upstream) was at fault;
-//! [`ResponseBody`] streams the upstream's answer to the client, holding the
-//! upstream connection and the tenant's slot until the body ends, and is
-//! watched so that a client that stops reading loses both (see
-//! [`super::stall`]). An answer whose body had wholly arrived with its
-//! head ([`Arrived`]) skips the stream: the exchange with the upstream is
-//! already over, and head and body are written together ([`ProxyBody`]).
+//! Owns the client's upload and the answer type: [`RequestBody`] reads the
+//! client's upload as hyper asks for it, never buffering it whole, and
+//! fails it when the client falls behind `client.read_timeout_ms` /
+//! `client.min_bytes_per_second`, recording that the client (not the
+//! upstream) was at fault; [`read_small`] reads the small bodies the check
+//! and gRPC entries decide on; [`ProxyBody`] is every answer, in one piece,
+//! with trailers, or an upstream's body streamed as it arrives (see
+//! [`super::upstream`]).
 
 use std::cell::Cell;
 use std::io;
@@ -20,12 +17,15 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use hyper::body::{Body, Bytes, Frame, Incoming, SizeHint};
-use tokio::sync::Notify;
 
-use super::forward::Lease;
-use super::stall::{Cut, Progress, Watch};
+use super::budget::{Budget, Taken};
+use super::listen::stall::Progress;
+use super::upstream::ResponseBody;
 use crate::clock::SharedClock;
 use crate::config::Pace;
+
+/// What polling a body for its next frame gives.
+pub(super) type Polled = Poll<Option<Result<Frame<Bytes>, io::Error>>>;
 
 /// How a client failed its upload.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,7 +90,7 @@ impl RequestBody {
 
     /// Records `fault` and ends the body with an error, so hyper abandons
     /// the exchange instead of finishing a cut-short body.
-    fn fail(&mut self, fault: ClientFault) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
+    fn fail(&mut self, fault: ClientFault) -> Polled {
         self.upload.fault.set(Some(fault));
         self.payload = None;
         let kind = match fault {
@@ -105,10 +105,7 @@ impl Body for RequestBody {
     type Data = Bytes;
     type Error = io::Error;
 
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Polled {
         let this = self.get_mut();
         let Some(payload) = this.payload.as_mut() else {
             return Poll::Ready(None);
@@ -175,202 +172,6 @@ impl Body for RequestBody {
     }
 }
 
-/// What a response holds while it streams: the upstream's body, the
-/// connection (with its permit and slot) it arrives on, and a way to end
-/// the client's connection.
-pub(super) struct Held<L> {
-    /// hyper's body: data frames, possibly trailers (dropped).
-    pub(super) body: Incoming,
-    /// Returned to its upstream when the body ends, dropped otherwise.
-    pub(super) lease: L,
-    /// Ends the client's connection.
-    pub(super) client: ClientCut,
-}
-
-impl<L> Cut for Held<L> {
-    /// Drops the upstream side (the body unread, so the connection closes)
-    /// and ends the client's connection: stuck behind full buffers, it
-    /// closes at once instead of when the client reads again or leaves.
-    fn cut(self) {
-        let Self {
-            body,
-            lease,
-            client,
-        } = self;
-        drop((body, lease));
-        client.cut();
-    }
-}
-
-/// A way to end one client connection from outside the task serving it
-/// (the watchdog's sweep), shared by that connection's requests.
-#[derive(Clone, Default)]
-pub(super) struct ClientCut(Rc<Notify>);
-
-impl ClientCut {
-    /// Resolves once the connection has been cut off; its task then drops
-    /// the connection, which closes the socket.
-    pub(super) async fn requested(&self) {
-        self.0.notified().await;
-    }
-
-    /// Cuts the connection off.
-    fn cut(&self) {
-        self.0.notify_one();
-    }
-}
-
-/// Where a finished exchange's connection goes.
-pub(super) trait Reuse {
-    /// Keeps the connection for a later request.
-    fn reuse(self);
-}
-
-/// What of an upstream's response body had arrived when its head did.
-pub(super) enum Arrived {
-    /// All of it: the exchange with the upstream is over.
-    Whole(Bytes),
-    /// Not all of it: the first piece, if one had come.
-    Part(Option<Bytes>),
-}
-
-impl Arrived {
-    /// Takes from `body` what is already there, without waiting: a body
-    /// that arrived with its head (the common case for small answers) is
-    /// then answered in one piece, with no stream to drive or watch.
-    ///
-    /// # Errors
-    /// The upstream's error, when the body failed before anything was sent.
-    pub(super) fn take(body: &mut Incoming) -> Result<Self, hyper::Error> {
-        use futures_util::FutureExt as _;
-        if body.is_end_stream() {
-            return Ok(Self::Whole(Bytes::new()));
-        }
-        let ready =
-            futures_util::future::poll_fn(|cx| Pin::new(&mut *body).poll_frame(cx)).now_or_never();
-        Ok(match ready {
-            Some(Some(frame)) => match frame?.into_data() {
-                Ok(data) if body.is_end_stream() => Self::Whole(data),
-                Ok(data) => Self::Part(Some(data)),
-                // Trailers are hop-level here: dropped, as when streaming.
-                Err(_) => Self::Part(None),
-            },
-            Some(None) => Self::Whole(Bytes::new()),
-            None => Self::Part(None),
-        })
-    }
-}
-
-/// The upstream's response body, streamed to the client under the write
-/// pace: the worker's watchdog releases what it holds if the client stops
-/// taking it.
-pub(super) struct ResponseBody<L: Reuse> {
-    /// The watched body and connection.
-    watch: Watch<Held<L>>,
-    /// What had arrived before streaming began, handed over first.
-    first: Option<Bytes>,
-    /// The body's length, when the upstream declared it.
-    length: Option<u64>,
-    /// Bytes handed to the connection by the last poll, not yet known
-    /// taken.
-    handed: Option<usize>,
-    /// Whether the body has been read to the end.
-    done: bool,
-    /// Reads now.
-    clock: SharedClock,
-}
-
-impl<L: Reuse> ResponseBody<L> {
-    /// Streams `first`, then what `watch` holds: `length` bytes in all,
-    /// when known.
-    pub(super) fn new(
-        watch: Watch<Held<L>>,
-        first: Option<Bytes>,
-        length: Option<u64>,
-        clock: SharedClock,
-    ) -> Self {
-        Self {
-            watch,
-            first,
-            length,
-            handed: None,
-            done: false,
-            clock,
-        }
-    }
-}
-
-impl<L: Reuse> Body for ResponseBody<L> {
-    type Data = Bytes;
-    type Error = io::Error;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
-        let this = self.get_mut();
-        let now = this.clock.now_ms();
-        let mut progress = this.watch.progress();
-        // Polled again: the client took what the last poll handed over.
-        if let Some(bytes) = this.handed.take() {
-            progress.moved(now, bytes);
-        }
-        let result = if let Some(data) = this.first.take() {
-            this.handed = Some(data.len());
-            progress.wait(now);
-            Poll::Ready(Some(Ok(Frame::data(data))))
-        } else {
-            let mut held = this.watch.held();
-            let Some(held) = held.as_mut() else {
-                return Poll::Ready(Some(Err(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    "client stopped reading",
-                ))));
-            };
-            loop {
-                break match Pin::new(&mut held.body).poll_frame(cx) {
-                    Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
-                        Ok(data) => {
-                            this.handed = Some(data.len());
-                            progress.wait(now);
-                            Poll::Ready(Some(Ok(Frame::data(data))))
-                        }
-                        // Trailers are hop-level here: skip them.
-                        Err(_) => continue,
-                    },
-                    Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(io::Error::other(e)))),
-                    Poll::Ready(None) => {
-                        this.done = true;
-                        Poll::Ready(None)
-                    }
-                    Poll::Pending => Poll::Pending,
-                };
-            }
-        };
-        this.watch.set_progress(progress);
-        result
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.done
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.length
-            .map_or_else(SizeHint::default, SizeHint::with_exact)
-    }
-}
-
-impl<L: Reuse> Drop for ResponseBody<L> {
-    fn drop(&mut self) {
-        if let Some(held) = self.watch.held().take()
-            && (self.done || held.body.is_end_stream())
-        {
-            held.lease.reuse();
-        }
-    }
-}
-
 /// What the proxy answers with: a body in one piece (the gateway's own
 /// answers, and upstream answers that arrived whole), an upstream's body
 /// streamed as it comes, or a body followed by trailers (gRPC's status).
@@ -378,7 +179,7 @@ pub(super) enum ProxyBody {
     /// The whole body; `None` once handed over (or for no body).
     Whole(Option<Bytes>),
     /// The upstream's body, as it arrives.
-    Streamed(ResponseBody<Lease>),
+    Streamed(ResponseBody),
     /// A body in one piece, then trailers; each `None` once handed over.
     Trailed(Option<Bytes>, Option<hyper::HeaderMap>),
 }
@@ -394,10 +195,7 @@ impl Body for ProxyBody {
     type Data = Bytes;
     type Error = io::Error;
 
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Polled {
         match self.get_mut() {
             Self::Whole(data) => Poll::Ready(data.take().map(|data| Ok(Frame::data(data)))),
             Self::Streamed(body) => Pin::new(body).poll_frame(cx),
@@ -433,15 +231,38 @@ impl Body for ProxyBody {
 pub(super) enum SmallBodyError {
     /// It is longer than allowed.
     TooLarge,
-    /// It broke off.
-    Broken(hyper::Error),
+    /// It broke off (the cause is logged at debug level, never sent).
+    Broken,
     /// It did not arrive in time.
     TimedOut,
 }
 
+/// Room taken from the budget before each read of a body read whole: an
+/// HTTP/2 frame at most (16 KiB by default).
+const READ_AHEAD: usize = 16 * 1024;
+
+/// A request body read whole, holding its bytes of the budget until
+/// dropped.
+pub(super) struct SmallBody {
+    /// The body.
+    data: Vec<u8>,
+    /// Its bytes of the connection's and the process's budget.
+    _held: Taken,
+}
+
+impl std::ops::Deref for SmallBody {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        &self.data
+    }
+}
+
 /// The whole of a request body that may be at most `max` bytes and must
 /// arrive within `timeout` (a check or a gRPC call: read into memory,
-/// never streamed).
+/// never streamed), each chunk counted against `budget` before it is
+/// kept (a stream out of budget is not read meanwhile; the wait counts
+/// against `timeout`).
 ///
 /// # Errors
 /// When it is longer than `max`, breaks off, or is late.
@@ -449,19 +270,38 @@ pub(super) async fn read_small(
     mut body: Incoming,
     max: usize,
     timeout: Duration,
-) -> Result<Vec<u8>, SmallBodyError> {
+    budget: &Budget,
+) -> Result<SmallBody, SmallBodyError> {
     let read = async {
         let mut data = Vec::new();
-        while let Some(frame) = std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await
-        {
-            if let Ok(chunk) = frame.map_err(SmallBodyError::Broken)?.into_data() {
+        let mut held = Taken::default();
+        loop {
+            // Room for the next frame before it is read: a stream out of
+            // budget is not read, so its sender stalls under flow control.
+            budget
+                .room(&mut held, data.len() + READ_AHEAD.min(max - data.len()))
+                .await;
+            let Some(frame) = std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await
+            else {
+                break;
+            };
+            let frame = frame.map_err(|e| {
+                tracing::debug!(error = %e, "A request body broke off.");
+                SmallBodyError::Broken
+            })?;
+            if let Ok(chunk) = frame.into_data() {
                 if data.len() + chunk.len() > max {
                     return Err(SmallBodyError::TooLarge);
                 }
+                // Exactly what is kept is held (a chunk larger than the
+                // room, an HTTP/1 read, is covered first).
+                budget.keep(&mut held, data.len() + chunk.len()).await;
+                data.reserve_exact(chunk.len());
                 data.extend_from_slice(&chunk);
             }
         }
-        Ok(data)
+        budget.keep(&mut held, data.len()).await;
+        Ok(SmallBody { data, _held: held })
     };
     tokio::time::timeout(timeout, read)
         .await

@@ -138,16 +138,8 @@ impl ProxyError {
     /// The complete response for this error: its status, a small JSON
     /// body, and `Allow` or `Retry-After` where the error calls for one.
     pub(super) fn response(&self) -> Response<ProxyBody> {
-        let body = format!(
-            "{{\"error\":\"{}\",\"message\":\"{}\"}}\n",
-            self.code(),
-            self.message()
-        );
-        let mut response = Response::new(ProxyBody::whole(body.into()));
-        *response.status_mut() = self.status();
+        let mut response = error_response(self.status(), self.code(), self.message());
         let headers = response.headers_mut();
-        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-        headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
         match self {
             Self::MethodNotAllowed => {
                 headers.insert(ALLOW, HeaderValue::from_static(PROXIED_METHODS));
@@ -159,6 +151,48 @@ impl ProxyError {
         }
         response
     }
+}
+
+/// The body of an error answer.
+#[derive(serde::Serialize)]
+struct ErrorBody<'a> {
+    /// Stable code.
+    error: &'a str,
+    /// Human explanation.
+    message: &'a str,
+}
+
+/// The JSON error answer every HTTP listener but the admin one sends:
+/// `{"error": code, "message": message}` with `status`.
+pub(super) fn error_response(status: StatusCode, code: &str, message: &str) -> Response<ProxyBody> {
+    json_response(
+        status,
+        &ErrorBody {
+            error: code,
+            message,
+        },
+    )
+}
+
+/// A JSON answer of `body` with `status`, never cached. `body` is written
+/// straight into the answer's one buffer (a refusal is on the hot path of
+/// a flood).
+pub(super) fn json_response(
+    status: StatusCode,
+    body: &impl serde::Serialize,
+) -> Response<ProxyBody> {
+    let mut text = Vec::with_capacity(128);
+    // A struct of strings, numbers and booleans always serialises.
+    if serde_json::to_writer(&mut text, body).is_err() {
+        text.clear();
+    }
+    text.push(b'\n');
+    let mut response = Response::new(ProxyBody::whole(text.into()));
+    *response.status_mut() = status;
+    let headers = response.headers_mut();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    response
 }
 
 #[cfg(test)]

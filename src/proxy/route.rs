@@ -150,22 +150,14 @@ mod tests {
     #[test]
     fn longest_prefix_and_method_pick_the_route() {
         let t = table();
-        assert_eq!(
-            id(&t, Method::POST, "/orders").as_deref(),
-            Some("create-order")
-        );
-        assert_eq!(
-            id(&t, Method::GET, "/orders/7").as_deref(),
-            Some("read-order")
-        );
-        assert_eq!(
-            id(&t, Method::DELETE, "/orders/items/3").as_deref(),
-            Some("order-items")
-        );
-        assert_eq!(
-            id(&t, Method::DELETE, "/orders/7").as_deref(),
-            Some("catch-all")
-        );
+        for (method, path, route) in [
+            (Method::POST, "/orders", "create-order"),
+            (Method::GET, "/orders/7", "read-order"),
+            (Method::DELETE, "/orders/items/3", "order-items"),
+            (Method::DELETE, "/orders/7", "catch-all"),
+        ] {
+            assert_eq!(id(&t, method, path).as_deref(), Some(route), "{path}");
+        }
     }
 
     #[test]

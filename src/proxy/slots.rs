@@ -8,7 +8,10 @@
 //! bound is refused before any token is taken. A slot is held from before
 //! the decision until the upstream's response body has been read to its
 //! end (for a small answer, often as soon as its head arrives) or its
-//! client is cut off.
+//! client is cut off; a client that goes away before the answer's head
+//! leaves it held until the head arrives or the exchange times out (see
+//! `forward`), so abandoning requests frees nothing the upstream still
+//! works on.
 //!
 //! Invariant: the map holds only tenants with an exchange in flight, so it
 //! is bounded by the worker's connections, never by the keys seen.

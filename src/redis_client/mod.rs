@@ -28,6 +28,7 @@
 //! with [`RedisCallError::NotConnected`] until the key's primary is known.
 
 mod discover;
+mod error;
 mod node;
 pub mod topology;
 mod watch;
@@ -39,83 +40,13 @@ use arc_swap::ArcSwap;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Cmd, ErrorKind, FromRedisValue, RedisResult, ScriptInvocation, ServerErrorKind};
 
+pub use error::RedisCallError;
 pub use node::{NodeAddr, SetupError};
 pub use topology::{Health, Layout, Mode, Topology};
 
 use crate::clock::SharedClock;
 use crate::config::{RedisSettings, RedisTarget};
 use node::Endpoints;
-
-/// Why a Redis call produced no answer.
-#[derive(Debug, thiserror::Error)]
-pub enum RedisCallError {
-    /// Redis did not answer within the timeout; the call was abandoned.
-    #[error("redis call timed out")]
-    Timeout,
-    /// No connection exists yet: the key's primary is not known.
-    #[error("not connected to redis")]
-    NotConnected,
-    /// Redis answered with an error or the connection failed.
-    #[error("redis call failed: {0}")]
-    Redis(#[source] redis::RedisError),
-    /// Redis answered, but not with what the script returns.
-    #[error("unexpected reply from redis")]
-    BadReply,
-    /// A coalesced decision got no answer (the reason kept for the logs):
-    /// the call it rode, with others, failed (counted once, for the call),
-    /// or it waited out the timeout, or its worker's queue was full.
-    #[error("no answer from the shared redis call ({0})")]
-    CallFailed(&'static str),
-}
-
-impl RedisCallError {
-    /// A short, stable label for metrics (`timeout`, `connection`, `server`).
-    pub fn kind(&self) -> &'static str {
-        match self {
-            Self::Timeout => "timeout",
-            Self::NotConnected => "connection",
-            Self::Redis(e) if e.is_io_error() || e.is_connection_dropped() => "connection",
-            Self::Redis(_) | Self::BadReply => "server",
-            Self::CallFailed(kind) => kind,
-        }
-    }
-
-    /// Whether the server was reached and said its keys are elsewhere (or
-    /// about to move): a routing miss, not a failing server.
-    fn is_redirection(&self) -> bool {
-        matches!(self, Self::Redis(e) if matches!(
-            e.kind(),
-            ErrorKind::Server(
-                ServerErrorKind::Moved
-                    | ServerErrorKind::Ask
-                    | ServerErrorKind::TryAgain
-                    | ServerErrorKind::ReadOnly
-            )
-        ))
-    }
-
-    /// Whether the failure may mean the layout changed.
-    fn suggests_new_layout(&self) -> bool {
-        match self {
-            Self::NotConnected | Self::Timeout => true,
-            Self::Redis(e) => {
-                e.is_io_error()
-                    || e.is_connection_dropped()
-                    || e.is_connection_refusal()
-                    || self.is_redirection()
-                    || matches!(
-                        e.kind(),
-                        ErrorKind::Server(
-                            ServerErrorKind::ClusterDown
-                                | ServerErrorKind::MasterDown
-                                | ServerErrorKind::BusyLoading
-                        )
-                    )
-            }
-            Self::BadReply | Self::CallFailed(_) => false,
-        }
-    }
-}
 
 /// Which primary a call goes to.
 #[derive(Debug, Clone, Copy)]
@@ -373,7 +304,8 @@ impl RedisConn {
             let gate = &layout.shards[index].gate;
             match &result {
                 Ok(_) => gate.success(),
-                Err(e) if e.is_redirection() => {}
+                // Redis answered: it is not failing.
+                Err(e) if e.is_redirection() || e.is_refusal() => {}
                 Err(_) => gate.failure(),
             }
         }

@@ -6,7 +6,8 @@
 //! rebalancer divides limits between.
 //!
 //! Invariants: ids are unique and in the id charset, each file is named
-//! after its id, every default share is in (0, 1], and the defaults sum to 1.
+//! after its id, every default share is in [`MIN_SHARE`, 1], and the
+//! defaults sum to 1.
 
 use std::path::{Path, PathBuf};
 
@@ -17,6 +18,26 @@ use crate::key::validate_id;
 
 /// Tolerance when checking that shares sum to 1.
 pub const SUM_TOLERANCE: f64 = 1e-6;
+
+/// The smallest share of a limit a region may hold (0.1 %). Below it a
+/// limit refills in geological time, and the bucket script's arithmetic
+/// on it would overflow; every share read (region file, admin API,
+/// `region_share` row) is checked against it ([`check_share`]).
+pub const MIN_SHARE: f64 = 0.001;
+
+/// `share`, when it is a number in [[`MIN_SHARE`], 1].
+///
+/// # Errors
+/// A message saying what is wrong.
+pub fn check_share(share: f64) -> Result<f64, String> {
+    if share.is_finite() && (MIN_SHARE..=1.0).contains(&share) {
+        Ok(share)
+    } else {
+        Err(format!(
+            "must be a number in [{MIN_SHARE}, 1], found {share}"
+        ))
+    }
+}
 
 /// One region, as its file describes it.
 #[derive(Debug, Clone, PartialEq)]
@@ -147,11 +168,8 @@ fn parse(path: &Path) -> Result<RegionSpec, Vec<String>> {
     if path.file_stem().and_then(|s| s.to_str()) != Some(raw.id.as_str()) {
         problems.push(format!("{at}: the file must be named {}.toml", raw.id));
     }
-    if !(raw.default_share > 0.0 && raw.default_share <= 1.0) {
-        problems.push(format!(
-            "{at}: default_share must be in (0, 1], found {}",
-            raw.default_share
-        ));
+    if let Err(message) = check_share(raw.default_share) {
+        problems.push(format!("{at}: default_share {message}"));
     }
     let redis = config::redis_target(
         &raw.redis.url,
@@ -195,12 +213,12 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join("a.toml"), "id = \"a\"\ndefault_share = 0.5\n").unwrap();
         std::fs::write(dir.join("b.toml"), "id = \"wrong\"\ndefault_share = 0.7\n").unwrap();
-        std::fs::write(dir.join("c.toml"), "id = \"c\"\ndefault_share = 0\n").unwrap();
+        std::fs::write(dir.join("c.toml"), "id = \"c\"\ndefault_share = 1e-300\n").unwrap();
         let err = load_dir(&dir).unwrap_err();
         std::fs::remove_dir_all(&dir).unwrap();
         assert_eq!(err.problems.len(), 3, "{err}");
         assert!(err.problems[0].contains("must be named wrong.toml"));
-        assert!(err.problems[1].contains("default_share must be in (0, 1]"));
+        assert!(err.problems[1].contains("default_share must be a number in [0.001, 1]"));
         assert!(err.problems[2].contains("sum to"));
     }
 }

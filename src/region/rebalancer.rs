@@ -19,21 +19,18 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use actix::fut::{ActorFutureExt, WrapFuture};
-use actix::{Actor, Addr, AsyncContext, Context, Handler, Message};
-use sqlx::Connection as _;
-use sqlx::postgres::PgConnection;
-
 use super::model::Regions;
-use super::prom::{Demand, Prometheus};
-use super::shares::{Decision, Scope, ScopeKey, ShareRow, ShareStore, effective};
+use super::prom::{Demand, PromError, Prometheus};
+use super::shares::{Scope, ScopeKey, effective};
 use super::split::{SplitParams, rebalance};
 use crate::config::RebalancerSettings;
+use crate::db::DbError;
+use crate::db::leader::LeaderLedger;
+use crate::db::shares::{Decision, ShareRow, ShareStore};
 use crate::key::{RouteId, TenantId, fingerprint};
-use crate::telemetry::{Metrics, OTHER_TENANTS, RequestCounters};
-
-/// The advisory lock that makes one instance the leader ("tollgate").
-const LEADER_LOCK: i64 = 0x746F_6C6C_6761_7465;
+use crate::telemetry::{Metrics, OTHER_TENANTS, RequestCounters, RoundResult};
+use actix::fut::{ActorFutureExt, WrapFuture};
+use actix::{Actor, Addr, AsyncContext, Context, Handler, Message};
 
 /// Longest a round may take (leader check, Prometheus, database) before it
 /// is abandoned, so a stuck connection cannot stop rebalancing.
@@ -41,41 +38,6 @@ const ROUND_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Changes smaller than this are not written.
 const MIN_CHANGE: f64 = 1e-4;
-
-/// How a round ended, as a metric label.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RoundResult {
-    /// New shares were written.
-    Applied,
-    /// The shares already match the demand.
-    Unchanged,
-    /// Another instance leads.
-    NotLeader,
-    /// Prometheus could not be asked.
-    PrometheusError,
-    /// Prometheus had no demand to go by.
-    NoData,
-    /// PostgreSQL failed.
-    DatabaseError,
-    /// The round took longer than 30 s; the leader session was dropped
-    /// (and with it the lock).
-    Timeout,
-}
-
-impl RoundResult {
-    /// The label value.
-    pub fn label(self) -> &'static str {
-        match self {
-            Self::Applied => "applied",
-            Self::Unchanged => "unchanged",
-            Self::NotLeader => "not_leader",
-            Self::PrometheusError => "prometheus_error",
-            Self::Timeout => "timeout",
-            Self::NoData => "no_data",
-            Self::DatabaseError => "database_error",
-        }
-    }
-}
 
 /// Requests per second by scope, then region, over the known regions.
 /// `_other` is the demand of the global scope.
@@ -161,27 +123,69 @@ fn unseen_regions<'a>(regions: &'a Regions, demand: &[Demand]) -> Vec<&'a str> {
         .collect()
 }
 
+/// What a round needs of the database: the leader lock, the shares in
+/// force, and the write of its changes.
+pub(crate) trait Ledger {
+    /// Whether this instance leads: keeps the lock it holds while its
+    /// session answers, else tries to take it.
+    async fn lead(&mut self) -> bool;
+    /// Lets go of the lock, after a round that was abandoned half-way.
+    fn resign(&mut self);
+    /// The shares in force.
+    async fn shares(&self) -> Result<Vec<ShareRow>, DbError>;
+    /// Writes `changes` with the record of `decision`, as leader: one
+    /// transaction, which fails when the lock has been lost.
+    async fn record(
+        &mut self,
+        changes: &[(Scope, BTreeMap<String, f64>)],
+        decision: &Decision<'_>,
+    ) -> Result<(), DbError>;
+}
+
+/// Where the demand a round follows comes from.
+pub(crate) trait DemandSource {
+    /// Requests per second by region, tenant label and route over `window`.
+    async fn demand(&self, window: Duration) -> Result<Vec<Demand>, PromError>;
+}
+
+impl DemandSource for Prometheus {
+    async fn demand(&self, window: Duration) -> Result<Vec<Demand>, PromError> {
+        Prometheus::demand(self, window).await
+    }
+}
+
+/// What stays the same from round to round.
+pub(crate) struct Plan {
+    /// Knobs.
+    pub settings: RebalancerSettings,
+    /// Every region.
+    pub regions: Arc<Regions>,
+    /// This instance, named in the decisions it records.
+    pub instance: String,
+    /// Maps the tenant labels Prometheus reports back to tenant ids, and
+    /// names tenants in logs.
+    pub labels: Arc<RequestCounters>,
+}
+
 /// Starts the rebalancer on the current arbiter; send it [`Round`] on a
 /// schedule.
 pub fn start(
     settings: RebalancerSettings,
     regions: Arc<Regions>,
     store: ShareStore,
-    database_url: String,
-    instance_id: String,
+    instance: String,
     labels: Arc<RequestCounters>,
     metrics: Metrics,
 ) -> Addr<Rebalancer> {
     Rebalancer {
-        settings,
-        regions,
-        store,
-        database_url,
-        instance_id,
-        labels,
-        lock: None,
-        running: false,
-        prometheus: None,
+        prometheus: Prometheus::new(&settings.prometheus_url),
+        plan: Arc::new(Plan {
+            settings,
+            regions,
+            instance,
+            labels,
+        }),
+        ledger: Some(LeaderLedger::new(store)),
         metrics,
     }
     .start()
@@ -189,34 +193,18 @@ pub fn start(
 
 /// The rebalancing actor.
 pub struct Rebalancer {
-    /// Knobs.
-    settings: RebalancerSettings,
-    /// Every region.
-    regions: Arc<Regions>,
-    /// Where shares are written.
-    store: ShareStore,
-    /// For the leader lock's own session.
-    database_url: String,
-    /// This instance, named in the decisions it records.
-    instance_id: String,
-    /// Maps the tenant labels Prometheus reports back to tenant ids.
-    labels: Arc<RequestCounters>,
-    /// The session holding the leader lock, while this instance leads.
-    lock: Option<PgConnection>,
-    /// Whether a round is under way.
-    running: bool,
-    /// The Prometheus client (created on the actor's thread).
-    prometheus: Option<Prometheus>,
+    /// Where demand is read.
+    prometheus: Prometheus,
+    /// What every round works with.
+    plan: Arc<Plan>,
+    /// The shares and the leader lock; `None` while a round runs.
+    ledger: Option<LeaderLedger>,
     /// Round counter.
     metrics: Metrics,
 }
 
 impl Actor for Rebalancer {
     type Context = Context<Self>;
-
-    fn started(&mut self, _: &mut Self::Context) {
-        self.prometheus = Some(Prometheus::new(&self.settings.prometheus_url));
-    }
 }
 
 /// Run one round now.
@@ -228,92 +216,46 @@ impl Handler<Round> for Rebalancer {
     type Result = ();
 
     fn handle(&mut self, _: Round, ctx: &mut Context<Self>) {
-        let Some(prometheus) = self.prometheus.clone() else {
+        let Some(mut ledger) = self.ledger.take() else {
             return;
         };
-        if self.running {
-            return;
-        }
-        self.running = true;
-        let lock = self.lock.take();
-        let (url, store, regions, instance, labels) = (
-            self.database_url.clone(),
-            self.store.clone(),
-            self.regions.clone(),
-            self.instance_id.clone(),
-            self.labels.clone(),
-        );
-        let settings = self.settings.clone();
-        let round = async move {
-            let work = async move {
-                let (mut lock, leader) = lead(lock, &url).await;
-                let Some(session) = lock.as_mut().filter(|_| leader) else {
-                    return (lock, RoundResult::NotLeader);
-                };
-                let leader = Leader {
-                    session,
-                    instance: &instance,
-                    labels: &labels,
-                };
-                let result = run(&prometheus, &store, &regions, &settings, leader).await;
-                (lock, result)
-            };
-            // On a timeout the session is dropped with the round: its lock
-            // goes with it, and the next round starts afresh.
-            tokio::time::timeout(ROUND_TIMEOUT, work)
-                .await
-                .unwrap_or_else(|_| {
-                    tracing::warn!(
-                        seconds = ROUND_TIMEOUT.as_secs(),
-                        "A rebalancer round did not finish in time; abandoned."
-                    );
-                    (None, RoundResult::Timeout)
-                })
+        let (prometheus, plan) = (self.prometheus.clone(), self.plan.clone());
+        let work = async move {
+            let result = round(&prometheus, &mut ledger, &plan).await;
+            (ledger, result)
         };
-        ctx.spawn(round.into_actor(self).map(|(lock, result), actor, _| {
-            actor.lock = lock;
-            actor.running = false;
-            actor.metrics.rebalance_round(result.label());
+        ctx.spawn(work.into_actor(self).map(|(ledger, result), actor, _| {
+            actor.ledger = Some(ledger);
+            actor.metrics.rebalance_round(result);
         }));
     }
 }
 
-/// Keeps or takes the leader lock; returns the session holding it.
-async fn lead(lock: Option<PgConnection>, url: &str) -> (Option<PgConnection>, bool) {
-    if let Some(mut conn) = lock {
-        if conn.ping().await.is_ok() {
-            return (Some(conn), true);
+/// One round: leads or stops, then follows demand. Bounded by
+/// [`ROUND_TIMEOUT`]; an abandoned round lets go of the lock (its session
+/// may be stuck), and the next round starts afresh.
+pub(crate) async fn round(
+    source: &impl DemandSource,
+    ledger: &mut impl Ledger,
+    plan: &Plan,
+) -> RoundResult {
+    let work = async {
+        if !ledger.lead().await {
+            return RoundResult::NotLeader;
         }
-        tracing::warn!("Lost the rebalancer's leader session; trying to lead again.");
-    }
-    let Ok(mut conn) = PgConnection::connect(url).await else {
-        return (None, false);
+        run(source, ledger, plan).await
     };
-    let locked: Result<bool, _> = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
-        .bind(LEADER_LOCK)
-        .fetch_one(&mut conn)
-        .await;
-    match locked {
-        Ok(true) => {
-            tracing::info!("This instance now leads region rebalancing.");
-            (Some(conn), true)
-        }
-        _ => {
-            let _ = conn.close().await;
-            (None, false)
+    match tokio::time::timeout(ROUND_TIMEOUT, work).await {
+        Ok(result) => result,
+        Err(_) => {
+            tracing::warn!(
+                seconds = ROUND_TIMEOUT.as_secs(),
+                "A rebalancer round did not finish in time; abandoned."
+            );
+            ledger.resign();
+            RoundResult::Timeout
         }
     }
-}
-
-/// The instance leading a round, and the session holding its lock.
-struct Leader<'a> {
-    /// Writes go through this session: it holds the leader lock.
-    session: &'a mut PgConnection,
-    /// This instance's id, recorded with each decision.
-    instance: &'a str,
-    /// Tenant labels, to map demand back to tenants and to name them in
-    /// logs.
-    labels: &'a RequestCounters,
 }
 
 /// `demand` by tenant id instead of tenant label; series of labels this
@@ -335,15 +277,10 @@ fn by_tenant_id(demand: Vec<Demand>, labels: &RequestCounters) -> Vec<Demand> {
 }
 
 /// One round as leader.
-async fn run(
-    prometheus: &Prometheus,
-    store: &ShareStore,
-    regions: &Regions,
-    settings: &RebalancerSettings,
-    leader: Leader<'_>,
-) -> RoundResult {
-    let demand = match prometheus.demand(settings.window).await {
-        Ok(d) if d.iter().any(|d| d.rate > 0.0) => by_tenant_id(d, leader.labels),
+async fn run(source: &impl DemandSource, ledger: &mut impl Ledger, plan: &Plan) -> RoundResult {
+    let (settings, regions) = (&plan.settings, &*plan.regions);
+    let demand = match source.demand(settings.window).await {
+        Ok(d) if d.iter().any(|d| d.rate > 0.0) => by_tenant_id(d, &plan.labels),
         Ok(_) => {
             tracing::warn!("Prometheus has no request rates yet; region shares stay as they are.");
             return RoundResult::NoData;
@@ -365,7 +302,7 @@ async fn run(
         );
         return RoundResult::NoData;
     }
-    let rows = match store.load_all().await {
+    let rows = match ledger.shares().await {
         Ok(rows) => rows,
         Err(e) => {
             tracing::warn!(error = %e, "Cannot read region shares; skipping this round.");
@@ -399,15 +336,14 @@ async fn run(
         })
         .collect();
     let decision = Decision {
-        instance: leader.instance,
+        instance: &plan.instance,
         changes: serde_json::Value::Array(record),
     };
-    match ShareStore::replace_on(leader.session, &changes, Some(&decision)).await {
+    match ledger.record(&changes, &decision).await {
         Ok(()) => {
             for (scope, shares) in &changes {
                 let tenant = scope.tenant.as_ref().map(|t| {
-                    leader
-                        .labels
+                    plan.labels
                         .label_of(t.as_str())
                         .map_or_else(|| fingerprint(t.as_str()), |l| l.to_string())
                 });
@@ -534,5 +470,181 @@ mod tests {
             P,
         );
         assert!(none.is_empty(), "{none:?}");
+    }
+
+    /// The database in memory: leads when told to, records each write.
+    #[derive(Default)]
+    struct FakeLedger {
+        /// Whether `lead` wins the lock.
+        wins: bool,
+        /// The shares in force.
+        rows: Vec<ShareRow>,
+        /// Whether reads and writes fail.
+        broken: bool,
+        /// What was written: the scopes changed and the recording instance.
+        written: Vec<(usize, String)>,
+        /// Lock taken and held.
+        holds: bool,
+    }
+
+    impl Ledger for FakeLedger {
+        async fn lead(&mut self) -> bool {
+            self.holds = self.wins;
+            self.holds
+        }
+
+        fn resign(&mut self) {
+            self.holds = false;
+        }
+
+        async fn shares(&self) -> Result<Vec<ShareRow>, DbError> {
+            if self.broken {
+                return Err(DbError::Database(sqlx::Error::PoolTimedOut));
+            }
+            Ok(self.rows.clone())
+        }
+
+        async fn record(
+            &mut self,
+            changes: &[(Scope, BTreeMap<String, f64>)],
+            decision: &Decision<'_>,
+        ) -> Result<(), DbError> {
+            if !self.holds {
+                return Err(DbError::NotLeader);
+            }
+            self.written
+                .push((changes.len(), decision.instance.to_owned()));
+            Ok(())
+        }
+    }
+
+    /// Prometheus answering `answer` after `delay`.
+    struct FakeDemand {
+        answer: Option<Vec<Demand>>,
+        delay: Duration,
+    }
+
+    impl DemandSource for FakeDemand {
+        async fn demand(&self, _: Duration) -> Result<Vec<Demand>, PromError> {
+            tokio::time::sleep(self.delay).await;
+            self.answer
+                .clone()
+                .ok_or_else(|| PromError::Request("connection refused".into()))
+        }
+    }
+
+    fn plan() -> Plan {
+        crate::telemetry::install();
+        Plan {
+            settings: RebalancerSettings {
+                enabled: true,
+                prometheus_url: "http://127.0.0.1:1".into(),
+                interval: Duration::from_secs(60),
+                window: Duration::from_secs(300),
+                smoothing: P.smoothing,
+                max_step: P.max_step,
+                floor: P.floor,
+            },
+            regions: Arc::new(regions()),
+            instance: "gw-1".into(),
+            labels: Arc::new(RequestCounters::new(["api"], &[], 10)),
+        }
+    }
+
+    fn skewed() -> FakeDemand {
+        FakeDemand {
+            answer: Some(vec![
+                demand("eu", OTHER_TENANTS, 90.0),
+                demand("us", OTHER_TENANTS, 10.0),
+            ]),
+            delay: Duration::from_secs(1),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_leader_writes_the_moved_shares_with_its_name() {
+        let mut ledger = FakeLedger {
+            wins: true,
+            ..FakeLedger::default()
+        };
+        assert_eq!(
+            round(&skewed(), &mut ledger, &plan()).await,
+            RoundResult::Applied
+        );
+        assert_eq!(ledger.written, [(1, "gw-1".to_owned())]);
+        // A second round on the shares already at the demand ratio.
+        ledger.rows = ["eu", "us"]
+            .into_iter()
+            .zip([0.9, 0.1])
+            .map(|(region, share)| ShareRow {
+                region: region.into(),
+                tenant: None,
+                route: None,
+                share,
+                updated_at: None,
+            })
+            .collect();
+        assert_eq!(
+            round(&skewed(), &mut ledger, &plan()).await,
+            RoundResult::Unchanged
+        );
+        assert_eq!(ledger.written.len(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_follower_and_a_failing_source_write_nothing() {
+        let mut follower = FakeLedger::default();
+        assert_eq!(
+            round(&skewed(), &mut follower, &plan()).await,
+            RoundResult::NotLeader
+        );
+        let mut leader = FakeLedger {
+            wins: true,
+            ..FakeLedger::default()
+        };
+        let refused = FakeDemand {
+            answer: None,
+            delay: Duration::ZERO,
+        };
+        assert_eq!(
+            round(&refused, &mut leader, &plan()).await,
+            RoundResult::PrometheusError
+        );
+        for (demand, why) in [
+            (demand("eu", OTHER_TENANTS, 0.0), "no traffic anywhere"),
+            (demand("eu", OTHER_TENANTS, 5.0), "an unseen region"),
+        ] {
+            let answer = FakeDemand {
+                answer: Some(vec![demand]),
+                delay: Duration::ZERO,
+            };
+            let result = round(&answer, &mut leader, &plan()).await;
+            assert_eq!(result, RoundResult::NoData, "{why}");
+        }
+        leader.broken = true;
+        assert_eq!(
+            round(&skewed(), &mut leader, &plan()).await,
+            RoundResult::DatabaseError
+        );
+        assert!(follower.written.is_empty() && leader.written.is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_round_past_its_time_is_abandoned_and_lets_go_of_the_lock() {
+        let mut ledger = FakeLedger {
+            wins: true,
+            ..FakeLedger::default()
+        };
+        let stuck = FakeDemand {
+            delay: ROUND_TIMEOUT * 2,
+            ..skewed()
+        };
+        let started = tokio::time::Instant::now();
+        assert_eq!(
+            round(&stuck, &mut ledger, &plan()).await,
+            RoundResult::Timeout
+        );
+        assert_eq!(started.elapsed(), ROUND_TIMEOUT);
+        assert!(!ledger.holds && ledger.written.is_empty());
     }
 }

@@ -1,5 +1,5 @@
-//! Region shares: the `region_share` table and the snapshot the request
-//! path reads.
+//! Region shares: the splitter that follows the `region_share` table and
+//! the snapshot the request path reads.
 //!
 //! Owns this region's share of every limit. The splitter actor loads every
 //! `region_share` row, follows `NOTIFY tollgate_shares` (any change reloads
@@ -8,73 +8,26 @@
 //! at most four hash probes (tenant+route, tenant, route, global), then
 //! scale their rule by the share. Without regions every share is 1.
 //!
-//! Invariant: a share is in (0, 1]; the shares of one scope across regions
+//! Invariant: a share in force is in [`super::model::MIN_SHARE`, 1]; the shares of one scope across regions
 //! sum to 1 when written through the admin API or the rebalancer.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
 use actix::fut::{ActorFutureExt, WrapFuture};
 use actix::{Actor, Addr, AsyncContext, AtomicResponse, Context, Handler};
 use arc_swap::{ArcSwap, Guard};
-use serde::Serialize;
-use sqlx::Connection as _;
-use sqlx::postgres::{PgConnection, PgPool};
 
-use super::model::Regions;
+use super::model::{Regions, check_share};
+use crate::db::Database;
+use crate::db::feed::{Feed, Notified, Resync};
+use crate::db::shares::{CHANNEL, ShareRow, ShareStore};
 use crate::key::{PAIR_KEY_BUF, RouteId, TenantId, fingerprint, pair_key};
-use crate::rules::RuleStore;
-use crate::rules::feed::{Feed, Notified, Resync};
 use crate::telemetry::{Metrics, RequestCounters};
 
-/// The `NOTIFY` channel of share changes.
-pub const CHANNEL: &str = "tollgate_shares";
 /// Changes arriving within this window cause one reload.
 const BATCH_WINDOW: Duration = Duration::from_millis(20);
-
-/// Why shares could not be read or written.
-#[derive(Debug, thiserror::Error)]
-#[error("region share query failed: {0}")]
-pub struct ShareStoreError(#[from] sqlx::Error);
-
-/// One `region_share` row.
-#[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
-pub struct ShareRow {
-    /// Region id.
-    pub region: String,
-    /// Tenant, or `None` for every tenant.
-    pub tenant: Option<String>,
-    /// Route, or `None` for every route.
-    pub route: Option<String>,
-    /// Share in (0, 1].
-    pub share: f64,
-    /// Last change, RFC 3339 in UTC.
-    pub updated_at: Option<String>,
-}
-
-/// Rebalancer decisions kept in `rebalance_decision`.
-const KEPT_DECISIONS: i64 = 100;
-
-/// A rebalancer round to record with the shares it writes.
-#[derive(Debug)]
-pub struct Decision<'a> {
-    /// The instance that led the round.
-    pub instance: &'a str,
-    /// `[{"tenant", "route", "shares", "demand_per_second"}, …]`.
-    pub changes: serde_json::Value,
-}
-
-/// One recorded rebalancer decision.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct DecisionRow {
-    /// When, RFC 3339 in UTC.
-    pub decided_at: String,
-    /// The instance that led the round.
-    pub instance_id: String,
-    /// What changed, and the demand behind it.
-    pub changes: serde_json::Value,
-}
 
 /// The scope of a share: a tenant and/or route, or everything.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -83,135 +36,6 @@ pub struct Scope {
     pub tenant: Option<TenantId>,
     /// Route, or `None` for every route.
     pub route: Option<RouteId>,
-}
-
-/// Queries on `region_share`.
-#[derive(Clone)]
-pub struct ShareStore {
-    /// The rules store's pool.
-    pool: PgPool,
-}
-
-impl ShareStore {
-    /// Queries over the rules store's pool.
-    pub fn new(rules: &RuleStore) -> Self {
-        Self {
-            pool: rules.pool().clone(),
-        }
-    }
-
-    /// Every row.
-    ///
-    /// # Errors
-    /// When the database fails.
-    pub async fn load_all(&self) -> Result<Vec<ShareRow>, ShareStoreError> {
-        Ok(sqlx::query_as(
-            "SELECT region_id AS region, tenant_id AS tenant, route_id AS route, share, \
-             to_char(updated_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') AS updated_at \
-             FROM region_share ORDER BY tenant_id NULLS FIRST, route_id NULLS FIRST, region_id",
-        )
-        .fetch_all(&self.pool)
-        .await?)
-    }
-
-    /// Replaces the shares of each scope with the given per-region shares
-    /// in one transaction on a pooled connection.
-    ///
-    /// # Errors
-    /// When the database fails; nothing is written then.
-    pub async fn replace(
-        &self,
-        changes: &[(Scope, BTreeMap<String, f64>)],
-    ) -> Result<(), ShareStoreError> {
-        let mut conn = self.pool.acquire().await?;
-        Self::replace_on(&mut conn, changes, None).await
-    }
-
-    /// Replaces the shares of each scope with the given per-region shares,
-    /// and records `decision` when the rebalancer made them, all in one
-    /// transaction on `conn`. The rebalancer passes the session that holds
-    /// its leader lock: an instance that lost the lock (its session died)
-    /// cannot write.
-    ///
-    /// # Errors
-    /// When the database fails; nothing is written then.
-    pub async fn replace_on(
-        conn: &mut PgConnection,
-        changes: &[(Scope, BTreeMap<String, f64>)],
-        decision: Option<&Decision<'_>>,
-    ) -> Result<(), ShareStoreError> {
-        let mut tx = conn.begin().await?;
-        if let Some(decision) = decision {
-            sqlx::query(
-                "INSERT INTO rebalance_decision (instance_id, changes) VALUES ($1, $2::jsonb)",
-            )
-            .bind(decision.instance)
-            .bind(decision.changes.to_string())
-            .execute(&mut *tx)
-            .await?;
-            sqlx::query(
-                "DELETE FROM rebalance_decision WHERE id NOT IN \
-                 (SELECT id FROM rebalance_decision ORDER BY id DESC LIMIT $1)",
-            )
-            .bind(KEPT_DECISIONS)
-            .execute(&mut *tx)
-            .await?;
-        }
-        for (scope, shares) in changes {
-            for (region, share) in shares {
-                sqlx::query(
-                    "INSERT INTO region_share (region_id, tenant_id, route_id, share) VALUES ($1, $2, $3, $4) \
-                     ON CONFLICT ON CONSTRAINT region_share_scope \
-                     DO UPDATE SET share = EXCLUDED.share, updated_at = now()",
-                )
-                .bind(region)
-                .bind(scope.tenant.as_ref().map(TenantId::as_str))
-                .bind(scope.route.as_ref().map(RouteId::as_str))
-                .bind(share)
-                .execute(&mut *tx)
-                .await?;
-            }
-        }
-        tx.commit().await?;
-        Ok(())
-    }
-
-    /// The latest `limit` rebalancer decisions, newest first.
-    ///
-    /// # Errors
-    /// When the database fails.
-    pub async fn decisions(&self, limit: i64) -> Result<Vec<DecisionRow>, ShareStoreError> {
-        let rows: Vec<(String, String, String)> = sqlx::query_as(
-            "SELECT to_char(decided_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), \
-             instance_id, changes::text FROM rebalance_decision ORDER BY id DESC LIMIT $1",
-        )
-        .bind(limit)
-        .fetch_all(&self.pool)
-        .await?;
-        Ok(rows
-            .into_iter()
-            .map(|(decided_at, instance_id, changes)| DecisionRow {
-                decided_at,
-                instance_id,
-                changes: serde_json::from_str(&changes).unwrap_or(serde_json::Value::Null),
-            })
-            .collect())
-    }
-
-    /// Deletes every region's share of `scope`; returns whether any existed.
-    ///
-    /// # Errors
-    /// When the database fails.
-    pub async fn delete(&self, scope: &Scope) -> Result<bool, ShareStoreError> {
-        let done = sqlx::query(
-            "DELETE FROM region_share WHERE tenant_id IS NOT DISTINCT FROM $1 AND route_id IS NOT DISTINCT FROM $2",
-        )
-        .bind(scope.tenant.as_ref().map(TenantId::as_str))
-        .bind(scope.route.as_ref().map(RouteId::as_str))
-        .execute(&self.pool)
-        .await?;
-        Ok(done.rows_affected() > 0)
-    }
 }
 
 /// The shares in force.
@@ -235,11 +59,25 @@ impl ShareSet {
         }
     }
 
-    /// The shares of `region` (whose default is `default`) from `rows`.
+    /// The shares of `region` (whose default is `default`) from `rows`; a
+    /// row whose share [`check_share`] refuses is ignored (its scope keeps
+    /// the default) and logged.
     pub fn new(region: &str, default: f64, rows: Vec<ShareRow>) -> Self {
         let local = rows
             .iter()
             .filter(|r| r.region == region)
+            .filter(|r| match check_share(r.share) {
+                Ok(_) => true,
+                Err(message) => {
+                    tracing::warn!(
+                        tenant = r.tenant.as_deref().unwrap_or("*"),
+                        route = r.route.as_deref().unwrap_or("*"),
+                        problem = %message,
+                        "A region_share row is ignored; its scope keeps the region's default share."
+                    );
+                    false
+                }
+            })
             .filter_map(|r| {
                 let (tenant, route) = (r.tenant.as_deref(), r.route.as_deref());
                 let mut buf = [0; PAIR_KEY_BUF];
@@ -333,13 +171,12 @@ impl SharesHandle {
     }
 }
 
-/// Starts the splitter for `region` (one of `regions`): with `rules` (a
-/// database), it loads and follows `region_share`; without, every share is
+/// Starts the splitter for `region` (one of `regions`): with `db`, it loads and follows `region_share`; without, every share is
 /// the region's default.
 pub fn start(
     region: &str,
     regions: Arc<Regions>,
-    rules: Option<&RuleStore>,
+    db: Option<&Database>,
     labels: Arc<RequestCounters>,
     metrics: Metrics,
 ) -> SharesHandle {
@@ -348,7 +185,7 @@ pub fn start(
     let mut exported = BTreeSet::new();
     export(&regions, &first, &mut exported, &labels, &metrics);
     let snapshot = Arc::new(ArcSwap::from_pointee(first));
-    let Some(rules) = rules else {
+    let Some(db) = db else {
         return SharesHandle {
             snapshot,
             store: None,
@@ -357,7 +194,7 @@ pub fn start(
             regions: Some(regions),
         };
     };
-    let store = ShareStore::new(rules);
+    let store = ShareStore::new(db.clone());
     let splitter = Splitter {
         region: region.to_owned(),
         default,
@@ -370,7 +207,7 @@ pub fn start(
         reload_scheduled: false,
     }
     .start();
-    let feed = Feed::start(rules.url().to_owned(), CHANNEL, splitter.clone());
+    let feed = Feed::start(db.url().to_owned(), CHANNEL, splitter.clone());
     SharesHandle {
         snapshot,
         store: Some(store),
@@ -590,5 +427,22 @@ mod tests {
             0.7
         );
         assert_eq!(ShareSet::whole().share_for("x", "y"), 1.0);
+    }
+
+    #[test]
+    fn a_row_below_the_share_floor_is_ignored() {
+        let set = ShareSet::new(
+            "eu",
+            0.7,
+            vec![
+                row("eu", None, None, 5e-324),
+                row("eu", Some("t"), None, 1e-17),
+                row("eu", Some("u"), None, f64::NAN),
+                row("eu", Some("v"), None, 0.001),
+            ],
+        );
+        assert_eq!(set.share_for("t", "api"), 0.7, "the region's default");
+        assert_eq!(set.share_for("u", "api"), 0.7);
+        assert_eq!(set.share_for("v", "api"), 0.001, "the floor itself holds");
     }
 }

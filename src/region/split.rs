@@ -7,6 +7,8 @@
 //! fraction of the way from current to target, so shares keep summing to 1
 //! and never drop below the floor.
 
+use super::model::MIN_SHARE;
+
 /// Knobs of one rebalancing round.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SplitParams {
@@ -14,7 +16,8 @@ pub struct SplitParams {
     pub smoothing: f64,
     /// Largest change of any one share per round (0 < m ≤ 1).
     pub max_step: f64,
-    /// Smallest share any region keeps (regions × floor ≤ 1).
+    /// Smallest share any region keeps (regions × floor ≤ 1; never below
+    /// [`MIN_SHARE`]).
     pub floor: f64,
 }
 
@@ -27,7 +30,8 @@ pub fn rebalance(current: &[f64], demand: &[f64], p: SplitParams) -> Option<Vec<
     if current.len() != demand.len() || current.is_empty() || total.is_nan() || total <= 0.0 {
         return None;
     }
-    let floor = p.floor.clamp(0.0, 1.0 / current.len() as f64);
+    // Never below the smallest share a region may hold.
+    let floor = p.floor.clamp(MIN_SHARE, 1.0 / current.len() as f64);
     let target = with_floor(demand.iter().map(|d| d.max(0.0) / total).collect(), floor);
     let largest_move = current
         .iter()

@@ -1,8 +1,5 @@
-//! The rule cache actor and the handle the rest of the gateway uses.
-//!
-//! Owns the published rule snapshot. The `RuleCache` actor is the only
-//! writer. Request handlers read the snapshot through
-//! [`RulesHandle::snapshot`], an atomic pointer load: no lock, no mailbox.
+//! The rule cache actor: the only writer of the published rule snapshot
+//! (readers hold a [`RulesHandle`](super::RulesHandle)).
 //!
 //! Sources:
 //! - **file**: the file is checked every `rules.watch_interval_ms` and
@@ -14,284 +11,61 @@
 //!   each change to the actor, which batches changes arriving within
 //!   [`BATCH_WINDOW`] into one new snapshot. Every time the listener
 //!   (re)connects it asks for a full reload, so changes made while it was
-//!   away are never lost. Each snapshot loaded from the database is saved to
-//!   `rules.snapshot_file`; a gateway that starts while the database is down
-//!   serves that copy (or only the default rule when there is none) and
-//!   keeps retrying.
+//!   away are never lost. The cache reads the table through the
+//!   [`RuleRows`] seam; loading, the first load's fallbacks and the saved
+//!   copy (`rules.snapshot_file`) are in [`super::database`].
 //!
-//! Both sources are also reloaded in full by [`RulesHandle::reload`], which
+//! Both sources are also reloaded in full by [`RulesHandle::reload`](super::RulesHandle::reload), which
 //! the periodic safety-net job calls.
 //!
 //! Invariant: a failed reload never replaces the snapshot in force.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use actix::fut::{ActorFutureExt, WrapFuture};
 use actix::{
     Actor, Addr, AsyncContext, AtomicResponse, Context, Handler, Message, ResponseActFuture,
 };
-use arc_swap::{ArcSwap, Guard};
+use arc_swap::ArcSwap;
 
-use super::feed::{Feed, Notified, Resync};
+use super::database::{self, RuleRows, SnapshotSaver, origin};
 use super::file::{self, FileChange, FileFingerprint, FileWatch, RuleFileError};
-use super::model::{Limit, Rule, RuleSet, SnapshotOrigin};
-use super::pg::{CHANNEL, Change, RuleStore, RuleStoreError};
-use super::snapshot;
-use crate::clock::{SharedClock, millis, unix_now_seconds};
-use crate::config::{RuleSource, RulesSettings};
+use super::handle::RulesError;
+use super::model::{Limit, RuleSet};
+use crate::clock::SharedClock;
+use crate::db::feed::{Notified, Resync};
+use crate::db::rules::Change;
 use crate::key::RouteId;
 use crate::telemetry::{Metrics, RequestCounters};
 
-/// Longest a full load from the database may take.
-const LOAD_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long a caller waits for the cache to answer a reload request.
-const RELOAD_TIMEOUT: Duration = Duration::from_secs(40);
 /// Changes arriving within this window are applied as one new snapshot.
 pub const BATCH_WINDOW: Duration = Duration::from_millis(20);
 
-/// Why rules could not be (re)loaded.
-#[derive(Debug, thiserror::Error)]
-pub enum RulesError {
-    /// The rules file is unreadable or invalid.
-    #[error(transparent)]
-    File(#[from] RuleFileError),
-    /// The database failed.
-    #[error(transparent)]
-    Store(#[from] RuleStoreError),
-    /// The cache actor did not answer.
-    #[error("rule cache is not answering")]
-    Unavailable,
-}
-
-/// Read access to the rules in force, and a way to ask for a reload.
-#[derive(Clone)]
-pub struct RulesHandle {
-    /// The published snapshot.
-    snapshot: Arc<ArcSwap<RuleSet>>,
-    /// The writer.
-    cache: Addr<RuleCache>,
-    /// The database, when rules come from one.
-    store: Option<RuleStore>,
-    /// The change feed, when rules come from a database.
-    feed: Option<Feed>,
-    /// This gateway's reloads since start.
-    counts: Arc<ReloadCounts>,
-}
-
-impl RulesHandle {
-    /// The rules in force now; cheap enough for every request.
-    pub fn snapshot(&self) -> Guard<Arc<RuleSet>> {
-        self.snapshot.load()
-    }
-
-    /// Reloads that failed since start (the rules in force stayed).
-    pub fn failed_reloads(&self) -> u64 {
-        self.counts.failed.load(Ordering::Relaxed)
-    }
-
-    /// Reloads that published new rules since start (the first load and
-    /// rereads that found the rules in force excluded).
-    pub fn applied_reloads(&self) -> u64 {
-        self.counts.applied.load(Ordering::Relaxed)
-    }
-
-    /// The database the rules come from; `None` in file mode.
-    pub fn store(&self) -> Option<&RuleStore> {
-        self.store.as_ref()
-    }
-
-    /// Stops following database changes and closes the database pool, so
-    /// no connection outlives the runtime.
-    pub async fn shutdown(&self) {
-        if let Some(feed) = &self.feed {
-            feed.stop().await;
-        }
-        if let Some(store) = &self.store
-            && tokio::time::timeout(Duration::from_secs(2), store.close())
-                .await
-                .is_err()
-        {
-            tracing::warn!("Database connections did not close within 2 s.");
-        }
-    }
-
-    /// Reloads every rule from the source now.
-    ///
-    /// # Errors
-    /// [`RulesError`] when the source fails; the old snapshot stays.
-    pub async fn reload(&self) -> Result<usize, RulesError> {
-        match tokio::time::timeout(RELOAD_TIMEOUT, self.cache.send(Reload)).await {
-            Ok(Ok(result)) => result,
-            _ => Err(RulesError::Unavailable),
-        }
-    }
-}
-
-/// Loads the rules once and starts the cache actor on the current arbiter.
-///
-/// In database mode this never fails for an unreachable database: it falls
-/// back to the saved snapshot or the default rule and keeps retrying.
-///
-/// # Errors
-/// [`RulesError`] when the rules file is invalid, or the database URL cannot
-/// be used; nothing is started then.
-pub async fn start(
-    settings: &RulesSettings,
-    default: Limit,
-    metrics: Metrics,
-    labels: Arc<RequestCounters>,
-    clock: SharedClock,
-) -> Result<RulesHandle, RulesError> {
-    let reloads = Reloads {
-        metrics,
-        counts: Arc::new(ReloadCounts::default()),
-    };
-    let (source, first, store) = match &settings.source {
-        RuleSource::File(path) => {
-            let fingerprint = FileFingerprint::of(path);
-            let contents = file::read(path)?;
-            let parsed = file::parse_for(path, &contents, &settings.routes)?;
-            let first = RuleSet::new(parsed.rules, default, origin("file"));
-            reloads.first(first.len());
-            tracing::info!(rules = first.len(), file = %path.display(), "Rules loaded.");
-            let source = Source::File {
-                path: path.clone(),
-                watch: FileWatch::new(fingerprint, millis(settings.settle)),
-                applied: Some(digest(&contents)),
-                recheck: false,
-                routes: settings.routes.clone(),
-            };
-            (source, first, None)
-        }
-        RuleSource::Database(url) => {
-            let store = RuleStore::connect_lazy(url)?;
-            let mut migrate_pending = settings.migrate_on_start;
-            let first = first_database_load(
-                &store,
-                &mut migrate_pending,
-                settings.snapshot_file.as_deref(),
-                default,
-                &reloads,
-            )
-            .await;
-            let source = Source::Database {
-                store: store.clone(),
-                migrate_pending,
-                saver: SnapshotSaver::new(settings.snapshot_file.clone()),
-            };
-            (source, first, Some(store))
-        }
-    };
-    labels.label_tenants(first.tenants());
-    let snapshot = Arc::new(ArcSwap::from_pointee(first));
-    let cache = RuleCache {
-        source,
-        default,
-        snapshot: snapshot.clone(),
-        watch_interval: settings.watch_interval,
-        clock,
-        reloads: reloads.clone(),
-        labels,
-        pending: Vec::new(),
-    }
-    .start();
-    let feed = store
-        .as_ref()
-        .map(|s| Feed::start(s.url().to_owned(), CHANNEL, cache.clone()));
-    Ok(RulesHandle {
-        snapshot,
-        cache,
-        store,
-        feed,
-        counts: reloads.counts,
-    })
-}
-
-/// The first load in database mode: the database, else the saved snapshot,
-/// else nothing but the default rule.
-async fn first_database_load(
-    store: &RuleStore,
-    migrate_pending: &mut bool,
-    snapshot_file: Option<&Path>,
-    default: Limit,
-    reloads: &Reloads,
-) -> RuleSet {
-    match load_database(store, *migrate_pending).await {
-        Ok(rules) => {
-            *migrate_pending = false;
-            let set = RuleSet::new(rules, default, origin("database"));
-            reloads.first(set.len());
-            tracing::info!(rules = set.len(), "Rules loaded from PostgreSQL.");
-            SnapshotSaver::new(snapshot_file.map(Path::to_path_buf)).save(Arc::new(set.clone()));
-            set
-        }
-        Err(e) => {
-            reloads.failed();
-            let saved = snapshot_file.map(snapshot::load);
-            match saved {
-                Some(Ok((rules, loaded_at_unix))) => {
-                    let origin = SnapshotOrigin {
-                        source: "snapshot",
-                        loaded_at_unix,
-                    };
-                    let set = RuleSet::new(rules, default, origin);
-                    tracing::warn!(
-                        error = %e,
-                        rules = set.len(),
-                        "The rules database cannot be read; serving the saved rule snapshot and retrying."
-                    );
-                    set
-                }
-                other => {
-                    let reason = match other {
-                        Some(Err(snap)) => snap.to_string(),
-                        _ => "no snapshot file is configured".to_owned(),
-                    };
-                    tracing::error!(
-                        error = %e,
-                        snapshot = %reason,
-                        "The rules database cannot be read and no saved rules exist; every tenant gets the default rule until it can."
-                    );
-                    RuleSet::new(Vec::new(), default, origin("default"))
-                }
-            }
-        }
-    }
-}
-
-/// Migrates when asked, then reads every rule.
-async fn load_database(store: &RuleStore, migrate: bool) -> Result<Vec<Rule>, RuleStoreError> {
-    let load = async {
-        if migrate {
-            store.migrate().await?;
-        }
-        store.load_all().await
-    };
-    // A database that stops answering must not hold the cache forever.
-    tokio::time::timeout(LOAD_TIMEOUT, load)
-        .await
-        .map_err(|_| RuleStoreError::Database(sqlx::Error::PoolTimedOut))?
+/// What a cache is started with, whatever its source.
+pub(super) struct Parts {
+    /// Limit for pairs without a rule.
+    pub default: Limit,
+    /// How often to look at the rules file.
+    pub watch_interval: Duration,
+    /// Times how long a changed rules file holds still.
+    pub clock: SharedClock,
+    /// Reload counters.
+    pub reloads: Reloads,
+    /// Request counters, whose tenant labels follow the rules.
+    pub labels: Arc<RequestCounters>,
 }
 
 /// A digest of rules file contents, to tell a reread of the same file.
-fn digest(contents: &str) -> u64 {
+pub(super) fn digest(contents: &str) -> u64 {
     use std::hash::{BuildHasher, BuildHasherDefault};
     BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default().hash_one(contents)
 }
 
-/// Provenance stamped now.
-fn origin(source: &'static str) -> SnapshotOrigin {
-    SnapshotOrigin {
-        source,
-        loaded_at_unix: unix_now_seconds(),
-    }
-}
-
 /// Where the actor reads rules from.
-enum Source {
+pub(super) enum Source {
     /// A TOML file.
     File {
         /// The file.
@@ -307,8 +81,8 @@ enum Source {
     },
     /// The `rate_limit_rule` table.
     Database {
-        /// Queries.
-        store: RuleStore,
+        /// The rules table.
+        rows: Arc<dyn RuleRows>,
         /// Migrations still to apply before the next load.
         migrate_pending: bool,
         /// Writes the on-disk copy.
@@ -316,72 +90,28 @@ enum Source {
     },
 }
 
-/// Saves snapshots off the actor's thread, never letting an older one
-/// overwrite a newer one.
-#[derive(Clone)]
-struct SnapshotSaver {
-    /// Target file; `None` disables saving.
-    path: Option<PathBuf>,
-    /// Generation of the last save started, and of the last one written.
-    generations: Arc<Mutex<(u64, u64)>>,
-}
-
-impl SnapshotSaver {
-    fn new(path: Option<PathBuf>) -> Self {
-        Self {
-            path,
-            generations: Arc::new(Mutex::new((0, 0))),
-        }
-    }
-
-    /// Writes `set` in the background.
-    fn save(&self, set: Arc<RuleSet>) {
-        let Some(path) = self.path.clone() else {
-            return;
-        };
-        let generations = self.generations.clone();
-        let generation = {
-            let mut g = generations.lock().unwrap_or_else(PoisonError::into_inner);
-            g.0 += 1;
-            g.0
-        };
-        tokio::task::spawn_blocking(move || {
-            let mut g = generations.lock().unwrap_or_else(PoisonError::into_inner);
-            if generation < g.1 {
-                return;
-            }
-            match snapshot::save(&path, &set) {
-                Ok(()) => g.1 = generation,
-                Err(e) => {
-                    tracing::warn!(error = %e, file = %path.display(), "Cannot save the rule snapshot.")
-                }
-            }
-        });
-    }
-}
-
 /// Counts reloads: in metrics (shared by every gateway of a process) and
 /// for this gateway alone (its `/ready`).
 #[derive(Clone)]
-struct Reloads {
+pub(super) struct Reloads {
     /// `tollgate_rule_reloads_total`.
-    metrics: Metrics,
+    pub metrics: Metrics,
     /// This gateway's counts.
-    counts: Arc<ReloadCounts>,
+    pub counts: Arc<ReloadCounts>,
 }
 
 /// One gateway's reloads since start.
 #[derive(Default)]
-struct ReloadCounts {
+pub(super) struct ReloadCounts {
     /// Reloads that published rules (the first load excluded).
-    applied: AtomicU64,
+    pub applied: AtomicU64,
     /// Reloads that failed.
-    failed: AtomicU64,
+    pub failed: AtomicU64,
 }
 
 impl Reloads {
     /// The first load, which published `n` rules.
-    fn first(&self, n: usize) {
+    pub(super) fn first(&self, n: usize) {
         self.metrics.rule_reload(Some(n));
     }
 
@@ -392,14 +122,14 @@ impl Reloads {
     }
 
     /// A reload that failed; the snapshot in force stays.
-    fn failed(&self) {
+    pub(super) fn failed(&self) {
         self.metrics.rule_reload(None);
         self.counts.failed.fetch_add(1, Ordering::Relaxed);
     }
 }
 
 /// The actor that owns rule reloading.
-struct RuleCache {
+pub(super) struct RuleCache {
     /// Where rules come from.
     source: Source,
     /// Limit for pairs without a rule.
@@ -419,6 +149,25 @@ struct RuleCache {
 }
 
 impl RuleCache {
+    /// Starts a cache on the current arbiter, publishing into `snapshot`.
+    pub(super) fn spawn(
+        source: Source,
+        snapshot: Arc<ArcSwap<RuleSet>>,
+        parts: Parts,
+    ) -> Addr<Self> {
+        Self {
+            source,
+            default: parts.default,
+            snapshot,
+            watch_interval: parts.watch_interval,
+            clock: parts.clock,
+            reloads: parts.reloads,
+            labels: parts.labels,
+            pending: Vec::new(),
+        }
+        .start()
+    }
+
     /// Replaces the snapshot with `set` and records the reload.
     fn publish(&mut self, set: RuleSet) -> usize {
         let n = set.len();
@@ -447,13 +196,13 @@ impl RuleCache {
                 Box::pin(actix::fut::ready(result))
             }
             Source::Database {
-                store,
+                rows,
                 migrate_pending,
                 ..
             } => {
-                let (store, migrate) = (store.clone(), *migrate_pending);
+                let (rows, migrate) = (rows.clone(), *migrate_pending);
                 Box::pin(
-                    async move { load_database(&store, migrate).await }
+                    async move { database::load(&*rows, migrate).await }
                         .into_actor(self)
                         .map(move |result, cache, _| match result {
                             Ok(rules) => {
@@ -593,7 +342,7 @@ impl Actor for RuleCache {
 /// Ask the cache to reload everything now.
 #[derive(Message)]
 #[rtype(result = "Result<usize, RulesError>")]
-struct Reload;
+pub(super) struct Reload;
 
 impl Handler<Reload> for RuleCache {
     type Result = AtomicResponse<Self, Result<usize, RulesError>>;

@@ -20,7 +20,8 @@ use serde::Deserialize;
 
 use std::num::NonZeroU32;
 
-use super::model::{Limit, LimitSpec, Rule, RuleSet, RuleSpec, SnapshotOrigin};
+use super::model::{Limit, Rule, RuleSet, SnapshotOrigin};
+use super::spec::RuleSpec;
 use crate::config::unknown_route;
 use crate::key::RouteId;
 
@@ -68,7 +69,7 @@ pub enum RuleFileError {
 #[serde(deny_unknown_fields)]
 struct RulesFile {
     /// `None` when the file has no `rule` key at all.
-    rule: Option<Vec<RawRule>>,
+    rule: Option<Vec<RuleSpec>>,
 }
 
 /// A parsed rules file.
@@ -79,33 +80,6 @@ pub struct RuleFile {
     /// Whether the file says it holds no rule on purpose (`rule = []`),
     /// rather than holding no `rule` key at all (empty, or cut short).
     pub declares_empty: bool,
-}
-
-/// One `[[rule]]` as written.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawRule {
-    tenant: String,
-    route: String,
-    #[serde(default)]
-    capacity: Option<i64>,
-    #[serde(default)]
-    refill_per_second: Option<i64>,
-    /// `[[rule.limit]]` tables.
-    #[serde(default)]
-    limit: Vec<LimitSpec>,
-    #[serde(default = "one")]
-    shards: i64,
-    #[serde(default)]
-    exact: bool,
-    #[serde(default)]
-    mode: Option<String>,
-    #[serde(default)]
-    name: Option<String>,
-}
-
-fn one() -> i64 {
-    1
 }
 
 /// Reads the rules file at `path`, unparsed.
@@ -179,24 +153,13 @@ pub fn parse(path: &Path, contents: &str) -> Result<RuleFile, RuleFileError> {
     let mut problems = Vec::new();
     let mut seen = HashSet::new();
     let mut rules = Vec::with_capacity(raw_rules.len());
-    for (i, raw) in raw_rules.into_iter().enumerate() {
-        if !seen.insert((raw.tenant.clone(), raw.route.clone())) {
+    for (i, spec) in raw_rules.into_iter().enumerate() {
+        if !seen.insert((spec.tenant.clone(), spec.route.clone())) {
             problems.push(format!(
                 "rule[{i}]: a second rule for tenant {:?} on route {:?}",
-                raw.tenant, raw.route
+                spec.tenant, spec.route
             ));
         }
-        let spec = RuleSpec {
-            tenant: raw.tenant,
-            route: raw.route,
-            capacity: raw.capacity,
-            refill_per_second: raw.refill_per_second,
-            limits: raw.limit,
-            shards: raw.shards,
-            exact: raw.exact,
-            mode: raw.mode,
-            name: raw.name,
-        };
         match spec.validate() {
             Ok(rule) => rules.push(rule),
             Err(found) => problems.extend(found.iter().map(|p| format!("rule[{i}].{p}"))),
@@ -324,6 +287,11 @@ impl FileWatch {
 mod tests {
     use super::*;
 
+    /// `text` parsed as a rules file named `r.toml`.
+    fn parse_toml(text: &str) -> Result<RuleFile, RuleFileError> {
+        parse(Path::new("r.toml"), text)
+    }
+
     fn fingerprint(len: u64) -> Option<FileFingerprint> {
         Some(FileFingerprint {
             modified: None,
@@ -372,8 +340,7 @@ mod tests {
 
     #[test]
     fn parses_the_documented_format() {
-        let rules = parse(
-            Path::new("r.toml"),
+        let rules = parse_toml(
             r#"
 [[rule]]
 tenant = "shop-a"
@@ -431,9 +398,7 @@ window_seconds = 30
             limits(4),
             limits(5)
         );
-        let RuleFileError::Invalid { problems, .. } =
-            parse(Path::new("r.toml"), &text).unwrap_err()
-        else {
+        let RuleFileError::Invalid { problems, .. } = parse_toml(&text).unwrap_err() else {
             panic!("expected Invalid");
         };
         assert_eq!(problems.len(), 2, "{problems:?}");
@@ -444,12 +409,9 @@ window_seconds = 30
     #[test]
     fn a_rule_may_be_in_shadow_mode() {
         let parsed = |mode: &str| {
-            parse(
-                Path::new("r.toml"),
-                &format!(
-                    "[[rule]]\ntenant='a'\nroute='b'\ncapacity=1\nrefill_per_second=1\n{mode}"
-                ),
-            )
+            parse_toml(&format!(
+                "[[rule]]\ntenant='a'\nroute='b'\ncapacity=1\nrefill_per_second=1\n{mode}"
+            ))
         };
         let shadow = parsed("mode = 'shadow'\n").unwrap().rules;
         assert_eq!(shadow[0].limit.mode, super::super::model::Mode::Shadow);
@@ -464,13 +426,12 @@ window_seconds = 30
 
     #[test]
     fn an_empty_file_holds_no_rules() {
-        assert!(parse(Path::new("r.toml"), "").unwrap().rules.is_empty());
+        assert!(parse_toml("").unwrap().rules.is_empty());
     }
 
     #[test]
     fn every_bad_entry_is_reported_and_nothing_applies() {
-        let err = parse(
-            Path::new("r.toml"),
+        let err = parse_toml(
             r#"
 [[rule]]
 tenant = "{x}"
@@ -504,8 +465,7 @@ refill_per_second = 1
 
     #[test]
     fn unknown_keys_are_refused() {
-        let err = parse(
-            Path::new("r.toml"),
+        let err = parse_toml(
             "[[rule]]\ntenant='a'\nroute='b'\ncapacity=1\nrefill_per_second=1\nburst=3\n",
         )
         .unwrap_err();

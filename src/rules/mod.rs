@@ -5,14 +5,14 @@
 //! the request path.
 
 pub mod cache;
-pub mod feed;
+pub mod database;
 pub mod file;
+pub mod handle;
 pub mod limits;
 pub mod model;
-pub mod pg;
 pub mod snapshot;
+pub mod spec;
 
-pub use cache::{RulesError, RulesHandle};
+pub use handle::{RulesError, RulesHandle};
 pub use limits::{LimitKind, MAX_LIMITS, Window};
 pub use model::{InForce, Limit, Rule, RuleSet};
-pub use pg::{RuleStore, RuleStoreError, StoredRule};

@@ -11,7 +11,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::{Deserialize, Serialize};
 
-use super::model::{LimitSpec, Rule, RuleSet, RuleSpec};
+use super::model::{Rule, RuleSet};
+use super::spec::RuleSpec;
 
 /// Why a snapshot could not be read.
 #[derive(Debug, thiserror::Error)]
@@ -41,63 +42,7 @@ struct SnapshotFile {
     /// Unix seconds when the rules were read from the database.
     loaded_at_unix: u64,
     /// Every rule.
-    rules: Vec<SnapshotRule>,
-}
-
-/// One stored rule.
-#[derive(Serialize, Deserialize)]
-struct SnapshotRule {
-    tenant: String,
-    route: String,
-    capacity: Option<i64>,
-    refill_per_second: Option<i64>,
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    limits: Vec<LimitSpec>,
-    #[serde(default = "one")]
-    shards: i64,
-    #[serde(default)]
-    exact: bool,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    mode: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    name: Option<String>,
-}
-
-/// The default of `shards` in snapshots written before it existed.
-fn one() -> i64 {
-    1
-}
-
-impl From<RuleSpec> for SnapshotRule {
-    fn from(spec: RuleSpec) -> Self {
-        Self {
-            tenant: spec.tenant,
-            route: spec.route,
-            capacity: spec.capacity,
-            refill_per_second: spec.refill_per_second,
-            limits: spec.limits,
-            shards: spec.shards,
-            exact: spec.exact,
-            mode: spec.mode,
-            name: spec.name,
-        }
-    }
-}
-
-impl From<SnapshotRule> for RuleSpec {
-    fn from(saved: SnapshotRule) -> Self {
-        Self {
-            tenant: saved.tenant,
-            route: saved.route,
-            capacity: saved.capacity,
-            refill_per_second: saved.refill_per_second,
-            limits: saved.limits,
-            shards: saved.shards,
-            exact: saved.exact,
-            mode: saved.mode,
-            name: saved.name,
-        }
-    }
+    rules: Vec<RuleSpec>,
 }
 
 /// Writes `set` to `path` atomically, creating parent directories.
@@ -107,10 +52,7 @@ impl From<SnapshotRule> for RuleSpec {
 pub fn save(path: &Path, set: &RuleSet) -> io::Result<()> {
     let file = SnapshotFile {
         loaded_at_unix: set.origin().loaded_at_unix,
-        rules: set
-            .rules()
-            .map(|r| SnapshotRule::from(RuleSpec::from(&r)))
-            .collect(),
+        rules: set.rules().map(|r| RuleSpec::from(&r)).collect(),
     };
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir)?;
@@ -148,7 +90,7 @@ pub fn load(path: &Path) -> Result<(Vec<Rule>, u64), SnapshotError> {
         .into_iter()
         .enumerate()
         .map(|(i, saved)| {
-            RuleSpec::from(saved).validate().map_err(|problems| {
+            saved.validate().map_err(|problems| {
                 let problems: Vec<_> = problems.iter().map(ToString::to_string).collect();
                 corrupt(format!("rule {i}: {}", problems.join("; ")))
             })

@@ -12,6 +12,7 @@
 
 #![allow(clippy::disallowed_macros)] // The one module that names metrics.
 
+mod labels;
 mod log;
 mod process;
 mod requests;
@@ -62,6 +63,8 @@ pub const LIVE_INSTANCES: &str = "tollgate_live_instances";
 pub const CLIENT_TIMEOUTS_TOTAL: &str = "tollgate_client_timeouts_total";
 /// Client mistakes the HTTP layer refused before routing (counter).
 pub const MALFORMED_REQUESTS_TOTAL: &str = "tollgate_malformed_requests_total";
+/// Client connections that could not be accepted (counter).
+pub const ACCEPT_ERRORS_TOTAL: &str = "tollgate_accept_errors_total";
 
 /// `tollgate_build_info{version}`: always 1 (gauge).
 pub const BUILD_INFO: &str = "tollgate_build_info";
@@ -88,7 +91,12 @@ const UPSTREAM_BUCKETS: &[f64] = &[
     0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 ];
 
-pub use log::{ACCESS_TARGET, ClientNoise, count_client_noise, init_tracing, log_filter};
+pub use labels::{
+    BodyDirection, BreakerState, DecisionSource, RedisErrorKind, RoundResult, Unrouted,
+};
+pub use log::{
+    ACCESS_TARGET, ClientNoise, count_accept_failure, count_client_noise, init_tracing, log_filter,
+};
 pub use process::sample_process;
 pub use requests::{Entry, OTHER_TENANTS, Outcome, RequestCounters, RouteMetrics};
 
@@ -227,6 +235,11 @@ fn describe() {
         Unit::Count,
         "Connections the HTTP layer closed over a malformed request or a broken stream."
     );
+    describe_counter!(
+        ACCEPT_ERRORS_TOTAL,
+        Unit::Count,
+        "Client connections that could not be accepted (out of file descriptors, say)."
+    );
     describe_gauge!(
         LIVE_INSTANCES,
         Unit::Count,
@@ -256,8 +269,8 @@ pub struct Metrics {
     redis_call: Histogram,
     /// `tollgate_redis_call_keys`.
     redis_call_keys: Histogram,
-    /// `tollgate_redis_errors_total{kind}` for timeout, connection, server.
-    redis_errors: [Counter; 3],
+    /// `tollgate_redis_errors_total{kind}`, one per [`RedisErrorKind`].
+    redis_errors: [Counter; 5],
     /// `tollgate_fallback_decisions_total{outcome}`: allowed, rejected.
     fallback: [Counter; 2],
     /// `tollgate_local_buckets`.
@@ -272,85 +285,9 @@ pub struct Metrics {
     breaker_transitions: [Counter; 3],
     /// `tollgate_live_instances`.
     live_instances: Gauge,
+    /// `tollgate_rebalance_rounds_total{result}`, one per [`RoundResult`].
+    rebalance_rounds: [Counter; 7],
 }
-
-/// Breaker states, as labels, in discriminant order.
-const BREAKER_STATES: [&str; 3] = ["closed", "open", "half_open"];
-
-/// Why a request was answered before any route was chosen.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Unrouted {
-    /// No route matches: 404.
-    NoRoute,
-    /// A method that is never proxied, or an ambiguous path: 405 / 400.
-    BadRequest,
-}
-
-impl Unrouted {
-    /// Every reason, in label order.
-    const ALL: [Self; 2] = [Self::NoRoute, Self::BadRequest];
-
-    /// The `outcome` label value.
-    pub fn label(self) -> &'static str {
-        match self {
-            Self::NoRoute => "no_route",
-            Self::BadRequest => "bad_request",
-        }
-    }
-}
-
-/// Which body a client moved too slowly.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BodyDirection {
-    /// The request body (upload).
-    Request,
-    /// The response body (download).
-    Response,
-}
-
-impl BodyDirection {
-    /// Both, in label order.
-    const ALL: [Self; 2] = [Self::Request, Self::Response];
-
-    /// The `body` label value.
-    pub fn label(self) -> &'static str {
-        match self {
-            Self::Request => "request",
-            Self::Response => "response",
-        }
-    }
-}
-
-/// Where a decision came from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DecisionSource {
-    /// The shared bucket in Redis.
-    Redis,
-    /// This instance's local limiter (local-only mode or fallback).
-    Local,
-    /// Tokens leased earlier from Redis, spent locally.
-    Lease,
-    /// The over-limit cache: Redis said no tokens before a retry time.
-    Cache,
-}
-
-impl DecisionSource {
-    /// Every source, in label order.
-    const ALL: [Self; 4] = [Self::Redis, Self::Local, Self::Lease, Self::Cache];
-
-    /// The label value.
-    pub fn label(self) -> &'static str {
-        match self {
-            Self::Redis => "redis",
-            Self::Local => "local",
-            Self::Lease => "lease",
-            Self::Cache => "cache",
-        }
-    }
-}
-
-/// Redis error kinds, as labels.
-const REDIS_ERROR_KINDS: [&str; 3] = ["timeout", "connection", "server"];
 
 impl Metrics {
     /// Registers the series (call after [`install`]).
@@ -373,8 +310,8 @@ impl Metrics {
             lease_expired_tokens: metrics::counter!(LEASE_EXPIRED_TOKENS_TOTAL),
             redis_call: metrics::histogram!(REDIS_CALL_SECONDS),
             redis_call_keys: metrics::histogram!(REDIS_CALL_KEYS),
-            redis_errors: REDIS_ERROR_KINDS
-                .map(|k| metrics::counter!(REDIS_ERRORS_TOTAL, "kind" => k)),
+            redis_errors: RedisErrorKind::ALL
+                .map(|k| metrics::counter!(REDIS_ERRORS_TOTAL, "kind" => k.label())),
             fallback: ["allowed", "rejected"]
                 .map(|o| metrics::counter!(FALLBACK_DECISIONS_TOTAL, "outcome" => o)),
             local_buckets: metrics::gauge!(LOCAL_BUCKETS),
@@ -382,9 +319,11 @@ impl Metrics {
                 .map(|r| metrics::counter!(RULE_RELOADS_TOTAL, "result" => r)),
             rules: metrics::gauge!(RULES),
             breaker_state: metrics::gauge!(BREAKER_STATE),
-            breaker_transitions: BREAKER_STATES
-                .map(|s| metrics::counter!(BREAKER_TRANSITIONS_TOTAL, "to" => s)),
+            breaker_transitions: BreakerState::ALL
+                .map(|s| metrics::counter!(BREAKER_TRANSITIONS_TOTAL, "to" => s.as_str())),
             live_instances: metrics::gauge!(LIVE_INSTANCES),
+            rebalance_rounds: RoundResult::ALL
+                .map(|r| metrics::counter!(REBALANCE_ROUNDS_TOTAL, "result" => r.label())),
         }
     }
 
@@ -413,11 +352,9 @@ impl Metrics {
         self.redis_call_keys.record(keys as f64);
     }
 
-    /// Counts a failed Redis call; `kind` is `timeout`, `connection` or `server`.
-    pub fn redis_error(&self, kind: &str) {
-        if let Some(i) = REDIS_ERROR_KINDS.iter().position(|k| *k == kind) {
-            self.redis_errors[i].increment(1);
-        }
+    /// Counts a failed Redis call, or a decision Redis refused.
+    pub fn redis_error(&self, kind: RedisErrorKind) {
+        self.redis_errors[kind as usize].increment(1);
     }
 
     /// Counts a decision made by the local fallback.
@@ -444,15 +381,13 @@ impl Metrics {
 
 impl Metrics {
     /// Sets the breaker state gauge (0 closed, 1 open, 2 half-open).
-    pub fn breaker_state(&self, state: u8) {
-        self.breaker_state.set(f64::from(state));
+    pub fn breaker_state(&self, state: BreakerState) {
+        self.breaker_state.set(f64::from(state as u8));
     }
 
-    /// Counts a breaker transition to `to` (`closed`, `open`, `half_open`).
-    pub fn breaker_transition(&self, to: &str) {
-        if let Some(i) = BREAKER_STATES.iter().position(|s| *s == to) {
-            self.breaker_transitions[i].increment(1);
-        }
+    /// Counts a breaker transition to `to`.
+    pub fn breaker_transition(&self, to: BreakerState) {
+        self.breaker_transitions[to as usize].increment(1);
     }
 
     /// Counts a lease of `tokens` taken from Redis for later requests
@@ -486,9 +421,9 @@ impl Metrics {
         .set(share);
     }
 
-    /// Counts a rebalancer round ending with `result` (a fixed word).
-    pub fn rebalance_round(&self, result: &'static str) {
-        metrics::counter!(REBALANCE_ROUNDS_TOTAL, "result" => result).increment(1);
+    /// Counts a rebalancer round ending with `result`.
+    pub fn rebalance_round(&self, result: RoundResult) {
+        self.rebalance_rounds[result as usize].increment(1);
     }
 
     /// Sets the live instance count.

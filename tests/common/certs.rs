@@ -7,17 +7,9 @@ use std::process::Command;
 /// Runs `openssl` with `args` in `dir`; fails with how to install it when
 /// missing.
 pub fn openssl(args: &[&str], dir: &Path) {
-    let out = Command::new("openssl")
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .unwrap_or_else(|e| {
-            panic!("cannot run openssl ({e}); install it: apt-get install -y openssl")
-        });
-    assert!(
-        out.status.success(),
-        "openssl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
+    super::stdout_from(
+        "openssl",
+        Command::new("openssl").args(args).current_dir(dir),
     );
 }
 

@@ -9,20 +9,19 @@
 //! tightest limit ([`tightest`]): leases taken from every limit at once,
 //! and the over-limit cache, so a tenant that spent a day's quota and
 //! keeps asking costs Redis one call per wait, not one per request.
-//! [`GroupMemory`] keeps each group's last answer, which decisions made
-//! without Redis report limit by limit. Groups take no sub-buckets.
+//! [`super::memory::GroupMemory`] keeps each group's last answer, which decisions made
+//! without Redis report limit by limit. A sharded rule's group is decided
+//! in its sub-groups, from a random one on until one admits.
 
 use std::num::NonZeroU32;
-use std::sync::Arc;
 
 use super::super::decision::{Ask, BucketSpec, Decision, Grant, GroupGrant, GroupLimit};
-use super::super::keymap::{Idle, KeyMap};
 use super::super::lease::Plan;
 use super::super::shard;
 use super::super::store::SharedStore;
 use super::{Limiter, LimiterCore, SlotGuard};
-use crate::clock::SharedClock;
 use crate::key::{BucketKey, RouteId, TenantId, in_sub_group};
+use crate::redis_client::Topology;
 use crate::rules::model::{Mode, limits_of};
 use crate::rules::{InForce, LimitKind, MAX_LIMITS};
 use crate::telemetry::DecisionSource;
@@ -65,115 +64,6 @@ impl GroupVerdict {
     }
 }
 
-/// How long a group's last answer is kept beyond its longest wait, for
-/// the leases and refusals answered from it.
-const MEMORY_MS: u64 = 10_000;
-
-/// A group's last answer from Redis.
-#[derive(Debug, Clone)]
-struct Memory {
-    /// Each limit's decision, in group order.
-    decisions: Arc<[Decision]>,
-    /// When it was answered (ms of the clock).
-    at_ms: u64,
-    /// When it may be forgotten.
-    until_ms: u64,
-}
-
-impl Idle for Memory {
-    fn is_idle(&self, now_ms: u64) -> bool {
-        now_ms >= self.until_ms
-    }
-
-    fn last_used_ms(&self) -> u64 {
-        self.at_ms
-    }
-}
-
-/// Each group's last answer from Redis, keyed by the group's keys: what a
-/// decision made without Redis (from the group's lease, or by the
-/// over-limit cache) reports for each limit.
-pub(crate) struct GroupMemory {
-    /// Group key → its last answer.
-    answers: KeyMap<Memory>,
-    /// Reads now.
-    clock: SharedClock,
-}
-
-impl GroupMemory {
-    /// A memory of at most about `max_keys` groups.
-    pub(crate) fn new(max_keys: usize, clock: SharedClock) -> Self {
-        Self {
-            answers: KeyMap::new(max_keys),
-            clock,
-        }
-    }
-
-    /// Keeps Redis's answer for the group `key`.
-    fn remember(&self, key: &str, decisions: &[Decision]) {
-        let now = self.clock.now_ms();
-        let longest = decisions
-            .iter()
-            .map(|d| d.retry_after_ms)
-            .max()
-            .unwrap_or(0);
-        let memory = Memory {
-            decisions: Arc::from(decisions),
-            at_ms: now,
-            until_ms: now + longest + MEMORY_MS,
-        };
-        self.answers
-            .with(key, now, || memory.clone(), |m| *m = memory.clone());
-    }
-
-    /// Each limit's decision when `decision`, for the whole group of `len`
-    /// limits, was made without Redis: the last answer's, the waits counted
-    /// down, with the limit that binds (fewest left, or the longest wait)
-    /// reporting `decision` itself.
-    fn recall(&self, key: &str, len: usize, decision: Decision) -> Vec<Decision> {
-        let now = self.clock.now_ms();
-        let mut decisions = self
-            .answers
-            .get(key, |m| {
-                let passed = now.saturating_sub(m.at_ms);
-                m.decisions
-                    .iter()
-                    .map(|d| Decision {
-                        allowed: decision.allowed,
-                        remaining: d.remaining,
-                        retry_after_ms: match d.retry_after_ms {
-                            0 => 0,
-                            wait => wait.saturating_sub(passed).max(1),
-                        },
-                    })
-                    .collect::<Vec<_>>()
-            })
-            .filter(|d| d.len() == len)
-            .unwrap_or_else(|| vec![decision; len]);
-        let binding = if decision.allowed {
-            decisions
-                .iter()
-                .enumerate()
-                .min_by_key(|(_, d)| d.remaining)
-        } else {
-            decisions
-                .iter()
-                .enumerate()
-                .max_by_key(|(_, d)| d.retry_after_ms)
-        }
-        .map(|(i, _)| i);
-        if let Some(i) = binding {
-            decisions[i] = decision;
-        }
-        decisions
-    }
-
-    /// Drops the answers no longer needed.
-    pub(crate) fn sweep(&self) {
-        self.answers.sweep(self.clock.now_ms());
-    }
-}
-
 /// The bucket a group leases against: its smallest size, refilled at its
 /// slowest rate (a quota's: its size over its window).
 fn tightest(group: &[(String, GroupLimit)]) -> BucketSpec {
@@ -198,10 +88,13 @@ fn tightest(group: &[(String, GroupLimit)]) -> BucketSpec {
     }
 }
 
-/// One randomly chosen sub-group of `group`, split `shards` ways: each
-/// key in its sub-group's slot, each limit at 1/shards.
-fn sub_group(group: &[(String, GroupLimit)], shards: NonZeroU32) -> Vec<(String, GroupLimit)> {
-    let shard = shard::pick(shards);
+/// Sub-group `shard` of `group`, split `shards` ways: each key in its
+/// sub-group's slot, each limit at 1/shards.
+fn sub_group(
+    group: &[(String, GroupLimit)],
+    shards: NonZeroU32,
+    shard: u32,
+) -> Vec<(String, GroupLimit)> {
     group
         .iter()
         .map(|(key, limit)| (in_sub_group(key, shard), limit.divided(shards)))
@@ -307,22 +200,14 @@ impl<S: SharedStore> Limiter<S> {
         .filter(|_| in_force.tenant_wide.is_none())
         .unwrap_or(NonZeroU32::MIN);
         let (decisions, source) = match (&self.redis, &core.breaker) {
+            (Some(redis), Some(topology)) if shards.get() > 1 => {
+                self.sharded_group(redis, topology, &group, shards, exact, cost)
+                    .await
+            }
             (Some(redis), Some(topology)) => {
-                let sub = (shards.get() > 1).then(|| sub_group(&group, shards));
-                let asked = sub.as_deref().unwrap_or(&group);
-                let first = asked.first().map_or("", |(key, _)| key.as_str());
+                let first = group.first().map_or("", |(key, _)| key.as_str());
                 if topology.allows(first) {
-                    let (mut decisions, source) =
-                        self.shared_group(redis, asked, exact, cost).await;
-                    if sub.is_some() && source != DecisionSource::Local {
-                        // Remaining of one sub-group, scaled to the whole
-                        // limit.
-                        for (decision, (_, limit)) in decisions.iter_mut().zip(&group) {
-                            decision.remaining =
-                                (decision.remaining * u64::from(shards.get())).min(limit.size());
-                        }
-                    }
-                    (decisions, source)
+                    self.shared_group(redis, &group, exact, cost).await
                 } else {
                     self.group_fallback(&group, cost)
                 }
@@ -353,6 +238,50 @@ impl<S: SharedStore> Limiter<S> {
         let elapsed = core.clock.now_micros().saturating_sub(started);
         core.metrics.decision(source, elapsed as f64 / 1e6);
         verdict
+    }
+
+    /// A sharded rule's group, decided in its sub-groups (every limit at
+    /// 1/k, the keys under a tag of their own) from a random one on until
+    /// one admits: refused only when none can take the request, quoting
+    /// the refusal that passes soonest. Remaining counts are one
+    /// sub-group's × k, an estimate of the whole limit's.
+    async fn sharded_group(
+        &self,
+        redis: &S,
+        topology: &Topology,
+        group: &[(String, GroupLimit)],
+        shards: NonZeroU32,
+        exact: bool,
+        cost: NonZeroU32,
+    ) -> (Vec<Decision>, DecisionSource) {
+        let k = shards.get();
+        let start = shard::pick(shards);
+        let soonest = |decisions: &[Decision]| decisions.iter().map(|d| d.retry_after_ms).max();
+        let mut refused: Option<(Vec<Decision>, DecisionSource)> = None;
+        for i in 0..k {
+            let sub = sub_group(group, shards, (start + i) % k);
+            if !topology.allows(sub.first().map_or("", |(key, _)| key.as_str())) {
+                return self.group_fallback(group, cost);
+            }
+            let (mut decisions, source) = self.shared_group(redis, &sub, exact, cost).await;
+            if source == DecisionSource::Local {
+                return (decisions, source);
+            }
+            for (decision, (_, limit)) in decisions.iter_mut().zip(group) {
+                decision.remaining = (decision.remaining * u64::from(k)).min(limit.size());
+            }
+            if decisions.iter().all(|d| d.allowed) {
+                return (decisions, source);
+            }
+            if refused
+                .as_ref()
+                .is_none_or(|(r, _)| soonest(&decisions) < soonest(r))
+            {
+                refused = Some((decisions, source));
+            }
+        }
+        // Every one of the k ≥ 2 sub-groups refused.
+        refused.unwrap_or_else(|| self.group_fallback(group, cost))
     }
 
     /// The hot-key path of a group, the breaker closed: the group's lease

@@ -15,7 +15,8 @@ use hyper::body::{Bytes, Incoming};
 use hyper::header::{CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode};
 
-use super::body::{ProxyBody, SmallBodyError, read_small};
+use crate::proxy::body::{ProxyBody, SmallBodyError, read_small};
+use crate::proxy::budget::Budget;
 
 /// Largest request message accepted (a rate limit request is a few
 /// hundred bytes).
@@ -111,7 +112,8 @@ pub(super) fn respond<M: prost::Message>(message: &M) -> Response<ProxyBody> {
     response
 }
 
-/// Reads the one message of a unary call to `path` within `timeout`.
+/// Reads the one message of a unary call to `path` within `timeout`,
+/// holding its bytes of `budget`.
 ///
 /// # Errors
 /// A response to send instead: HTTP 415 when the request is not gRPC at
@@ -121,6 +123,7 @@ pub(super) async fn read_unary<M: prost::Message + Default>(
     req: Request<Incoming>,
     path: &str,
     timeout: Duration,
+    budget: &Budget,
 ) -> Result<M, Response<ProxyBody>> {
     let is_grpc = req
         .headers()
@@ -139,13 +142,13 @@ pub(super) async fn read_unary<M: prost::Message + Default>(
         )
         .response());
     }
-    let body = read_small(req.into_body(), 5 + MAX_MESSAGE, timeout)
+    let body = read_small(req.into_body(), 5 + MAX_MESSAGE, timeout, budget)
         .await
         .map_err(|e| {
             let status = match e {
                 SmallBodyError::TooLarge => Status::new(Code::ResourceExhausted, too_large()),
-                SmallBodyError::Broken(e) => {
-                    Status::new(Code::InvalidArgument, format!("the request broke off: {e}"))
+                SmallBodyError::Broken => {
+                    Status::new(Code::InvalidArgument, "the request broke off")
                 }
                 SmallBodyError::TimedOut => {
                     Status::new(Code::DeadlineExceeded, "the request did not arrive in time")

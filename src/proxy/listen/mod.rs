@@ -13,6 +13,12 @@
 //!   request's line and
 //!   headers, and on a kept-alive connection the next request, must arrive
 //!   within it, or the connection is closed;
+//! - an idle deadline for HTTP/2 (`client.h2_idle_timeout_ms`, once the
+//!   client has sent the HTTP/2 preface): a connection that starts no
+//!   request for that long is ended with `GOAWAY`, its streams in flight
+//!   finishing (`Activity`);
+//! - a budget for bodies read whole, per connection and per process
+//!   (`budget`);
 //! - a cut-off from outside: the watchdog ends the connection of a client
 //!   that stopped reading its response (`ClientCut`; on HTTP/2 only the
 //!   stream is reset, the connection's other streams go on);
@@ -23,6 +29,10 @@
 //! A connection that ends in an error (a malformed request, a client gone
 //! mid-request) is client noise: counted, and logged one by one only at
 //! `debug`.
+
+mod drive;
+mod speak;
+pub(super) mod stall;
 
 use std::cell::Cell;
 use std::convert::Infallible;
@@ -37,12 +47,17 @@ use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Notify, oneshot, watch};
+use tokio::sync::{Notify, Semaphore, oneshot, watch};
+
+use drive::{Activity, Ends, drive, ended_in_error};
+use speak::{H2Windows, Protocols, Sniffed};
 
 use super::Worker;
-use super::body::ClientCut;
+use super::budget::Budget;
+use super::client::Client;
+use super::client::ClientCut;
 use super::early::{LingerFlag, Lingering};
-use super::speak::{Protocols, Served};
+use crate::config::ClientSettings;
 use crate::telemetry::{self, Entry};
 use crate::tls::ListenerTls;
 
@@ -55,41 +70,14 @@ const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 pub struct Serving {
     /// Worker threads (at least one).
     pub workers: usize,
-    /// Longest wait for a request's line and headers.
-    pub header_timeout: Duration,
+    /// The deadlines, HTTP/2 bounds and body budgets clients are held to.
+    pub client: ClientSettings,
     /// How long requests in flight may take to finish on shutdown.
     pub grace: Duration,
     /// Cleartext HTTP/2 (prior knowledge) beside HTTP/1.1.
     pub h2c: bool,
     /// TLS on every connection (HTTP/2 or HTTP/1.1 by ALPN), when set.
     pub tls: Option<Arc<ListenerTls>>,
-}
-
-/// A client connection, as its requests see it.
-pub(super) struct Client {
-    /// The client's address (`X-Forwarded-For`).
-    pub(super) peer: SocketAddr,
-    /// Whether the client came over TLS (`X-Forwarded-Proto`).
-    pub(super) tls: bool,
-    /// Ends the connection from outside its task.
-    cut: ClientCut,
-    /// Set when an answer leaves the request's body unread: the socket
-    /// then lingers when the connection closes.
-    pub(super) linger: LingerFlag,
-}
-
-impl Client {
-    /// What ends a response of a request in `version` whose client stops
-    /// reading: the connection for HTTP/1, nothing more than the stream
-    /// for HTTP/2 (its body ends in an error, which resets the stream),
-    /// whose other streams share the connection.
-    pub(super) fn cut_for(&self, version: hyper::Version) -> ClientCut {
-        if version == hyper::Version::HTTP_2 {
-            ClientCut::default()
-        } else {
-            self.cut.clone()
-        }
-    }
 }
 
 /// A running proxy listener.
@@ -124,6 +112,7 @@ impl ProxyServer {
             socket.set_nonblocking(true)?;
         }
         let make_worker = Arc::new(make_worker);
+        let bodies = Budget::process(serving.client.body_buffer_bytes);
         let (stop, _) = watch::channel(false);
         let mut drained = Vec::new();
         let mut arbiters = Vec::new();
@@ -134,7 +123,7 @@ impl ProxyServer {
                 .collect::<std::io::Result<Vec<_>>>()?;
             let (done, worker_drained) = oneshot::channel();
             let (make_worker, stop) = (make_worker.clone(), stop.subscribe());
-            let serving = serving.clone();
+            let (serving, bodies) = (serving.clone(), bodies.clone());
             let arbiter = Arbiter::new();
             let started = arbiter.spawn_fn(move || {
                 // On the worker's thread: what it builds stays there.
@@ -142,7 +131,7 @@ impl ProxyServer {
                     let worker = Rc::new(make_worker());
                     let open = Rc::new(Open::default());
                     let loops = sockets.into_iter().map(|(socket, entry)| {
-                        let listening = Listening::new(entry, &serving);
+                        let listening = Listening::new(entry, &serving, bodies.clone());
                         accept(
                             socket,
                             listening,
@@ -200,25 +189,47 @@ struct Listening {
     http: Rc<Protocols>,
     /// TLS, when this socket has it (the proxy's, when configured).
     tls: Option<Arc<ListenerTls>>,
-    /// Longest wait for a client's TLS handshake.
+    /// Longest wait for a client's TLS handshake, and for a connection's
+    /// first request until it shows itself to be HTTP/2.
     handshake_timeout: Duration,
+    /// Longest time an HTTP/2 connection may start no request.
+    h2_idle_timeout: Duration,
+    /// Each connection's body budget, in bytes.
+    body_budget: u32,
+    /// The process's body budget, shared by every connection.
+    bodies: Arc<Semaphore>,
 }
 
 impl Listening {
     /// The proxy's socket speaks as `serving` says; the others speak
-    /// HTTP/1.1 and cleartext HTTP/2 (gRPC needs it), without TLS.
-    fn new(entry: Entry, serving: &Serving) -> Self {
+    /// HTTP/1.1 and cleartext HTTP/2 (gRPC needs it), without TLS, with
+    /// the small windows of listeners that read bodies whole.
+    fn new(entry: Entry, serving: &Serving, bodies: Arc<Semaphore>) -> Self {
         let tls = if entry == Entry::Proxy {
             serving.tls.clone()
         } else {
             None
         };
         let h2c = serving.h2c || entry != Entry::Proxy;
+        let windows = if entry == Entry::Proxy {
+            H2Windows::PROXY
+        } else {
+            H2Windows::SMALL_BODIES
+        };
+        let client = &serving.client;
         Self {
             entry,
-            http: Rc::new(Protocols::new(serving.header_timeout, h2c || tls.is_some())),
+            http: Rc::new(Protocols::new(
+                client.header_timeout,
+                h2c || tls.is_some(),
+                client.h2_max_concurrent_streams,
+                windows,
+            )),
             tls,
-            handshake_timeout: serving.header_timeout,
+            handshake_timeout: client.header_timeout,
+            h2_idle_timeout: client.h2_idle_timeout,
+            body_budget: client.body_buffer_bytes_per_connection,
+            bodies,
         }
     }
 }
@@ -252,13 +263,18 @@ async fn accept(
                     http: listening.http.clone(),
                     tls: listening.tls.clone(),
                     handshake_timeout: listening.handshake_timeout,
+                    h2_idle_timeout: listening.h2_idle_timeout,
+                    budget: Budget::new(listening.body_budget, listening.bodies.clone()),
                     stop: stop.clone(),
                     _open: Open::enter(&open),
                 };
                 tokio::task::spawn_local(connection.serve(stream, peer));
             }
             Err(e) => {
-                tracing::warn!(error = %e, "Accepting a client connection failed.");
+                // Summarised once a minute: out of file descriptors, every
+                // attempt fails.
+                telemetry::count_accept_failure(&e);
+                tracing::debug!(error = %e, "Accepting a client connection failed.");
                 tokio::time::sleep(ACCEPT_BACKOFF).await;
             }
         }
@@ -277,6 +293,10 @@ struct Connection {
     tls: Option<Arc<ListenerTls>>,
     /// Longest wait for a client's TLS handshake.
     handshake_timeout: Duration,
+    /// Longest time an HTTP/2 connection may start no request.
+    h2_idle_timeout: Duration,
+    /// What its bodies read whole may hold.
+    budget: Budget,
     /// Turns `true` on shutdown.
     stop: watch::Receiver<bool>,
     /// Counts the connection as open until it ends.
@@ -316,106 +336,45 @@ impl Connection {
             tls,
             cut: cut.clone(),
             linger: linger.clone(),
+            budget: self.budget,
         });
         let (worker, entry) = (self.worker, self.entry);
+        let clock = worker.state.clock.clone();
         // HTTP/1 alone has its header deadline from the first byte; only a
         // connection whose protocol is still to be chosen needs this one.
-        let first = matches!(*self.http, Protocols::Auto(_)).then(|| FirstRequest {
-            within: self.handshake_timeout,
-            asked: Rc::new(Cell::new(false)),
+        let idle = matches!(*self.http, Protocols::Auto(_)).then(|| {
+            Rc::new(Activity {
+                first_within: self.handshake_timeout,
+                h2_idle: self.h2_idle_timeout,
+                clock: clock.clone(),
+                opened_ms: clock.now_ms(),
+                last_request_ms: Cell::new(None),
+                h2: Rc::new(Cell::new(false)),
+            })
         });
-        let asked = first.as_ref().map(|f| f.asked.clone());
+        let seen = idle.clone();
         let service = service_fn(move |req| {
-            if let Some(asked) = &asked {
-                asked.set(true);
+            if let Some(seen) = &seen {
+                seen.last_request_ms.set(Some(clock.now_ms()));
             }
             let (client, worker) = (client.clone(), worker.clone());
-            async move { Ok::<_, Infallible>(super::handle(entry, req, &client, &worker).await) }
+            async move { Ok::<_, Infallible>(super::entry::handle(entry, req, &client, &worker).await) }
         });
-        let io = TokioIo::new(Lingering::new(stream, linger));
+        let h2 = idle
+            .as_ref()
+            .map_or_else(|| Rc::new(Cell::new(false)), |idle| idle.h2.clone());
+        let io = TokioIo::new(Sniffed::new(Lingering::new(stream, linger), h2));
+        let ends = Ends {
+            cut,
+            stop: self.stop,
+            peer,
+            idle,
+        };
         match &*self.http {
-            Protocols::Http1(http1) => {
-                drive(
-                    pin!(http1.serve_connection(io, service)),
-                    &cut,
-                    self.stop,
-                    peer,
-                    first,
-                )
-                .await;
-            }
-            Protocols::Auto(auto) => {
-                drive(
-                    pin!(auto.serve_connection(io, service)),
-                    &cut,
-                    self.stop,
-                    peer,
-                    first,
-                )
-                .await;
-            }
+            Protocols::Http1(http1) => drive(pin!(http1.serve_connection(io, service)), ends).await,
+            Protocols::Auto(auto) => drive(pin!(auto.serve_connection(io, service)), ends).await,
         }
     }
-}
-
-/// The deadline for a connection's first request: until one has begun,
-/// nothing else bounds a client that sends nothing after its TLS handshake,
-/// or only part of the HTTP/2 preface (the protocol is not yet chosen, so
-/// HTTP/1's header deadline does not run), or an HTTP/2 connection that
-/// never opens a stream.
-struct FirstRequest {
-    /// How long the client has (the header deadline).
-    within: Duration,
-    /// Set when the first request's head has arrived.
-    asked: Rc<Cell<bool>>,
-}
-
-/// Drives `conn` until it ends, the watchdog cuts it off (`cut`), no
-/// request has begun by the `first` deadline (when there is one), or
-/// shutdown (`stop`) has let its requests in flight finish.
-async fn drive<C: Served>(
-    mut conn: std::pin::Pin<&mut C>,
-    cut: &ClientCut,
-    mut stop: watch::Receiver<bool>,
-    peer: SocketAddr,
-    first: Option<FirstRequest>,
-) {
-    let mut stopping = false;
-    // Never polled (so never armed) without a first-request deadline.
-    let first_deadline = tokio::time::sleep(first.as_ref().map_or(Duration::ZERO, |f| f.within));
-    tokio::pin!(first_deadline);
-    let mut awaiting_first = first.is_some();
-    loop {
-        tokio::select! {
-            biased;
-            () = &mut first_deadline, if awaiting_first => {
-                if first.as_ref().is_some_and(|f| !f.asked.get()) {
-                    return;
-                }
-                awaiting_first = false;
-            }
-            served = conn.as_mut() => {
-                if let Err(e) = served
-                    && !C::timed_out(&e)
-                {
-                    ended_in_error(&e, peer);
-                }
-                return;
-            }
-            () = cut.requested() => return,
-            _ = stop.wait_for(|stopping| *stopping), if !stopping => {
-                stopping = true;
-                conn.as_mut().finish();
-            }
-        }
-    }
-}
-
-/// Records a connection that ended in `error` (a header deadline that ran
-/// out is not noise: it is also how an idle kept-alive connection ends).
-fn ended_in_error(error: &dyn std::fmt::Display, peer: SocketAddr) {
-    telemetry::count_client_noise();
-    tracing::debug!(error = %error, %peer, "A client connection ended in an error.");
 }
 
 /// One worker's open connections.

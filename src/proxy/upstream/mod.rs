@@ -1,42 +1,48 @@
 //! Forwarding an admitted request to its upstream and streaming the answer.
 //!
 //! Owns one worker's upstream connections (its own idle HTTP/1.1
-//! connections, over TLS to `https://` upstreams, per upstream in a `pool::IdleList`, driven by tasks on that
-//! worker's runtime, with a cap on how many it uses at once), the per-tenant
-//! bound on exchanges in flight (`slots`), and the upstream timeouts.
-//! Bodies stream in both directions under the client deadlines (`body`,
-//! `stall`); a known `Content-Length` is kept.
+//! connections, over TLS to `https://` upstreams, per upstream in a
+//! `pool::IdleList`, driven by tasks on that worker's runtime, with a cap
+//! on how many it uses at once), hop-by-hop headers (`hop`) and the
+//! upstream timeouts; an exchange holds its tenant's slot
+//! ([`super::slots`]) until its answer ends. Connections are opened,
+//! reused and timed in `dial`; the answer streams back through `response`
+//! under the client's write pace; a known `Content-Length` is kept.
 //!
 //! Blame is kept straight: time spent waiting for a slow uploading client
 //! never counts against `upstream.timeout_ms`, and an upload the client
 //! fails answers 408 (or is dropped with the client), never 502/504.
 
-use std::error::Error as StdError;
-use std::pin::pin;
+mod dial;
+mod hop;
+mod pool;
+mod response;
+
+pub(super) use response::ResponseBody;
+
+use std::pin::Pin;
 use std::rc::Rc;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
-use futures_util::future::Either;
-use hyper::body::{Body as _, Incoming};
-use hyper::client::conn::http1::{self, SendRequest};
+use hyper::body::Incoming;
+use hyper::client::conn::http1::SendRequest;
 use hyper::header as hy;
 use hyper::{Method, Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
-use tokio::net::TcpStream;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::Semaphore;
 
-use super::body::{
-    Arrived, ClientFault, Held, ProxyBody, RequestBody, ResponseBody, Reuse, Upload,
-};
+use dial::{Dialer, upstream_failure};
+use pool::IdleList;
+use response::{Arrived, Held, Lease};
+
+use super::body::{ProxyBody, RequestBody, Upload};
+use super::client::Client;
 use super::error::ProxyError;
 use super::headers::RateLimitHeaders;
-use super::hop;
-use super::pool::IdleList;
+use super::listen::stall::Watchdog;
 use super::route::Route;
-use super::server::Client;
-use super::slots::{Slot, Slots};
-use super::stall::Watchdog;
+use super::slots::Slot;
 use crate::clock::{SharedClock, millis};
 use crate::config::{ClientSettings, RouteSpec, UpstreamSettings};
 use crate::key::TenantId;
@@ -79,25 +85,13 @@ impl Upstream {
         max_idle: Duration,
         clock: SharedClock,
     ) -> Self {
-        // expect: validation accepts only `http[s]://host[:port]` origins,
-        // and their authority is a valid header value.
-        let (authority, default_port) = match spec.upstream_origin.split_once("://") {
-            Some(("https", authority)) => (authority, 443),
-            Some((_, authority)) => (authority, 80),
-            None => (spec.upstream_origin.as_str(), 80),
-        };
-        let authority: hyper::http::uri::Authority =
-            authority.parse().expect("a validated upstream origin");
+        let (authority, port) = spec.upstream_authority();
         let host = match authority.port() {
             Some(port) => format!("{}:{}", authority.host(), port.as_str()),
             None => authority.host().to_owned(),
         };
         Self {
-            address: format!(
-                "{}:{}",
-                authority.host(),
-                authority.port_u16().unwrap_or(default_port)
-            ),
+            address: format!("{}:{port}", authority.host()),
             // expect: the app builds the trust when a route is https://,
             // and validation checked that the host can be a certificate's
             // name.
@@ -170,17 +164,10 @@ pub struct Forwarder {
     /// Each route's upstream, by route index; routes with the same origin
     /// share one.
     upstreams: Vec<Rc<Upstream>>,
-    /// One permit per upstream connection this worker may use at once.
-    connections: Arc<Semaphore>,
-    /// Exchanges in flight per tenant.
-    slots: Rc<Slots>,
+    /// Sends exchanges upstream, from tasks of their own.
+    dialer: Rc<Dialer>,
     /// Responses whose clients may stop reading.
-    watchdog: Rc<Watchdog<Held<Lease>>>,
-    /// Bound on one connection attempt (TLS handshake included).
-    connect_timeout: Duration,
-    /// Bound on waiting for a connection plus the upstream's response head,
-    /// not counting time spent waiting on an uploading client.
-    timeout: Duration,
+    watchdog: Rc<Watchdog<Held>>,
     /// The pace clients must keep.
     client: ClientSettings,
     /// Reads now for deadlines and idle times.
@@ -220,11 +207,13 @@ impl Forwarder {
             (client.write.timeout / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
         Self {
             upstreams,
-            connections: Arc::new(Semaphore::new(settings.max_connections_per_worker)),
-            slots: Slots::new(settings),
+            dialer: Rc::new(Dialer {
+                connections: Arc::new(Semaphore::new(settings.max_connections_per_worker)),
+                connect_timeout: settings.connect_timeout,
+                timeout: settings.timeout,
+                clock: clock.clone(),
+            }),
             watchdog: Watchdog::start(sweep, clock.clone(), metrics),
-            connect_timeout: settings.connect_timeout,
-            timeout: settings.timeout,
             client,
             clock: clock.clone(),
         }
@@ -236,16 +225,18 @@ impl Forwarder {
         self.client.read.timeout
     }
 
-    /// A place for one exchange of `tenant` (whose pair has a rule when
-    /// `has_rule`); `None` when the tenant, or the default-rule group, has
-    /// as many in flight as it may on this worker.
-    pub(super) fn slot(&self, tenant: &TenantId, has_rule: bool) -> Option<Slot> {
-        self.slots.acquire(tenant, has_rule)
-    }
-
     /// Sends `req`, its body streamed, from `client` to `target`'s
     /// upstream and streams the answer back, holding `slot` until the
     /// answer ends; the answer carries `limits`.
+    ///
+    /// The exchange (a connection, the request, the answer's head) holds
+    /// `slot` and, when the request is dropped before the head arrives (a
+    /// reset stream, a closed socket), runs on in a task of its own
+    /// ([`Detachable`]): a client that goes away frees nothing while the
+    /// upstream works on its request. The slot is freed when the
+    /// head arrives (the connection is then closed, unread, so the
+    /// upstream's next write fails), when the upload breaks off (the
+    /// upstream sees the request cut short), or at `upstream.timeout_ms`.
     ///
     /// # Errors
     /// [`ProxyError::UpstreamUnreachable`] or [`ProxyError::UpstreamTimeout`]
@@ -263,23 +254,27 @@ impl Forwarder {
         let head = req.method() == Method::HEAD;
         let cut = client.cut_for(req.version());
         let (request, upload) = self.upstream_request(req, client, target, &upstream);
-        let exchange = async {
-            let permit = Arc::clone(&self.connections)
-                .acquire_owned()
-                .await
-                .map_err(upstream_failure)?;
-            let (sender, response) = self.exchange(&upstream, request).await?;
-            Ok((
-                Lease {
-                    sender,
-                    upstream,
-                    _permit: permit,
-                    _slot: slot,
-                },
-                response,
-            ))
-        };
-        let (lease, response) = self.bounded(exchange, &upload).await?;
+        let dialer = Rc::clone(&self.dialer);
+        let exchange = Detachable::new(async move {
+            let exchange = async {
+                let permit = Arc::clone(&dialer.connections)
+                    .acquire_owned()
+                    .await
+                    .map_err(upstream_failure)?;
+                let (sender, response) = dialer.exchange(&upstream, request).await?;
+                Ok((
+                    Lease {
+                        sender,
+                        upstream,
+                        _permit: permit,
+                        _slot: slot,
+                    },
+                    response,
+                ))
+            };
+            dialer.bounded(exchange, &upload).await
+        });
+        let (lease, response) = exchange.await?;
 
         let (mut parts, mut body) = response.into_parts();
         let status = parts.status;
@@ -326,94 +321,9 @@ impl Forwarder {
         let stream = ResponseBody::new(watch, first, length, self.clock.clone());
         Ok(Response::from_parts(parts, ProxyBody::Streamed(stream)))
     }
+}
 
-    /// Runs `exchange` under `upstream.timeout_ms`, not counting the time
-    /// `upload` spent waiting on its client; a failed upload is the
-    /// client's fault whatever hyper reports.
-    async fn bounded<T>(
-        &self,
-        exchange: impl Future<Output = Result<T, ProxyError>>,
-        upload: &Upload,
-    ) -> Result<T, ProxyError> {
-        let started = self.clock.now_ms();
-        let limit = millis(self.timeout);
-        let mut exchange = pin!(exchange);
-        let mut wait = self.timeout;
-        loop {
-            match tokio::time::timeout(wait, &mut exchange).await {
-                Ok(result) => {
-                    return result.map_err(|e| match upload.fault() {
-                        Some(ClientFault::Slow) => ProxyError::ClientTimeout,
-                        Some(ClientFault::Broken) => ProxyError::ClientAborted,
-                        None => e,
-                    });
-                }
-                Err(_) => {
-                    let now = self.clock.now_ms();
-                    let upstream_ms = now
-                        .saturating_sub(started)
-                        .saturating_sub(upload.waited(now));
-                    if upstream_ms >= limit {
-                        return Err(ProxyError::UpstreamTimeout);
-                    }
-                    wait = Duration::from_millis(limit - upstream_ms);
-                }
-            }
-        }
-    }
-
-    /// Sends `request` on an idle connection to `upstream`, or a new one,
-    /// and waits for the response head. A request an idle connection
-    /// could not take (it was closing) goes to the next one.
-    async fn exchange(
-        &self,
-        upstream: &Upstream,
-        mut request: hyper::Request<RequestBody>,
-    ) -> Result<(SendRequest<RequestBody>, hyper::Response<Incoming>), ProxyError> {
-        loop {
-            let (mut sender, reused) = match upstream.take_idle() {
-                Some(sender) => (sender, true),
-                None => (self.connect(upstream).await?, false),
-            };
-            if sender.ready().await.is_err() {
-                if reused {
-                    continue;
-                }
-                return Err(ProxyError::UpstreamUnreachable(
-                    "upstream closed the connection".into(),
-                ));
-            }
-            match sender.try_send_request(request).await {
-                Ok(response) => return Ok((sender, response)),
-                Err(mut failed) => match failed.take_message() {
-                    Some(unsent) if reused => request = unsent,
-                    _ => return Err(upstream_failure(failed.into_error())),
-                },
-            }
-        }
-    }
-
-    /// A new connection to `upstream` (over TLS for an `https://` one),
-    /// its task running on this worker.
-    async fn connect(&self, upstream: &Upstream) -> Result<SendRequest<RequestBody>, ProxyError> {
-        let opened = async {
-            let stream = TcpStream::connect(&upstream.address).await?;
-            stream.set_nodelay(true)?;
-            std::io::Result::Ok(match &upstream.tls {
-                Some(tls) => Either::Right(tls.connect(stream).await?),
-                None => Either::Left(stream),
-            })
-        };
-        let stream = tokio::time::timeout(self.connect_timeout, opened)
-            .await
-            .map_err(|_| ProxyError::UpstreamTimeout)?
-            .map_err(upstream_failure)?;
-        match stream {
-            Either::Left(plain) => handshake(plain).await,
-            Either::Right(tls) => handshake(tls).await,
-        }
-    }
-
+impl Forwarder {
     /// The upstream request for `req`: same method; the route's base path
     /// followed by the normalised path and the query as sent; the
     /// upstream's `Host`, the end-to-end headers, the limited `X-Api-Key`
@@ -442,57 +352,46 @@ impl Forwarder {
     }
 }
 
-/// A connection in use by one exchange, returned to its upstream's idle
-/// list once the response body has been read to the end.
-pub(super) struct Lease {
-    /// The connection.
-    sender: SendRequest<RequestBody>,
-    /// Where it goes back to.
-    upstream: Rc<Upstream>,
-    /// Counts against the worker's connection cap while in use.
-    _permit: OwnedSemaphorePermit,
-    /// Counts against the tenant's bound while in use.
-    _slot: Slot,
+/// A future polled in place by its owner that, when the owner drops it
+/// unfinished, runs to its end in a task of its own on the current worker
+/// (its output then dropped). Heap-pinned from the start, so that it can
+/// move to that task once polled; cheaper than a task for every request,
+/// which is what a client that stays costs.
+struct Detachable<F: Future + 'static> {
+    /// The future, until it has finished.
+    future: Option<Pin<Box<F>>>,
 }
 
-impl Reuse for Lease {
-    fn reuse(self) {
-        self.upstream.keep(self.sender);
-    }
-}
-
-impl Lease {
-    /// Keeps the connection for a later request when `body`, which the
-    /// client does not get (a HEAD answer, a 204 or 304), has ended.
-    fn reuse_when_done(self, body: Incoming) {
-        if body.is_end_stream() {
-            self.reuse();
+impl<F: Future + 'static> Detachable<F> {
+    /// `future`, to be polled in place.
+    fn new(future: F) -> Self {
+        Self {
+            future: Some(Box::pin(future)),
         }
     }
 }
 
-/// Starts HTTP/1.1 on `io`, the connection's task running on this worker.
-async fn handshake<I>(io: I) -> Result<SendRequest<RequestBody>, ProxyError>
-where
-    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + 'static,
-{
-    let (sender, connection) = http1::Builder::new()
-        .max_buf_size(UPSTREAM_READ_BUFFER)
-        .handshake(TokioIo::new(io))
-        .await
-        .map_err(upstream_failure)?;
-    tokio::task::spawn_local(async move {
-        if let Err(e) = connection.await {
-            tracing::debug!(error = %e, "Upstream connection ended with an error.");
-        }
-    });
-    Ok(sender)
+impl<F: Future + 'static> Future for Detachable<F> {
+    type Output = F::Output;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let Some(future) = self.future.as_mut() else {
+            return Poll::Pending;
+        };
+        let output = std::task::ready!(future.as_mut().poll(cx));
+        self.future = None;
+        Poll::Ready(output)
+    }
 }
 
-/// Maps a connection-level failure to 502.
-fn upstream_failure(e: impl StdError + Send + Sync + 'static) -> ProxyError {
-    tracing::debug!(error = %e, "Upstream request failed.");
-    ProxyError::UpstreamUnreachable(Box::new(e))
+impl<F: Future + 'static> Drop for Detachable<F> {
+    fn drop(&mut self) {
+        if let Some(future) = self.future.take() {
+            tokio::task::spawn_local(async move {
+                drop(future.await);
+            });
+        }
+    }
 }
 
 /// The value of a `Content-Length` header, when it is one number.

@@ -21,16 +21,19 @@
 use std::num::NonZeroU32;
 
 use hyper::body::Incoming;
-use hyper::header::{CACHE_CONTROL, CONTENT_TYPE, HeaderName, HeaderValue};
+use hyper::header::{CACHE_CONTROL, HeaderName, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode};
 use serde::Deserialize;
 
-use super::body::{ProxyBody, SmallBodyError, read_small};
-use super::decide::decide_now;
-use super::early::{self, LingerFlag};
-use super::route::quoted;
-use super::{Worker, identify_counted};
+use super::identify_counted;
 use crate::key::TenantId;
+use crate::proxy::Worker;
+use crate::proxy::body::{ProxyBody, SmallBodyError, read_small};
+use crate::proxy::client::Client;
+use crate::proxy::decide::decide_now;
+use crate::proxy::early;
+use crate::proxy::error::{error_response, json_response};
+use crate::proxy::route::quoted;
 use crate::telemetry::Entry;
 
 /// `X-Tollgate-Route`: the route a subrequest asks about.
@@ -40,17 +43,18 @@ const COST_HEADER: HeaderName = HeaderName::from_static("x-tollgate-cost");
 /// Largest `POST /v1/check` body.
 const MAX_BODY: usize = 16 * 1024;
 
-/// Answers one request on the check listener; a body it does not read is
-/// settled as [`early`] says, marking the connection to linger in
-/// `linger` when it must close.
+/// Answers one request on the check listener from `client`; a body it
+/// does not read is settled as [`early`] says, marking the connection to
+/// linger when it must close.
 pub(super) async fn handle(
     req: Request<Incoming>,
+    client: &Client,
     worker: &Worker,
-    linger: &LingerFlag,
 ) -> Response<ProxyBody> {
+    let linger = &client.linger;
     let response = match (req.method(), req.uri().path()) {
         (_, "/v1/auth") => auth(&req, worker).await,
-        (&Method::POST, "/v1/check") => return check(req, worker, linger).await,
+        (&Method::POST, "/v1/check") => return check(req, client, worker).await,
         (_, "/v1/check") => invalid(StatusCode::METHOD_NOT_ALLOWED, "POST /v1/check"),
         _ => invalid(
             StatusCode::NOT_FOUND,
@@ -60,22 +64,26 @@ pub(super) async fn handle(
     early::answer(req, response, linger).await
 }
 
-/// A JSON error answer.
-fn invalid(status: StatusCode, message: &str) -> Response<ProxyBody> {
-    json(
-        status,
-        &serde_json::json!({"error": "invalid_request", "message": message}),
-    )
+/// The body of a decision's answer.
+#[derive(serde::Serialize)]
+struct Answer {
+    /// Whether the request may go on (shadowed refusals included).
+    allowed: bool,
+    /// Refused by limits in shadow mode only.
+    shadowed: bool,
+    /// The binding limit's size.
+    limit: u64,
+    /// Requests it has left.
+    remaining: u64,
+    /// Seconds until a refused request could pass.
+    retry_after_seconds: u64,
+    /// Which limiter decided.
+    source: &'static str,
 }
 
-/// A JSON answer.
-fn json(status: StatusCode, body: &serde_json::Value) -> Response<ProxyBody> {
-    let mut response = Response::new(ProxyBody::whole(format!("{body}\n").into()));
-    *response.status_mut() = status;
-    let headers = response.headers_mut();
-    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
-    response
+/// An answer to a request the check listener cannot take.
+fn invalid(status: StatusCode, message: &str) -> Response<ProxyBody> {
+    error_response(status, "invalid_request", message)
 }
 
 /// A cost of at least 1.
@@ -168,14 +176,11 @@ struct CheckRequest {
     cost: Option<u64>,
 }
 
-/// `POST /v1/check`.
-async fn check(
-    req: Request<Incoming>,
-    worker: &Worker,
-    linger: &LingerFlag,
-) -> Response<ProxyBody> {
+/// `POST /v1/check` from `client`.
+async fn check(req: Request<Incoming>, client: &Client, worker: &Worker) -> Response<ProxyBody> {
+    let linger = &client.linger;
     let timeout = worker.forwarder.read_timeout();
-    let body = match read_small(req.into_body(), MAX_BODY, timeout).await {
+    let body = match read_small(req.into_body(), MAX_BODY, timeout, &client.budget).await {
         Ok(body) => body,
         Err(SmallBodyError::TooLarge) => {
             let message = format!("the body is larger than {MAX_BODY} bytes");
@@ -184,8 +189,8 @@ async fn check(
             early::close(&mut response, linger);
             return response;
         }
-        Err(SmallBodyError::Broken(e)) => {
-            return invalid(StatusCode::BAD_REQUEST, &format!("the body broke off: {e}"));
+        Err(SmallBodyError::Broken) => {
+            return invalid(StatusCode::BAD_REQUEST, "the body broke off");
         }
         Err(SmallBodyError::TimedOut) => {
             let mut response = invalid(
@@ -229,16 +234,16 @@ async fn check(
     } else {
         StatusCode::OK
     };
-    let mut response = json(
+    let mut response = json_response(
         status,
-        &serde_json::json!({
-            "allowed": !decided.refused,
-            "shadowed": decided.shadowed,
-            "limit": binding.limit.map_or(0, |l| l.size()),
-            "remaining": binding.remaining,
-            "retry_after_seconds": binding.wait,
-            "source": decided.source.label(),
-        }),
+        &Answer {
+            allowed: !decided.refused,
+            shadowed: decided.shadowed,
+            limit: binding.limit.map_or(0, |l| l.size()),
+            remaining: binding.remaining,
+            retry_after_seconds: binding.wait,
+            source: decided.source.label(),
+        },
     );
     decided.headers.apply(response.headers_mut());
     response

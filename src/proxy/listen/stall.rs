@@ -30,7 +30,7 @@ use crate::telemetry::{BodyDirection, Metrics};
 
 /// The credit of one body transfer.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct Progress {
+pub(in crate::proxy) struct Progress {
     /// Longest wait without progress, and the most credit.
     timeout_ms: u64,
     /// Rate that earns credit as fast as waiting drains it; 0 = none.
@@ -45,7 +45,7 @@ pub(super) struct Progress {
 
 impl Progress {
     /// A transfer that has not waited yet, at `pace`.
-    pub(super) fn new(pace: Pace) -> Self {
+    pub(in crate::proxy) fn new(pace: Pace) -> Self {
         let timeout_ms = millis(pace.timeout);
         Self {
             timeout_ms,
@@ -58,13 +58,13 @@ impl Progress {
 
     /// The transfer waits on its client from `now` (a wait already under
     /// way keeps its start).
-    pub(super) fn wait(&mut self, now: u64) {
+    pub(in crate::proxy) fn wait(&mut self, now: u64) {
         self.waiting_since.get_or_insert(now);
     }
 
     /// The client moved `bytes` at `now`: a wait under way ends and the
     /// transfer earns credit.
-    pub(super) fn moved(&mut self, now: u64, bytes: usize) {
+    pub(in crate::proxy) fn moved(&mut self, now: u64, bytes: usize) {
         if let Some(since) = self.waiting_since.take() {
             let waited = now.saturating_sub(since);
             self.credit_ms = self.credit_ms.saturating_sub(waited);
@@ -78,18 +78,18 @@ impl Progress {
     }
 
     /// When the wait under way runs out of credit, if the transfer waits.
-    pub(super) fn deadline(&self) -> Option<u64> {
+    pub(in crate::proxy) fn deadline(&self) -> Option<u64> {
         self.waiting_since
             .map(|since| since.saturating_add(self.credit_ms))
     }
 
     /// Whether the transfer waits on its client and has run out of credit.
-    pub(super) fn expired(&self, now: u64) -> bool {
+    pub(in crate::proxy) fn expired(&self, now: u64) -> bool {
         self.deadline().is_some_and(|deadline| now > deadline)
     }
 
     /// All time spent waiting on the client up to `now`.
-    pub(super) fn waited(&self, now: u64) -> u64 {
+    pub(in crate::proxy) fn waited(&self, now: u64) -> u64 {
         let current = self
             .waiting_since
             .map_or(0, |since| now.saturating_sub(since));
@@ -99,7 +99,7 @@ impl Progress {
 
 /// A response under watch: its progress, and what it holds until it ends
 /// or is cut off.
-pub(super) struct Watched<T> {
+pub(in crate::proxy) struct Watched<T> {
     /// The download's credit.
     progress: Cell<Progress>,
     /// Released (dropped) when the client is cut off.
@@ -108,30 +108,30 @@ pub(super) struct Watched<T> {
 
 impl<T> Watched<T> {
     /// The download's credit.
-    pub(super) fn progress(&self) -> Progress {
+    pub(in crate::proxy) fn progress(&self) -> Progress {
         self.progress.get()
     }
 
     /// Records the download's credit.
-    pub(super) fn set_progress(&self, progress: Progress) {
+    pub(in crate::proxy) fn set_progress(&self, progress: Progress) {
         self.progress.set(progress);
     }
 
     /// What the response holds; `None` once it has been cut off.
-    pub(super) fn held(&self) -> RefMut<'_, Option<T>> {
+    pub(in crate::proxy) fn held(&self) -> RefMut<'_, Option<T>> {
         self.held.borrow_mut()
     }
 }
 
 /// What a watched response holds, and how it is let go when its client is
 /// cut off (dropping it is how it is let go when the response ends).
-pub(super) trait Cut {
+pub(in crate::proxy) trait Cut {
     /// Releases everything, the client included.
     fn cut(self);
 }
 
 /// One worker's responses that may wait on their clients.
-pub(super) struct Watchdog<T> {
+pub(in crate::proxy) struct Watchdog<T> {
     /// Watched responses by slot; `None` slots are free.
     entries: RefCell<Vec<Option<Rc<Watched<T>>>>>,
     /// Free slots in `entries`.
@@ -145,7 +145,11 @@ pub(super) struct Watchdog<T> {
 impl<T: Cut + 'static> Watchdog<T> {
     /// A watchdog whose sweep runs every `period` on the current worker
     /// (it stops once the watchdog is dropped).
-    pub(super) fn start(period: Duration, clock: SharedClock, metrics: Metrics) -> Rc<Self> {
+    pub(in crate::proxy) fn start(
+        period: Duration,
+        clock: SharedClock,
+        metrics: Metrics,
+    ) -> Rc<Self> {
         let dog = Rc::new(Self {
             entries: RefCell::new(Vec::new()),
             free: RefCell::new(Vec::new()),
@@ -167,7 +171,7 @@ impl<T: Cut + 'static> Watchdog<T> {
 
     /// Watches a response that holds `held`, at `pace`; it leaves the
     /// watch when the returned [`Watch`] is dropped.
-    pub(super) fn watch(self: &Rc<Self>, held: T, pace: Pace) -> Watch<T> {
+    pub(in crate::proxy) fn watch(self: &Rc<Self>, held: T, pace: Pace) -> Watch<T> {
         let watched = Rc::new(Watched {
             progress: Cell::new(Progress::new(pace)),
             held: RefCell::new(Some(held)),
@@ -192,7 +196,7 @@ impl<T: Cut + 'static> Watchdog<T> {
 
     /// Releases what every response whose client ran out of credit by
     /// `now` holds; returns how many were cut off.
-    pub(super) fn sweep(&self, now: u64) -> usize {
+    pub(in crate::proxy) fn sweep(&self, now: u64) -> usize {
         let mut cut = 0;
         for watched in self.entries.borrow().iter().flatten() {
             if !watched.progress().expired(now) {
@@ -217,7 +221,7 @@ impl<T: Cut + 'static> Watchdog<T> {
 }
 
 /// A response's place on its worker's watch list.
-pub(super) struct Watch<T> {
+pub(in crate::proxy) struct Watch<T> {
     /// The watched state, shared with the sweep.
     watched: Rc<Watched<T>>,
     /// The list it is on.

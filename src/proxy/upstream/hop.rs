@@ -16,8 +16,9 @@ use hyper::header::{self as hy, HeaderMap, HeaderName, HeaderValue};
 use crate::key::TenantId;
 
 /// Headers that describe one hop and are never forwarded (lower case, as
-/// header names are stored).
-const HOP_BY_HOP: [HeaderName; 9] = [
+/// header names are stored), and `Content-Length` (the body carries its
+/// own length). `Connection` comes first: what it lists goes too.
+static HOP_BY_HOP: [HeaderName; 10] = [
     hy::CONNECTION,
     HeaderName::from_static("keep-alive"),
     HeaderName::from_static("proxy-connection"),
@@ -27,6 +28,7 @@ const HOP_BY_HOP: [HeaderName; 9] = [
     hy::TRAILER,
     hy::TRANSFER_ENCODING,
     hy::UPGRADE,
+    hy::CONTENT_LENGTH,
 ];
 
 /// `X-Forwarded-For`.
@@ -36,11 +38,18 @@ const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto
 /// `X-Forwarded-Host`.
 const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 
-/// Removes what describes one hop: the fixed hop-by-hop headers, the ones
-/// the message's `Connection` header lists, and `Content-Length` (the body
-/// carries its own length).
+/// Removes what describes one hop: the headers of [`HOP_BY_HOP`] and the
+/// ones the message's `Connection` header lists. One pass over the names
+/// present finds them: most messages hold one or two of them, and a
+/// lookup of each name that might be there costs more than the pass.
 fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    if headers.contains_key(hy::CONNECTION) {
+    let mut present = [false; HOP_BY_HOP.len()];
+    for name in headers.keys() {
+        if let Some(i) = HOP_BY_HOP.iter().position(|hop| hop == name) {
+            present[i] = true;
+        }
+    }
+    if present[0] {
         let listed: Vec<HeaderName> = headers
             .get_all(hy::CONNECTION)
             .iter()
@@ -52,10 +61,11 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
             headers.remove(name);
         }
     }
-    for name in HOP_BY_HOP {
-        headers.remove(name);
+    for (name, present) in HOP_BY_HOP.iter().zip(present) {
+        if present {
+            headers.remove(name);
+        }
     }
-    headers.remove(hy::CONTENT_LENGTH);
 }
 
 /// Turns a client's request headers into the upstream's: hop-level ones
@@ -96,7 +106,7 @@ pub(super) fn forwarded_headers(
     };
     // A validated tenant id is a valid header value.
     if let Ok(key) = HeaderValue::from_str(tenant.as_str()) {
-        headers.insert(super::API_KEY, key);
+        headers.insert(crate::proxy::API_KEY, key);
     }
 }
 

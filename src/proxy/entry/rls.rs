@@ -31,15 +31,16 @@ use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
 use hyper::body::Incoming;
 use hyper::{Request, Response};
 
-use super::Worker;
-use super::body::ProxyBody;
-use super::decide::{Decided, decide_now};
 use super::grpc::{self, Code, Status};
-use super::headers::Binding;
-use super::route::{Route, quoted};
 use crate::bucket::GroupLimit;
 use crate::config::RlsSettings;
 use crate::key::{RouteId, TenantId};
+use crate::proxy::Worker;
+use crate::proxy::body::ProxyBody;
+use crate::proxy::client::Client;
+use crate::proxy::decide::{Decided, decide_now};
+use crate::proxy::headers::Binding;
+use crate::proxy::route::{Route, quoted};
 use crate::rules::Window;
 use crate::telemetry::{Entry, Outcome};
 
@@ -50,15 +51,20 @@ const SHOULD_RATE_LIMIT: &str = "/envoy.service.ratelimit.v3.RateLimitService/Sh
 pub(super) const MAX_DESCRIPTORS: usize = 64;
 
 /// Answers one call on the RLS listener.
-pub(super) async fn handle(req: Request<Incoming>, worker: &Worker) -> Response<ProxyBody> {
+pub(super) async fn handle(
+    req: Request<Incoming>,
+    client: &Client,
+    worker: &Worker,
+) -> Response<ProxyBody> {
     let Some(settings) = worker.state.rls.as_ref() else {
         return Status::new(Code::Unimplemented, "rls is not configured").response();
     };
     let timeout = worker.forwarder.read_timeout();
-    let request: RateLimitRequest = match grpc::read_unary(req, SHOULD_RATE_LIMIT, timeout).await {
-        Ok(request) => request,
-        Err(response) => return response,
-    };
+    let request: RateLimitRequest =
+        match grpc::read_unary(req, SHOULD_RATE_LIMIT, timeout, &client.budget).await {
+            Ok(request) => request,
+            Err(response) => return response,
+        };
     let asks = match parse(settings, worker, &request) {
         Ok(asks) => asks,
         Err(message) => return Status::new(Code::InvalidArgument, message).response(),

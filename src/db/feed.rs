@@ -17,7 +17,7 @@ use sqlx::postgres::PgListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use super::pg::RuleStoreError;
+use super::DbError;
 
 /// First and longest pause between attempts to re-subscribe.
 const BACKOFF: (Duration, Duration) = (Duration::from_millis(100), Duration::from_secs(5));
@@ -150,7 +150,7 @@ async fn follow<A>(
                 if !announced_down {
                     tracing::warn!(
                         channel,
-                        error = %RuleStoreError::from(e),
+                        error = %DbError::from(e),
                         "Cannot follow changes: the rules database cannot be reached; retrying."
                     );
                     announced_down = true;

@@ -1,6 +1,6 @@
-//! Rules in PostgreSQL: migrations, queries and change events.
+//! The `rate_limit_rule` table: its queries and its change events.
 //!
-//! Owns every SQL statement tollgate runs and the `tollgate_rules`
+//! Owns every SQL statement about rules and the `tollgate_rules`
 //! notification format written by the triggers in `migrations/`. Nothing
 //! here is on the request path: the cache loads through [`RuleStore`] and
 //! the admin API writes through it.
@@ -9,71 +9,16 @@
 //! to every gateway (including the writer) through `NOTIFY`.
 
 use std::num::NonZeroU32;
-use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use sqlx::postgres::{PgPool, PgPoolOptions};
 
-use super::model::{LimitSpec, Rule, RuleSpec};
+use super::{Database, DbError};
 use crate::key::{RouteId, TenantId};
+use crate::rules::model::Rule;
+use crate::rules::spec::RuleSpec;
 
 /// The `NOTIFY` channel the triggers write to.
 pub const CHANNEL: &str = "tollgate_rules";
-
-/// The SQL migrations, compiled in.
-static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
-
-/// Longest wait for a pooled connection before a query gives up.
-const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(2);
-
-/// Why a database operation failed. The messages carry their cause
-/// (there is no separate source, so a printed chain says it once).
-#[derive(Debug, thiserror::Error)]
-pub enum RuleStoreError {
-    /// The server answered, but the database in the URL does not exist.
-    #[error(
-        "database {0:?} does not exist: create it (psql -c 'CREATE DATABASE \"{0}\"', \
-         or createdb {0}), then run tollgate migrate --database-url <url>"
-    )]
-    MissingDatabase(String),
-    /// The database could not be reached or the query failed.
-    #[error("database error: {0}")]
-    Database(sqlx::Error),
-    /// A migration could not be applied.
-    #[error("migration failed: {0}")]
-    Migrate(sqlx::migrate::MigrateError),
-}
-
-/// The database a "does not exist" error (SQLSTATE 3D000) names.
-fn missing_database(e: &sqlx::Error) -> Option<String> {
-    let db = e.as_database_error()?;
-    if db.code().as_deref() != Some("3D000") {
-        return None;
-    }
-    let message = db.message();
-    let name = message
-        .split('"')
-        .nth(1)
-        .map_or_else(|| message.to_owned(), str::to_owned);
-    Some(name)
-}
-
-impl From<sqlx::Error> for RuleStoreError {
-    fn from(e: sqlx::Error) -> Self {
-        missing_database(&e).map_or(Self::Database(e), Self::MissingDatabase)
-    }
-}
-
-impl From<sqlx::migrate::MigrateError> for RuleStoreError {
-    fn from(e: sqlx::migrate::MigrateError) -> Self {
-        use sqlx::migrate::MigrateError::{Execute, ExecuteMigration};
-        match &e {
-            Execute(inner) | ExecuteMigration(inner, _) => missing_database(inner),
-            _ => None,
-        }
-        .map_or(Self::Migrate(e), Self::MissingDatabase)
-    }
-}
 
 /// One row of `rate_limit_rule`, as the admin API shows it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, sqlx::FromRow)]
@@ -86,9 +31,9 @@ pub struct StoredRule {
     pub capacity: Option<i32>,
     /// Tokens per second of the first bucket.
     pub refill_per_second: Option<i32>,
-    /// Further limits.
-    #[sqlx(try_from = "String")]
-    pub limits: LimitList,
+    /// Further limits: the `limits` column's JSON text, shown as JSON.
+    #[serde(serialize_with = "as_json")]
+    pub limits: String,
     /// Sub-buckets.
     pub shards: i32,
     /// Exact mode (no leases).
@@ -101,16 +46,11 @@ pub struct StoredRule {
     pub updated_at: Option<String>,
 }
 
-/// A rule's further limits, stored as a JSON array.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
-#[serde(transparent)]
-pub struct LimitList(pub Vec<LimitSpec>);
-
-impl TryFrom<String> for LimitList {
-    type Error = serde_json::Error;
-
-    fn try_from(text: String) -> Result<Self, Self::Error> {
-        serde_json::from_str(&text).map(Self)
+/// Writes JSON `text` as the JSON it holds (as a string if it holds none).
+fn as_json<S: serde::Serializer>(text: &str, out: S) -> Result<S::Ok, S::Error> {
+    match serde_json::from_str::<serde_json::Value>(text) {
+        Ok(value) => value.serialize(out),
+        Err(_) => out.serialize_str(text),
     }
 }
 
@@ -123,7 +63,7 @@ impl StoredRule {
             route: rule.route.to_string(),
             capacity: bucket.then(|| to_i32(rule.limit.capacity)),
             refill_per_second: bucket.then(|| to_i32(rule.limit.refill_per_second)),
-            limits: LimitList(RuleSpec::from(rule).limits),
+            limits: limits_json(rule),
             shards: to_i32(rule.limit.shards),
             exact: rule.limit.exact,
             mode: rule.limit.mode.as_str().to_owned(),
@@ -133,57 +73,50 @@ impl StoredRule {
     }
 }
 
+/// The further limits of `rule` as the `limits` column holds them.
+fn limits_json(rule: &Rule) -> String {
+    // expect: a list of plain structs of numbers and strings always
+    // serialises.
+    serde_json::to_string(&RuleSpec::from(rule).limits).expect("limits serialise to JSON")
+}
+
+impl TryFrom<StoredRule> for RuleSpec {
+    type Error = serde_json::Error;
+
+    fn try_from(row: StoredRule) -> Result<Self, Self::Error> {
+        Ok(Self {
+            limits: serde_json::from_str(&row.limits)?,
+            tenant: row.tenant,
+            route: row.route,
+            capacity: row.capacity.map(i64::from),
+            refill_per_second: row.refill_per_second.map(i64::from),
+            shards: row.shards.into(),
+            exact: row.exact,
+            mode: Some(row.mode),
+            name: row.name,
+        })
+    }
+}
+
 /// Columns of [`StoredRule`], in order.
 const COLUMNS: &str = "tenant_id AS tenant, route_id AS route, capacity, refill_per_second, limits::text AS limits, shards, exact, mode, name, \
      to_char(updated_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') AS updated_at";
 
-/// Access to the rules table.
+/// The rules table.
 #[derive(Clone)]
 pub struct RuleStore {
-    /// A small pool; connections are opened on demand.
-    pool: PgPool,
-    /// The URL, for the listener's own connection.
-    url: String,
+    db: Database,
 }
 
 impl RuleStore {
-    /// A store for `url`. Connects to nothing until first used.
-    ///
-    /// # Errors
-    /// When the URL cannot be parsed.
-    pub fn connect_lazy(url: &str) -> Result<Self, RuleStoreError> {
-        let pool = PgPoolOptions::new()
-            .max_connections(4)
-            .acquire_timeout(ACQUIRE_TIMEOUT)
-            .connect_lazy(url)?;
-        Ok(Self {
-            pool,
-            url: url.to_owned(),
-        })
+    /// The rules table of `db`.
+    pub fn new(db: Database) -> Self {
+        Self { db }
     }
 
-    /// The database URL (for `LISTEN`).
-    pub fn url(&self) -> &str {
-        &self.url
-    }
-
-    /// The connection pool, shared with the other tables' queries.
-    pub fn pool(&self) -> &PgPool {
-        &self.pool
-    }
-
-    /// Closes every pooled connection.
-    pub async fn close(&self) {
-        self.pool.close().await;
-    }
-
-    /// Applies every pending migration; already applied ones are skipped.
-    ///
-    /// # Errors
-    /// When the database is unreachable or a migration fails.
-    pub async fn migrate(&self) -> Result<(), RuleStoreError> {
-        MIGRATOR.run(&self.pool).await?;
-        Ok(())
+    /// The database the rules live in.
+    pub fn database(&self) -> &Database {
+        &self.db
     }
 
     /// Every rule. Rows that fail validation are skipped with a warning
@@ -192,26 +125,22 @@ impl RuleStore {
     ///
     /// # Errors
     /// When the database is unreachable or the query fails.
-    pub async fn load_all(&self) -> Result<Vec<Rule>, RuleStoreError> {
-        let rows: Vec<RuleRow> = sqlx::query_as(
-            "SELECT id, tenant_id, route_id, capacity, refill_per_second, limits::text AS limits, \
-             shards, exact, mode, name FROM rate_limit_rule",
-        )
-        .fetch_all(&self.pool)
-        .await?;
+    pub async fn load_all(&self) -> Result<Vec<Rule>, DbError> {
+        let sql = sqlx::AssertSqlSafe(format!("SELECT {COLUMNS} FROM rate_limit_rule"));
+        let rows: Vec<StoredRule> = sqlx::query_as(sql).fetch_all(self.db.pool()).await?;
         Ok(rows
             .into_iter()
             .filter_map(|row| {
-                let id = row.id;
+                let (tenant, route) = (row.tenant.clone(), row.route.clone());
                 RuleSpec::try_from(row)
                     .map_err(|e| {
-                        tracing::warn!(row = id, error = %e, "Skipping a rule row whose limits are not JSON.");
+                        tracing::warn!(tenant, route, error = %e, "Skipping a rule row whose limits cannot be read.");
                     })
                     .ok()?
                     .validate()
                     .map_err(|problems| {
-                        let problems: Vec<_> = problems.iter().map(|p| p.field).collect();
-                        tracing::warn!(row = id, ?problems, "Skipping an invalid rule row.");
+                        let problems: Vec<_> = problems.iter().map(ToString::to_string).collect();
+                        tracing::warn!(tenant, route, ?problems, "Skipping an invalid rule row.");
                     })
                     .ok()
             })
@@ -226,14 +155,14 @@ impl RuleStore {
         &self,
         tenant: &TenantId,
         route: &RouteId,
-    ) -> Result<Option<StoredRule>, RuleStoreError> {
+    ) -> Result<Option<StoredRule>, DbError> {
         let sql = sqlx::AssertSqlSafe(format!(
             "SELECT {COLUMNS} FROM rate_limit_rule WHERE tenant_id = $1 AND route_id = $2"
         ));
         Ok(sqlx::query_as(sql)
             .bind(tenant.as_str())
             .bind(route.as_str())
-            .fetch_optional(&self.pool)
+            .fetch_optional(self.db.pool())
             .await?)
     }
 
@@ -247,7 +176,7 @@ impl RuleStore {
         tenant: Option<&TenantId>,
         after: Option<(&TenantId, &RouteId)>,
         limit: u32,
-    ) -> Result<Vec<StoredRule>, RuleStoreError> {
+    ) -> Result<Vec<StoredRule>, DbError> {
         let sql = sqlx::AssertSqlSafe(format!(
             "SELECT {COLUMNS} FROM rate_limit_rule \
              WHERE ($1::text IS NULL OR tenant_id = $1) \
@@ -259,7 +188,7 @@ impl RuleStore {
             .bind(after.map(|(t, _)| t.as_str()))
             .bind(after.map(|(_, r)| r.as_str()).unwrap_or(""))
             .bind(i64::from(limit))
-            .fetch_all(&self.pool)
+            .fetch_all(self.db.pool())
             .await?)
     }
 
@@ -268,7 +197,7 @@ impl RuleStore {
     ///
     /// # Errors
     /// When the database is unreachable or the statement fails.
-    pub async fn put(&self, rule: &Rule) -> Result<(StoredRule, bool), RuleStoreError> {
+    pub async fn put(&self, rule: &Rule) -> Result<(StoredRule, bool), DbError> {
         let sql = sqlx::AssertSqlSafe(format!(
             "INSERT INTO rate_limit_rule \
                (tenant_id, route_id, capacity, refill_per_second, shards, exact, mode, name, limits) \
@@ -280,11 +209,8 @@ impl RuleStore {
              RETURNING {COLUMNS}, (xmax = 0) AS created"
         ));
         let limit = rule.limit;
-        // expect: a list of plain structs of numbers and strings always
-        // serialises.
-        let limits =
-            serde_json::to_string(&RuleSpec::from(rule).limits).expect("limits serialise to JSON");
-        let mut tx = self.pool.begin().await?;
+        let limits = limits_json(rule);
+        let mut tx = self.db.pool().begin().await?;
         let (row, created): (StoredRule, bool) = sqlx::query_as::<_, StoredRuleCreated>(sql)
             .bind(rule.tenant.as_str())
             .bind(rule.route.as_str())
@@ -306,8 +232,8 @@ impl RuleStore {
     ///
     /// # Errors
     /// When the database is unreachable or the statement fails.
-    pub async fn delete(&self, tenant: &TenantId, route: &RouteId) -> Result<bool, RuleStoreError> {
-        let mut tx = self.pool.begin().await?;
+    pub async fn delete(&self, tenant: &TenantId, route: &RouteId) -> Result<bool, DbError> {
+        let mut tx = self.db.pool().begin().await?;
         let done =
             sqlx::query("DELETE FROM rate_limit_rule WHERE tenant_id = $1 AND route_id = $2")
                 .bind(tenant.as_str())
@@ -339,44 +265,6 @@ fn to_i32(v: NonZeroU32) -> i32 {
     i32::try_from(v.get()).unwrap_or(i32::MAX)
 }
 
-/// One row of `rate_limit_rule` as loaded for the cache.
-#[derive(sqlx::FromRow)]
-struct RuleRow {
-    id: i64,
-    tenant_id: String,
-    route_id: String,
-    capacity: Option<i32>,
-    refill_per_second: Option<i32>,
-    limits: String,
-    shards: i32,
-    exact: bool,
-    mode: String,
-    name: Option<String>,
-}
-
-impl TryFrom<RuleRow> for RuleSpec {
-    type Error = serde_json::Error;
-
-    fn try_from(row: RuleRow) -> Result<Self, Self::Error> {
-        Ok(Self {
-            tenant: row.tenant_id,
-            route: row.route_id,
-            capacity: row.capacity.map(i64::from),
-            refill_per_second: row.refill_per_second.map(i64::from),
-            limits: LimitList::try_from(row.limits)?.0,
-            shards: row.shards.into(),
-            exact: row.exact,
-            mode: Some(row.mode),
-            name: row.name,
-        })
-    }
-}
-
-/// The default of a payload's `shards` (events written before migration 2).
-fn one() -> i64 {
-    1
-}
-
 /// A change announced on [`CHANNEL`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Change {
@@ -388,66 +276,43 @@ pub enum Change {
     Reload,
 }
 
-/// The JSON written by the triggers.
-#[derive(Deserialize)]
-#[serde(tag = "op", rename_all = "lowercase")]
-enum Payload {
-    Upsert {
-        tenant: String,
-        route: String,
-        capacity: Option<i64>,
-        refill_per_second: Option<i64>,
-        #[serde(default)]
-        limits: Vec<LimitSpec>,
-        #[serde(default = "one")]
-        shards: i64,
-        #[serde(default)]
-        exact: bool,
-        #[serde(default)]
-        mode: Option<String>,
-        #[serde(default)]
-        name: Option<String>,
-    },
-    Delete {
-        tenant: String,
-        route: String,
-    },
-    Reload,
-}
-
 impl Change {
-    /// Parses a notification payload; `None` when it is not one of ours.
+    /// Parses a notification payload: an object whose `op` is `upsert`
+    /// (with the fields of a [`RuleSpec`]), `delete` (with `tenant` and
+    /// `route`) or `reload`; the triggers also write a `seq` number, which
+    /// is not needed here. `None`, with the reason logged, when it is not
+    /// one of these or its rule is not valid: the rule in force stays.
     pub fn parse(payload: &str) -> Option<Self> {
-        match serde_json::from_str(payload).ok()? {
-            Payload::Upsert {
-                tenant,
-                route,
-                capacity,
-                refill_per_second,
-                limits,
-                shards,
-                exact,
-                mode,
-                name,
-            } => RuleSpec {
-                tenant,
-                route,
-                capacity,
-                refill_per_second,
-                limits,
-                shards,
-                exact,
-                mode,
-                name,
+        let serde_json::Value::Object(mut fields) = serde_json::from_str(payload).ok()? else {
+            return None;
+        };
+        fields.remove("seq");
+        let op = fields.remove("op")?;
+        let text = |fields: &serde_json::Map<_, _>, key: &str| {
+            fields
+                .get(key)
+                .and_then(serde_json::Value::as_str)
+                .map(str::to_owned)
+        };
+        match op.as_str()? {
+            "upsert" => {
+                let spec = RuleSpec::deserialize(serde_json::Value::Object(fields))
+                    .map_err(|e| tracing::warn!(error = %e, "A rule change event is not a rule."))
+                    .ok()?;
+                spec.validate()
+                    .map_err(|problems| {
+                        let problems: Vec<_> = problems.iter().map(ToString::to_string).collect();
+                        tracing::warn!(?problems, "A rule change event holds an invalid rule.");
+                    })
+                    .ok()
+                    .map(Change::Upsert)
             }
-            .validate()
-            .ok()
-            .map(Change::Upsert),
-            Payload::Delete { tenant, route } => Some(Change::Delete(
-                TenantId::parse(&tenant).ok()?,
-                RouteId::parse_scope(&route).ok()?,
+            "delete" => Some(Change::Delete(
+                TenantId::parse(&text(&fields, "tenant")?).ok()?,
+                RouteId::parse_scope(&text(&fields, "route")?).ok()?,
             )),
-            Payload::Reload => Some(Change::Reload),
+            "reload" => Some(Change::Reload),
+            _ => None,
         }
     }
 }

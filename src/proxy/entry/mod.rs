@@ -1,0 +1,100 @@
+//! The entry points a request comes in by, and what they share: the
+//! proxy ([`proxy`]: route, identify, limit, forward), Envoy's rate limit
+//! service ([`rls`], over gRPC: [`grpc`]) and the HTTP check ([`check`]);
+//! each connection's requests are its listening socket's
+//! [`Entry`](crate::telemetry::Entry). Identifying the tenant (step 2 of
+//! each) is here, once.
+
+mod check;
+mod grpc;
+mod proxy;
+mod rls;
+
+use hyper::body::Incoming;
+use hyper::header::HeaderMap;
+use hyper::{Request, Response};
+
+use super::body::ProxyBody;
+use super::client::Client;
+use super::error::ProxyError;
+use super::{API_KEY, ProxyState, Worker};
+use crate::key::TenantId;
+use crate::telemetry::{Entry, Outcome};
+
+/// Answers one request from `client` that came in through `entry`.
+pub(super) async fn handle(
+    entry: Entry,
+    req: Request<Incoming>,
+    client: &Client,
+    worker: &Worker,
+) -> Response<ProxyBody> {
+    match entry {
+        Entry::Proxy => proxy::handle(req, client, worker).await,
+        Entry::Rls => rls::handle(req, client, worker).await,
+        Entry::Check => check::handle(req, client, worker).await,
+    }
+}
+
+/// The tenant of `headers` ([`identify`]); a missing or malformed key is
+/// counted for `entry` on route index `route`.
+fn identify_counted(
+    headers: &HeaderMap,
+    state: &ProxyState,
+    entry: Entry,
+    route: usize,
+) -> Result<TenantId, ProxyError> {
+    identify(headers).map_err(|e| {
+        let outcome = if matches!(e, ProxyError::MissingKey) {
+            Outcome::Unauthorized
+        } else {
+            Outcome::BadKey
+        };
+        state.requests.count(entry, None, route, outcome);
+        e
+    })
+}
+
+/// Reads and validates the tenant: exactly one `X-Api-Key` header holding
+/// one key, and no other spelling of the header name (`X_Api_Key`, which
+/// CGI-style servers read as the same header).
+fn identify(headers: &HeaderMap) -> Result<TenantId, ProxyError> {
+    if headers.keys().any(|name| is_key_alias(name.as_str())) {
+        return Err(ProxyError::SeveralKeys);
+    }
+    let mut keys = headers.get_all(API_KEY).iter();
+    let raw = keys.next().ok_or(ProxyError::MissingKey)?;
+    if keys.next().is_some() {
+        return Err(ProxyError::SeveralKeys);
+    }
+    let text = raw.to_str().map_err(|_| ProxyError::BadKeyEncoding)?;
+    if text.contains(',') {
+        return Err(ProxyError::SeveralKeys);
+    }
+    TenantId::parse(text).map_err(ProxyError::BadKey)
+}
+
+/// Whether the (lower-case) header `name` is `x-api-key` spelt with
+/// underscores for some of its dashes.
+fn is_key_alias(name: &str) -> bool {
+    const KEY: &[u8] = b"x-api-key";
+    name.len() == KEY.len()
+        && name.contains('_')
+        && name
+            .bytes()
+            .zip(KEY)
+            .all(|(b, &k)| b == k || (b == b'_' && k == b'-'))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn underscore_spellings_of_the_key_header_are_aliases() {
+        assert!(is_key_alias("x_api_key"));
+        assert!(is_key_alias("x-api_key"));
+        assert!(!is_key_alias("x-api-key"));
+        assert!(!is_key_alias("x_api_kez"));
+        assert!(!is_key_alias("accept"));
+    }
+}

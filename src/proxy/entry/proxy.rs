@@ -1,0 +1,168 @@
+//! The proxy entry: the phases of one proxied request, in order:
+//! 0. **screen** — `CONNECT` and `TRACE` answer 405; the path is
+//!    normalised ([`crate::path`]: 400 when ambiguous), and the normal form
+//!    is what is matched and what the upstream receives;
+//! 1. **route** — method + path → a [`Route`](crate::proxy::route::Route)
+//!    (404 when none);
+//! 2. **identify** — exactly one `X-Api-Key` → a tenant (401 missing,
+//!    400 malformed or more than one; a rejected key never reaches Redis);
+//! 3. **limit** — a slot among the tenant's exchanges in flight (429 when
+//!    at its bound, before any token is taken), then rule snapshot → the
+//!    limiter (429 with headers; under a rule in shadow mode, or
+//!    `[limits] shadow`, a refusal is counted as `shadow_rejected` and the
+//!    request goes on, without `Retry-After`);
+//! 4. **forward** — stream to the upstream and back, adding the rate-limit
+//!    headers.
+//!
+//! The phases run inline in one handler: no per-request actor message and
+//! no lock beyond the local limiter's short shard lock. The upstream gets
+//! exactly the key that was limited, whatever the client's `Connection`
+//! header lists.
+
+use hyper::body::{Body, Incoming};
+use hyper::{Method, Request, Response, Version};
+
+use super::identify_counted;
+use crate::path;
+use crate::proxy::Worker;
+use crate::proxy::access::AccessNote;
+use crate::proxy::body::ProxyBody;
+use crate::proxy::client::Client;
+use crate::proxy::decide::{Decided, decide};
+use crate::proxy::early;
+use crate::proxy::error::ProxyError;
+use crate::proxy::upstream::Target;
+use crate::telemetry::{BodyDirection, Entry, Outcome, Unrouted};
+
+/// Runs the phases for one proxied request from `client`, and writes its
+/// access line when the access log is on and keeps this request.
+pub(super) async fn handle(
+    req: Request<Incoming>,
+    client: &Client,
+    worker: &Worker,
+) -> Response<ProxyBody> {
+    let state = &*worker.state;
+    let Some(log) = state.access.as_ref().filter(|log| log.sampled()) else {
+        return phases(req, client, worker, None).await;
+    };
+    let started = state.clock.now_micros();
+    let method = req.method().clone();
+    let mut note = AccessNote::default();
+    let response = phases(req, client, worker, Some(&mut note)).await;
+    let duration = state.clock.now_micros().saturating_sub(started);
+    log.write(
+        &note,
+        &method,
+        response.status(),
+        duration,
+        &state.routes,
+        &state.requests,
+    );
+    response
+}
+
+/// The phases for one request; `note`, when given, collects what the
+/// access line reports.
+async fn phases(
+    req: Request<Incoming>,
+    client: &Client,
+    worker: &Worker,
+    mut note: Option<&mut AccessNote>,
+) -> Response<ProxyBody> {
+    let Worker {
+        state,
+        forwarder,
+        slots,
+        ..
+    } = worker;
+    let early = |req, error: ProxyError| early::answer(req, error.response(), &client.linger);
+    if matches!(*req.method(), Method::CONNECT | Method::TRACE) {
+        state.metrics.unrouted(Unrouted::BadRequest);
+        return early(req, ProxyError::MethodNotAllowed).await;
+    }
+    let path = match path::normalize(req.uri().path()) {
+        Ok(path) => path,
+        Err(e) => {
+            state.metrics.unrouted(Unrouted::BadRequest);
+            return early(req, ProxyError::BadPath(e)).await;
+        }
+    };
+    let Some(route) = state.routes.find(req.method(), &path) else {
+        state.metrics.unrouted(Unrouted::NoRoute);
+        return early(req, ProxyError::NoRoute).await;
+    };
+    if let Some(note) = note.as_deref_mut() {
+        note.route = Some(route.index);
+    }
+
+    let tenant = match identify_counted(req.headers(), state, Entry::Proxy, route.index) {
+        Ok(tenant) => tenant,
+        Err(e) => return early(req, e).await,
+    };
+    if let Some(note) = note.as_deref_mut() {
+        note.tenant = Some(tenant.clone());
+    }
+    let count = |outcome| {
+        state
+            .requests
+            .count(Entry::Proxy, Some(tenant.as_str()), route.index, outcome);
+    };
+
+    let rules = state.rules.snapshot();
+    let in_force = rules.in_force(tenant.as_str(), route.spec.id.as_str());
+    let Some(slot) = slots.acquire(&tenant, in_force.names_tenant()) else {
+        count(Outcome::InFlightLimited);
+        return early(req, ProxyError::TooManyInFlight).await;
+    };
+    drop(rules);
+    let Decided {
+        refused,
+        shadowed,
+        source,
+        headers,
+    } = decide(worker, &tenant, &route.spec.id, &in_force, route.spec.cost).await;
+    if let Some(note) = note.as_deref_mut() {
+        note.source = Some(source);
+    }
+    if refused {
+        count(Outcome::Rejected);
+        let mut rejected = ProxyError::RateLimited.response();
+        headers.apply(rejected.headers_mut());
+        return early::answer(req, rejected, &client.linger).await;
+    }
+
+    let started = state.clock.now_micros();
+    // A failed exchange may leave some of the body unread.
+    let body_pending = req.version() != Version::HTTP_2 && !req.body().is_end_stream();
+    let forwarded = match Target::new(route, &path, req.uri().query(), &tenant) {
+        Ok(target) => forwarder.forward(req, client, target, slot, &headers).await,
+        Err(e) => Err(e),
+    };
+    let elapsed = state.clock.now_micros().saturating_sub(started);
+    route.metrics.upstream_seconds(elapsed as f64 / 1e6);
+    if let Some(note) = note {
+        note.upstream_us = Some(elapsed);
+    }
+    count(match &forwarded {
+        Ok(_) if shadowed => Outcome::ShadowRejected,
+        Ok(_) => Outcome::Allowed,
+        Err(ProxyError::UpstreamTimeout) => Outcome::UpstreamTimeout,
+        Err(ProxyError::ClientTimeout) => {
+            state.metrics.client_timeout(BodyDirection::Request);
+            Outcome::ClientTimeout
+        }
+        Err(ProxyError::ClientAborted) => Outcome::ClientAborted,
+        Err(_) => Outcome::UpstreamError,
+    });
+    match forwarded {
+        Ok(response) => response,
+        Err(e) => {
+            let mut response = e.response();
+            headers.apply(response.headers_mut());
+            if body_pending {
+                early::close(&mut response, &client.linger);
+            }
+            response
+        }
+    }
+}
