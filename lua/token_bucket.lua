@@ -21,12 +21,22 @@
 --                arguments per key whatever the ask: every argument costs
 --                Redis a Lua string per call.
 --
--- Groups: an ask "cost*n" or "want:min:need*n" starts a group of n keys
+-- A charge ask "c<n>" takes n tokens whatever the bucket holds (usage
+-- reported after the fact): the bucket may go into debt, down to minus
+-- its capacity, and later asks wait until the debt is paid back by the
+-- refill. "c-<n>" gives n back (a refund), never above the capacity. A
+-- quota counts a charge as n requests (at most twice the quota in a
+-- window) and a refund as n fewer (never below zero). A charge is
+-- always allowed.
+--
+-- Groups: an ask "cost*n", "want:min:need*n" or "c<n>*n" starts a group
+-- of n keys
 -- (this one and the n-1 after it, whose asks are "-"): the limits of one
 -- request, all of which must admit it. The same count is taken from every
 -- one of them, or nothing from any: the cost, or for a lease as many as
 -- the fullest limit allows up to want (at least min, else need alone),
--- every count clamped to the smallest limit's size. A group's key is a bucket as above, or a quota: then
+-- every count clamped to the smallest limit's size; a charge is taken
+-- from (or given back to) every one of them. A group's key is a bucket as above, or a quota: then
 -- ARGV[3i-2] is the quota (requests per window) and ARGV[3i-1] the window
 -- instead of a rate: "m", "h", "d" (calendar minute, hour, day, UTC), "M"
 -- (calendar month, UTC) or "s<seconds>" (fixed windows counted from the
@@ -44,9 +54,11 @@
 --                   value this script did not write (another type, not a
 --                   number), or its ask is malformed. Such a key fails
 --                   alone; the call's other keys are decided as usual.
---   remaining       tokens left after this call, floored
+--   remaining       tokens left after this call, floored (negative for a
+--                   bucket in debt)
 --   retry_after_ms  ms until need tokens exist, rounded up: for a rejection
---                   at least 1; after a grant, 0 while need tokens remain
+--                   at least 1; after a grant, 0 while need tokens remain;
+--                   after a charge, until one token exists
 --   granted         (leases only) tokens taken: min..want, or need, or 0
 --   block_ms        (leases only) the same as retry_after_ms for min: when
 --                   another lease could be granted
@@ -66,7 +78,8 @@
 -- comparing pointers).
 -- Redis 7 replicates scripts by their effects, so reading TIME before a
 -- write is safe. A written key expires after twice the time to refill an
--- empty bucket; an idle bucket therefore vanishes and comes back full. A
+-- empty bucket (plus the time to pay back a debt); an idle bucket
+-- therefore vanishes and comes back full. A
 -- changed rule keeps a bucket's debt (time until full), not its count.
 
 -- Milliseconds until n tokens exist in a bucket holding tokens and
@@ -110,14 +123,21 @@ for i = 1, #KEYS do
         n = n + 3
       end
     else
-      local head, count = string.match(ask, '^([%d:]+)%*(%d+)$')
+      -- A group's first ask, or a lone charge (a group of one).
+      local head, count = string.match(ask, '^([^*]+)%*(%d+)$')
+      if not head then
+        head, count = ask, 1
+      end
       count = tonumber(count)
-      local gw, gm, gk, glease
+      local gw, gm, gk, glease, gcharge
       if count and count >= 1 and i + count - 1 <= #KEYS then
         gw, gm, gk = string.match(head, '^(%d+):(%d+):(%d+)$')
         glease = gk ~= nil
-        if not glease then
-          gw = tonumber(head)
+        if glease then
+          gw, gm, gk = tonumber(gw), tonumber(gm), tonumber(gk)
+        else
+          gcharge = string.match(head, '^c(%-?%d+)$')
+          gw = tonumber(gcharge or string.match(head, '^%d+$'))
           gm, gk = gw, gw
         end
       end
@@ -150,9 +170,6 @@ for i = 1, #KEYS do
             return capacity
           end
           local tokens = capacity - (tat - now) * rate / 1000000
-          if tokens < 0 then
-            return 0
-          end
           local whole = floor(tokens + 0.5)
           if tokens - whole < 1e-9 and whole - tokens < 1e-9 then
             return whole
@@ -238,11 +255,53 @@ for i = 1, #KEYS do
           return s
         end
 
+        -- Writes key j, limit s, as holding tokens (a bucket's debt adds
+        -- to its expiry); false when the write failed.
+        local function store(j, s, tokens)
+          local set
+          if s.rate then
+            local debt = tokens < 0 and -tokens or 0
+            set = redis.pcall('SET', KEYS[j], now + (s.capacity - tokens) * 1000000 / s.rate,
+              'PX', string.format('%d', ceil(1000 * (2 * s.capacity + debt) / s.rate)))
+          else
+            set = redis.pcall('SET', KEYS[j], s.capacity - tokens, 'PXAT', s.ends)
+          end
+          return not set.err
+        end
+
+        -- Charges amount (a refund when negative) to every key of the
+        -- group from first on, whose states are state.
+        local function charge(first, count, state, amount)
+          local left = {}
+          local written = true
+          for j = first, first + count - 1 do
+            local s = state[j]
+            local tokens = s.tokens - amount
+            if tokens > s.capacity then tokens = s.capacity end
+            if tokens < -s.capacity then tokens = -s.capacity end
+            left[j] = tokens
+            if amount ~= 0 and not store(j, s, tokens) then
+              written = false
+            end
+          end
+          for j = first, first + count - 1 do
+            if written then
+              reply[n + 1] = 1
+              reply[n + 2] = floor(left[j])
+              reply[n + 3] = limit_wait(state[j], left[j], 1)
+              n = n + 3
+            else
+              undecided(false)
+            end
+          end
+        end
+
         -- Decides the group of count keys starting at first, as the ask
-        -- (want, min, need; a lease when lease) says: every key's state is
-        -- read before any is written, so a key that cannot be decided leaves
-        -- the whole group undecided and untouched.
-        group = function(first, count, want, min, need, lease)
+        -- (want, min, need; a lease when lease; a charge of want when
+        -- charged) says: every key's state is read before any is written,
+        -- so a key that cannot be decided leaves the whole group undecided
+        -- and untouched.
+        group = function(first, count, want, min, need, lease, charged)
           local state = {}
           local avail, size
           for j = first, first + count - 1 do
@@ -257,6 +316,9 @@ for i = 1, #KEYS do
             if not size or s.capacity < size then size = s.capacity end
             state[j] = s
           end
+          if charged then
+            return charge(first, count, state, want)
+          end
           if want > size then want = size end
           if min > want then min = want end
           if need > min then need = min end
@@ -270,15 +332,7 @@ for i = 1, #KEYS do
           local written = true
           if granted > 0 then
             for j = first, first + count - 1 do
-              local s = state[j]
-              local set
-              if s.rate then
-                set = redis.pcall('SET', KEYS[j], now + (s.capacity - s.tokens + granted) * 1000000 / s.rate,
-                  'PX', string.format('%d', ceil(2000 * s.capacity / s.rate)))
-              else
-                set = redis.pcall('SET', KEYS[j], s.used + granted, 'PXAT', s.ends)
-              end
-              if set.err then
+              if not store(j, state[j], state[j].tokens - granted) then
                 written = false
               end
             end
@@ -304,7 +358,7 @@ for i = 1, #KEYS do
       end
       if gw then
         group_end = i + count - 1
-        group(i, count, tonumber(gw), tonumber(gm), tonumber(gk), glease)
+        group(i, count, gw, gm, gk, glease, gcharge ~= nil)
       else
         -- A malformed ask fails this key; the '-' keys after it, which
         -- no group holds, fail one by one.
@@ -333,10 +387,8 @@ for i = 1, #KEYS do
       if need > min then need = min end
       tokens = capacity
       if tat and tat > now then
+        -- Negative while a charge's debt is being paid back.
         tokens = capacity - (tat - now) * rate / 1000000
-        if tokens < 0 then
-          tokens = 0
-        end
         -- Whole token counts survive the trip through the TAT despite rounding.
         local whole = floor(tokens + 0.5)
         if tokens - whole < 1e-9 and whole - tokens < 1e-9 then

@@ -31,10 +31,15 @@ fn stack(tag: &str, refused: u16) -> Stack {
 }
 
 fn post_check(addr: SocketAddr, body: &str) -> RawResponse {
+    post(addr, "/v1/check", body)
+}
+
+/// `POST path` with the JSON `body`.
+fn post(addr: SocketAddr, path: &str, body: &str) -> RawResponse {
     raw_http_with_body(
         addr,
         &format!(
-            "POST /v1/check HTTP/1.1\r\nHost: c\r\nContent-Type: application/json\r\n\
+            "POST {path} HTTP/1.1\r\nHost: c\r\nContent-Type: application/json\r\n\
              Content-Length: {}\r\n",
             body.len()
         ),
@@ -92,6 +97,68 @@ fn post_v1_check_answers_the_decision_and_refuses_bad_input() {
         metrics.contains("outcome=\"rejected\",entry=\"check\"}"),
         "{metrics}"
     );
+}
+
+#[test]
+fn post_v1_charge_takes_usage_past_zero_and_a_negative_cost_gives_it_back() {
+    let s = stack("check-charge", 403);
+    let addr = s.gw.check.unwrap();
+    let charge = |body: &str| post(addr, "/v1/charge", body);
+    // acme has 3 at 1/s: a charge of 5 leaves 2 in debt, 3 s from a token.
+    let res = charge(r#"{"tenant": "acme", "route": "api", "cost": 5}"#);
+    assert_eq!(res.status, 200, "{}", res.body);
+    let json = res.json();
+    assert_eq!(json["allowed"], true, "a charge is never refused");
+    assert_eq!(
+        (
+            json["remaining"].as_u64(),
+            json["retry_after_seconds"].as_u64()
+        ),
+        (Some(0), Some(3))
+    );
+    assert_eq!(res.header("ratelimit"), Some("\"api\";r=0;t=3"));
+    let res = post_check(addr, r#"{"tenant": "acme", "route": "api"}"#);
+    assert_eq!(res.status, 429, "the debt is paid back first: {}", res.body);
+    assert_eq!(res.header("retry-after"), Some("3"));
+    // A refund, never above the limit's size.
+    let res = charge(r#"{"tenant": "acme", "route": "api", "cost": -10}"#);
+    assert_eq!(res.json()["remaining"], 3, "{}", res.body);
+    let res = post_check(addr, r#"{"tenant": "acme", "route": "api"}"#);
+    assert_eq!(
+        (res.status, res.json()["remaining"].as_u64()),
+        (200, Some(2))
+    );
+
+    for (body, expected) in [
+        (
+            r#"{"tenant": "acme", "route": "api"}"#,
+            "cost is required for a charge",
+        ),
+        (
+            r#"{"tenant": "acme", "route": "api", "cost": 5000000000}"#,
+            "cost must be between -4294967295 and 4294967295",
+        ),
+        (
+            r#"{"tenant": "acme", "route": "api", "cost": 1.5}"#,
+            "body:",
+        ),
+        (
+            r#"{"tenant": "acme", "route": "nope", "cost": 1}"#,
+            "route: no route",
+        ),
+    ] {
+        let res = charge(body);
+        assert_eq!(res.status, 400, "{body}: {}", res.body);
+        let message = res.json()["message"].as_str().unwrap().to_owned();
+        assert!(message.contains(expected), "{body}: {message}");
+    }
+    assert_eq!(
+        raw_http(addr, "GET /v1/charge HTTP/1.1\r\nHost: c\r\n").status,
+        405
+    );
+    // Nothing malformed was charged.
+    let res = post_check(addr, r#"{"tenant": "acme", "route": "api"}"#);
+    assert_eq!(res.json()["remaining"], 1, "{}", res.body);
 }
 
 #[test]

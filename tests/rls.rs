@@ -2,8 +2,9 @@
 //! generated from Envoy's published protos (the `envoy-types` crate), as
 //! Envoy itself would call it: limits shared by two gateways through real
 //! Redis, `hits_addend`, several descriptors in one request, malformed
-//! requests refused without taking anything, and answers from the local
-//! fallback while Redis is paused.
+//! requests refused without taking anything, charges (usage reported
+//! after the fact, as Envoy's `apply_on_stream_done` sends it), and
+//! answers from the local fallback while Redis is paused.
 
 #![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
 
@@ -20,8 +21,11 @@ use envoy_types::pb::google::protobuf::UInt64Value;
 use tollgate::clock::{Clock, SystemClock};
 use tonic::transport::Channel;
 
-const RULES: &str =
-    "[[rule]]\ntenant = \"acme\"\nroute = \"api\"\ncapacity = 10\nrefill_per_second = 1\n";
+/// acme's limit, and the same for a tenant only the charge test uses
+/// (metrics are the test process's, so its series must be its own).
+const RULES: &str = "[[rule]]\ntenant = \"acme\"\nroute = \"api\"\ncapacity = 10\nrefill_per_second = 1\n\
+                     [[rule]]\ntenant = \"charger\"\nroute = \"api\"\nname = \"Charger\"\n\
+                     capacity = 10\nrefill_per_second = 1\n";
 
 /// A stack whose gateways serve RLS on a free port, with `domain` when
 /// given and Redis calls bounded by `redis_timeout_ms`.
@@ -164,6 +168,67 @@ async fn hits_addend_and_several_descriptors_in_one_request() {
     assert!(header(&res, "retry-after").is_some());
 }
 
+/// `descriptor` marked as a charge of `hits` (given back when `refund`).
+fn charge(tenant: &str, hits: u64, refund: bool) -> RateLimitDescriptor {
+    let mut d = descriptor(tenant, "api", Some(hits));
+    d.entries.push(Entry {
+        key: "charge".into(),
+        value: "true".into(),
+    });
+    d.is_negative_hits = refund;
+    d
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_charge_is_taken_past_zero_and_never_answered_over_limit() {
+    let s = stack("rls-charge", "", 1000);
+    let mut c = client(&s.gw).await;
+    // acme has 10 at 1/s: 12 charged leave 2 in debt.
+    let res = ask(&mut c, request(vec![charge("charger", 12, false)], 0)).await;
+    assert_eq!(
+        res.overall_code,
+        Code::Ok as i32,
+        "a charge is never refused"
+    );
+    assert_eq!(res.statuses[0].limit_remaining, 0);
+    let wait = res.statuses[0]
+        .duration_until_reset
+        .as_ref()
+        .unwrap()
+        .seconds;
+    assert_eq!(wait, 3, "2 in debt and one token at 1/s");
+    let res = ask(&mut c, request(vec![descriptor("charger", "api", None)], 0)).await;
+    assert_eq!(res.overall_code, Code::OverLimit as i32);
+    // A charge of 0 reads what is left; a refund gives tokens back.
+    let res = ask(&mut c, request(vec![charge("charger", 0, false)], 0)).await;
+    assert_eq!(res.statuses[0].limit_remaining, 0);
+    let res = ask(&mut c, request(vec![charge("charger", 7, true)], 0)).await;
+    assert_eq!(res.statuses[0].limit_remaining, 5);
+    let res = ask(&mut c, request(vec![descriptor("charger", "api", None)], 0)).await;
+    assert_eq!(
+        (res.overall_code, res.statuses[0].limit_remaining),
+        (Code::Ok as i32, 4)
+    );
+    let mut bad = charge("charger", 1, false);
+    bad.entries[2].value = "yes".into();
+    let err = c
+        .should_rate_limit(request(vec![bad], 0))
+        .await
+        .unwrap_err();
+    assert!(
+        err.message()
+            .contains("\"charge\" must be \"true\", found \"yes\""),
+        "{err:?}"
+    );
+    // Charges are usage of requests already counted, not requests.
+    let metrics = common::metrics_text(&s.gw);
+    let series = "tollgate_requests_total{route=\"api\",tenant=\"Charger\",outcome=\"allowed\",entry=\"rls\"} 1\n";
+    assert!(
+        metrics.contains(series),
+        "one request, four charges: {metrics}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_requests_are_invalid_argument_or_refused_and_take_nothing() {
     let s = stack("rls-bad", "edge", 1000);
@@ -190,7 +255,10 @@ async fn malformed_requests_are_invalid_argument_or_refused_and_take_nothing() {
             vec![descriptor("acme", "nope", None)],
             "descriptors[0]: \"route\": no route \"nope\" (routes: api)",
         ),
-        (vec![negative], "negative hits"),
+        (
+            vec![negative],
+            "negative hits (returning tokens) are served on a charge only",
+        ),
         (
             vec![descriptor("acme", "api", Some(0))],
             "hits_addend 0 (asking without taking) is not supported",

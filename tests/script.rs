@@ -1,6 +1,7 @@
 //! `lua/token_bucket.lua` against a real Redis: one value per bucket, refill,
 //! expiry, several keys in one call, the same answers as format 1, NOSCRIPT
-//! reload, and no replay after a timeout.
+//! reload, no replay after a timeout, and charges: usage taken past zero
+//! (a debt later asks wait for) and refunds.
 
 #![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
 
@@ -143,11 +144,7 @@ async fn one_call_decides_several_keys_with_one_reading_of_the_clock() {
 #[actix_web::test]
 async fn plain_asks_and_leases_share_a_call_and_read_back_in_order() {
     let (_redis, b) = redis_and_bucket();
-    let lease = Ask {
-        want: 8,
-        min: 2,
-        need: 1,
-    };
+    let lease = Ask::lease(8, 2, 1);
     let grants = b
         .take_many(&[
             ("rl2:{m}:a", spec(3, 1), Ask::single(1)),
@@ -351,7 +348,7 @@ async fn a_lease_takes_up_to_want_but_at_least_min_or_just_the_request() {
         capacity: NonZeroU32::new(12).unwrap(),
         refill_per_second: 0.001,
     };
-    let lease = |want, min| Ask { want, min, need: 1 };
+    let lease = |want, min| Ask::lease(want, min, 1);
     let g = b.take(key, &spec, lease(5, 3)).await.unwrap();
     assert_eq!((g.granted, g.decision.remaining, g.block_ms), (5, 7, 0));
     // 7 left: up to 10, at least 3, grants all 7 and says when 3 exist again.
@@ -476,11 +473,7 @@ async fn a_group_lease_takes_the_same_batch_from_every_limit() {
     let (redis, b) = redis_and_bucket();
     // The quota (30 an hour) holds fewer than the bucket (50) and binds.
     let group = bucket_and_quota(50, 30, 3600);
-    let lease = Ask {
-        want: 40,
-        min: 20,
-        need: 1,
-    };
+    let lease = Ask::lease(40, 20, 1);
     let grant = b.take_group(&group, lease).await.unwrap();
     assert_eq!(grant.granted, 30, "as many as the fullest limit allows");
     assert_eq!(grant.decisions[0].remaining, 20);
@@ -505,11 +498,7 @@ async fn a_key_holding_another_value_fails_alone_and_the_rest_of_its_call_is_dec
     // Values the script never writes: a hash, and a string that is no number.
     let _: () = conn.hset("rl2:{hash}:r", "tokens", 1).await.unwrap();
     let _: () = conn.set("rl2:{text}:r", "full").await.unwrap();
-    let lease = Ask {
-        want: 5,
-        min: 2,
-        need: 1,
-    };
+    let lease = Ask::lease(5, 2, 1);
     let batch = [
         ("rl2:{a}:r", spec(10, 1), Ask::single(1)),
         ("rl2:{hash}:r", spec(10, 1), Ask::single(1)),
@@ -599,4 +588,73 @@ async fn malformed_asks_and_unusable_limits_fail_their_own_keys_only() {
         .await
         .unwrap();
     assert!(written.iter().all(Option::is_none), "{written:?}");
+}
+
+#[actix_web::test]
+async fn a_charge_takes_past_zero_and_later_asks_wait_for_the_debt() {
+    let (redis, b) = redis_and_bucket();
+    let mut conn = redis.conn().await;
+    let s = spec(10, 10);
+    assert_eq!(decide(&b, "rl2:{c}:r", &s, 4).await.remaining, 6);
+    // 12 more than the 6 left: 6 in debt, 0.7 s until one token exists.
+    let charged = b.take("rl2:{c}:r", &s, Ask::charge(12)).await.unwrap();
+    let d = charged.decision;
+    assert!(d.allowed, "a charge is never refused");
+    assert_eq!(d.remaining, 0);
+    assert!((600..=700).contains(&d.retry_after_ms), "{d:?}");
+    let refused = decide(&b, "rl2:{c}:r", &s, 1).await;
+    assert!(!refused.allowed);
+    assert!((600..=700).contains(&refused.retry_after_ms), "{refused:?}");
+    // A refund gives back what was charged, never above the capacity.
+    let refunded = b.take("rl2:{c}:r", &s, Ask::charge(-100)).await.unwrap();
+    assert_eq!(
+        (
+            refunded.decision.remaining,
+            refunded.decision.retry_after_ms
+        ),
+        (10, 0)
+    );
+    // The debt stops at minus the capacity: 1.1 s until one token, and the
+    // key outlives the debt by a whole refill.
+    let d = b.take("rl2:{c}:r", &s, Ask::charge(1_000)).await.unwrap();
+    assert!(
+        (1_000..=1_100).contains(&d.decision.retry_after_ms),
+        "{d:?}"
+    );
+    let ttl: i64 = conn.pttl("rl2:{c}:r").await.unwrap();
+    assert!((2_000..=3_000).contains(&ttl), "PTTL {ttl}");
+}
+
+#[actix_web::test]
+async fn a_charge_counts_on_every_limit_of_a_group_and_a_refund_stops_at_zero() {
+    let (redis, b) = redis_and_bucket();
+    let mut conn = redis.conn().await;
+    // A bucket of 5 and a quota of 4 an hour.
+    let group = bucket_and_quota(5, 4, 3600);
+    let d = b
+        .take_group(&group, Ask::charge(3))
+        .await
+        .unwrap()
+        .decisions;
+    assert_eq!((d[0].remaining, d[1].remaining), (2, 1), "{d:?}");
+    let d = b
+        .take_group(&group, Ask::charge(3))
+        .await
+        .unwrap()
+        .decisions;
+    assert!(d.iter().all(|d| d.allowed && d.remaining == 0), "{d:?}");
+    assert!(d[1].retry_after_ms > 0 && d[1].retry_after_ms <= 3_600_000);
+    let counted: u32 = conn.get("rl2:{g}:r#1s").await.unwrap();
+    assert_eq!(counted, 6, "a quota counts a charge past its size");
+    let refused = decide_group(&b, &group).await;
+    assert!(refused.iter().all(|d| !d.allowed), "{refused:?}");
+    let d = b
+        .take_group(&group, Ask::charge(-10))
+        .await
+        .unwrap()
+        .decisions;
+    assert_eq!((d[0].remaining, d[1].remaining), (5, 4), "{d:?}");
+    let counted: u32 = conn.get("rl2:{g}:r#1s").await.unwrap();
+    assert_eq!(counted, 0);
+    assert!(decide_group(&b, &group).await.iter().all(|d| d.allowed));
 }

@@ -163,32 +163,82 @@ pub struct Decision {
     pub retry_after_ms: u64,
 }
 
+/// Whether an [`Ask`] may be refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AskKind {
+    /// Tokens taken only when they exist: a request, a lease.
+    Take,
+    /// `want` tokens taken whatever the bucket holds (usage reported
+    /// after the fact): the bucket may go into debt, down to minus its
+    /// size, and later asks wait until the refill has paid it back.
+    Charge,
+    /// `want` tokens given back (a reservation not used up), never
+    /// above the bucket's size.
+    Refund,
+}
+
 /// What one script call asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Ask {
-    /// Most tokens to take (a request's cost, or a lease batch).
+    /// Most tokens to take (a request's cost, or a lease batch; the
+    /// amount of a charge or refund).
     pub want: u32,
     /// Fewest tokens worth a lease.
     pub min: u32,
     /// The request's own cost: taken alone when fewer than `min` exist.
     pub need: u32,
+    /// Whether it may be refused.
+    pub kind: AskKind,
 }
 
 impl Ask {
     /// One request's `cost`, no lease.
     pub fn single(cost: u32) -> Self {
+        Self::lease(cost, cost, cost)
+    }
+
+    /// Up to `want` tokens, at least `min`, or when fewer than `min` exist
+    /// but at least `need`, exactly `need`.
+    pub fn lease(want: u32, min: u32, need: u32) -> Self {
         Self {
-            want: cost,
-            min: cost,
-            need: cost,
+            want,
+            min,
+            need,
+            kind: AskKind::Take,
         }
     }
 
-    /// Whether this is a plain ask (want, min and need equal), not a
-    /// lease: the script then takes it as one number (the cost) and replies
-    /// without `granted` and `block_ms`, which follow from the decision.
-    pub fn is_plain(&self) -> bool {
-        self.want == self.min && self.min == self.need
+    /// `amount` tokens taken whatever the bucket holds, or given back when
+    /// negative (saturating at `u32::MAX` either way).
+    pub fn charge(amount: i64) -> Self {
+        let n = u32::try_from(amount.unsigned_abs()).unwrap_or(u32::MAX);
+        Self {
+            want: n,
+            min: n,
+            need: n,
+            kind: if amount < 0 {
+                AskKind::Refund
+            } else {
+                AskKind::Charge
+            },
+        }
+    }
+
+    /// Whether this is a lease (a take whose want, min and need differ):
+    /// the script then replies with `granted` and `block_ms` too, which
+    /// for any other ask follow from the decision.
+    pub fn is_lease(&self) -> bool {
+        self.kind == AskKind::Take && !(self.want == self.min && self.min == self.need)
+    }
+
+    /// The signed amount of a charge (negative: a refund); `None` for a
+    /// take.
+    pub fn charged(&self) -> Option<i64> {
+        match self.kind {
+            AskKind::Take => None,
+            AskKind::Charge => Some(i64::from(self.want)),
+            AskKind::Refund => Some(-i64::from(self.want)),
+        }
     }
 }
 

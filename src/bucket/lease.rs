@@ -339,11 +339,7 @@ impl HotKeys {
             (cost.max(batch / 2), cost)
         };
         Plan::Call {
-            ask: Ask {
-                want: batch,
-                min,
-                need,
-            },
+            ask: Ask::lease(batch, min, need),
             owner: true,
         }
     }
@@ -374,11 +370,7 @@ impl HotKeys {
         s.fetch = Some(Arc::new(Notify::new()));
         // leased < max(batch/4, cost) and batch >= 2 × cost, so the top-up
         // exceeds half a batch: min <= want.
-        Some(Ask {
-            want: batch - s.leased,
-            min: r.cost.max(batch / 2),
-            need: r.cost,
-        })
+        Some(Ask::lease(batch - s.leased, r.cost.max(batch / 2), r.cost))
     }
 
     /// Tokens to lease at a local rate of `rate` tokens/s.
@@ -414,6 +406,26 @@ impl HotKeys {
             if owner {
                 s.release();
             }
+        });
+    }
+
+    /// Records what a charge (usage taken or given back after the fact)
+    /// left `key` with, as Redis answered it: what remains, and how long
+    /// the key is blocked (a debt) or that it no longer is (a refund), so
+    /// the over-limit cache never answers from what the charge changed.
+    /// A key with no hot-key state is left without one.
+    pub fn charged(&self, key: &str, left: &Decision) {
+        let now = self.clock.now_ms();
+        self.keys.get(key, |s| {
+            s.last_remaining = left.remaining;
+            s.blocked_until_ms = match left.retry_after_ms {
+                0 => 0,
+                wait => {
+                    s.last_wait_ms = wait;
+                    s.blocked_need = 1;
+                    now + wait
+                }
+            };
         });
     }
 

@@ -17,7 +17,8 @@
 //!    total stays about right while Redis is away.
 //!
 //! A request under several limits is decided by [`Limiter::check_group`]
-//! (`group`).
+//! (`group`); usage reported after the fact is taken by
+//! [`Limiter::charge`] (`charge`).
 //!
 //! A rejection is a [`Decision`], never an error; this module never fails a
 //! request.
@@ -221,7 +222,8 @@ struct Asked<'a> {
 
 /// One proxy worker's limiter: its own connection to the shared store (so
 /// Redis replies wake the worker that asked, not another thread) over the
-/// shared core.
+/// shared core. A clone shares both.
+#[derive(Clone)]
 pub struct Limiter<S: SharedStore = Coalesced> {
     /// This worker's client of the shared store; `None` in local-only mode.
     redis: Option<S>,
@@ -444,6 +446,7 @@ impl<C: Borrow<LimiterCore>, K: Borrow<str>> Drop for SlotGuard<C, K> {
     }
 }
 
+mod charge;
 mod group;
 mod memory;
 

@@ -81,6 +81,17 @@ impl LocalBuckets {
 
     /// Refills `key`'s bucket to now and tries to take `cost` tokens.
     pub fn take(&self, key: &str, spec: &BucketSpec, cost: u32) -> Decision {
+        self.with_bucket(key, spec, |state, now| state.take(spec, cost, now))
+    }
+
+    /// Runs `f` on `key`'s bucket (made full when new) under `spec`, with
+    /// the time now.
+    fn with_bucket<R>(
+        &self,
+        key: &str,
+        spec: &BucketSpec,
+        f: impl FnOnce(&mut TokenState, u64) -> R,
+    ) -> R {
         let now = self.clock.now_ms();
         let create = || Entry {
             state: TokenState::full(spec, now),
@@ -90,7 +101,7 @@ impl LocalBuckets {
         self.buckets.with(key, now, create, |entry| {
             entry.spec = *spec;
             entry.last_used_ms = now;
-            entry.state.take(spec, cost, now)
+            f(&mut entry.state, now)
         })
     }
 
@@ -102,7 +113,17 @@ impl LocalBuckets {
     /// is checked, then each taken, not under one lock: two requests racing
     /// for the last tokens of different limits may both pass, which the
     /// fallback's 1/N shares make small.
+    ///
+    /// A charge (or refund) is taken from every limit whatever it holds,
+    /// as [`LocalBuckets::charge_group`] says.
     pub fn take_group(&self, group: &[(String, GroupLimit)], ask: Ask) -> GroupGrant {
+        if let Some(amount) = ask.charged() {
+            return GroupGrant {
+                granted: ask.want,
+                decisions: self.charge_group(group, amount),
+                block_ms: 0,
+            };
+        }
         let now = self.clock.now_ms();
         // Windows end on the calendar: their arithmetic takes Unix time.
         let unix = self.clock.unix_ms();
@@ -194,6 +215,44 @@ impl LocalBuckets {
             decisions,
             block_ms,
         }
+    }
+
+    /// Charges `amount` (gives it back when negative) to every limit of
+    /// `group` whatever it holds, with the script's arithmetic: a bucket
+    /// as [`TokenState::charge`], a quota counting `amount` more requests
+    /// in its window (between none and twice the quota).
+    pub fn charge_group(&self, group: &[(String, GroupLimit)], amount: i64) -> Vec<Decision> {
+        let now = self.clock.now_ms();
+        let unix = self.clock.unix_ms();
+        group
+            .iter()
+            .map(|(key, limit)| match limit {
+                GroupLimit::Bucket(spec) => {
+                    self.with_bucket(key, spec, |state, now| state.charge(spec, amount, now))
+                }
+                GroupLimit::Quota { quota, window } => {
+                    let ends_ms = window.end_ms(unix);
+                    let fresh = || Counted {
+                        ends_ms,
+                        used: 0,
+                        idle_at_ms: now + (ends_ms - unix),
+                    };
+                    let size = u64::from(quota.get());
+                    let used = self.quotas.with(key, now, fresh, |c| {
+                        if c.ends_ms != ends_ms {
+                            *c = fresh();
+                        }
+                        c.used = c.used.saturating_add_signed(amount).min(2 * size);
+                        c.used
+                    });
+                    Decision {
+                        allowed: true,
+                        remaining: size.saturating_sub(used),
+                        retry_after_ms: if used < size { 0 } else { ends_ms - unix },
+                    }
+                }
+            })
+            .collect()
     }
 
     /// Drops every bucket that is full again and every quota whose window

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use redis::Script;
 
-use super::decision::{Ask, BucketSpec, Decision, Grant, GroupGrant, GroupLimit};
+use super::decision::{Ask, AskKind, BucketSpec, Decision, Grant, GroupGrant, GroupLimit};
 use super::store::{Answer, Item};
 use crate::clock::SharedClock;
 use crate::redis_client::{RedisCallError, RedisConn, Route};
@@ -192,11 +192,7 @@ impl RedisBucket {
                 Item::One(key, spec, ask) => {
                     invocation.key(key).arg(spec.capacity.get());
                     arg_rate(&mut invocation, spec.refill_per_second);
-                    if ask.is_plain() {
-                        invocation.arg(ask.need);
-                    } else {
-                        invocation.arg(format!("{}:{}:{}", ask.want, ask.min, ask.need));
-                    }
+                    arg_ask(&mut invocation, ask, None);
                 }
                 Item::Group(group, ask) => {
                     for (i, (key, limit)) in group.iter().enumerate() {
@@ -212,16 +208,8 @@ impl RedisBucket {
                         }
                         if i > 0 {
                             invocation.arg("-");
-                        } else if ask.is_plain() {
-                            invocation.arg(format!("{}*{}", ask.need, group.len()));
                         } else {
-                            invocation.arg(format!(
-                                "{}:{}:{}*{}",
-                                ask.want,
-                                ask.min,
-                                ask.need,
-                                group.len()
-                            ));
+                            arg_ask(&mut invocation, ask, Some(group.len()));
                         }
                     }
                 }
@@ -237,9 +225,8 @@ impl RedisBucket {
         for item in batch {
             match *item {
                 Item::One(_, spec, ask) => {
-                    let plain = ask.is_plain();
                     let (r, tail) = rest
-                        .split_at_checked(if plain { 3 } else { 5 })
+                        .split_at_checked(width(ask))
                         .ok_or(RedisCallError::BadReply)?;
                     rest = tail;
                     answers.push(if r[0] < 0 {
@@ -249,7 +236,7 @@ impl RedisBucket {
                     });
                 }
                 Item::Group(group, ask) => {
-                    let width = if ask.is_plain() { 3 } else { 5 };
+                    let width = width(ask);
                     let (r, tail) = rest
                         .split_at_checked(width * group.len())
                         .ok_or(RedisCallError::BadReply)?;
@@ -270,6 +257,35 @@ impl RedisBucket {
     }
 }
 
+/// Writes `ask` as the script reads it, as the head of a group of `keys`
+/// keys when given: a plain take as its cost (a bare number for a lone
+/// key, the common case), a lease as `want:min:need`, a charge as
+/// `c<n>` and a refund as `c-<n>`; a group's with `*<keys>` after it.
+fn arg_ask(invocation: &mut redis::ScriptInvocation<'_>, ask: Ask, keys: Option<usize>) {
+    let head = match ask.kind {
+        AskKind::Take if ask.is_lease() => format!("{}:{}:{}", ask.want, ask.min, ask.need),
+        AskKind::Take => match keys {
+            None => {
+                invocation.arg(ask.need);
+                return;
+            }
+            Some(_) => ask.need.to_string(),
+        },
+        AskKind::Charge => format!("c{}", ask.want),
+        AskKind::Refund => format!("c-{}", ask.want),
+    };
+    match keys {
+        Some(keys) => invocation.arg(format!("{head}*{keys}")),
+        None => invocation.arg(head),
+    };
+}
+
+/// The integers the script replies per key for `ask`: five for a lease,
+/// three for any other.
+fn width(ask: Ask) -> usize {
+    if ask.is_lease() { 5 } else { 3 }
+}
+
 /// Writes a refill rate as the script reads it: a whole rate (the common
 /// case: a rule's own rate, or an even share of it) as an integer, whose
 /// digits cost far less to write than a float's shortest form; any other
@@ -286,7 +302,7 @@ fn arg_rate(invocation: &mut redis::ScriptInvocation<'_>, rate: f64) {
 /// The grant of a group's reply `r`, `width` integers per key.
 fn group_grant_of(r: &[i64], width: usize, ask: Ask) -> GroupGrant {
     let decisions: Vec<Decision> = r.chunks_exact(width).map(decision_of).collect();
-    let (granted, block_ms) = if width == 5 {
+    let (granted, block_ms) = if ask.is_lease() {
         let granted = r.get(3).map_or(0, |g| u32::try_from(*g).unwrap_or(0));
         let block = r
             .chunks_exact(5)
@@ -296,7 +312,8 @@ fn group_grant_of(r: &[i64], width: usize, ask: Ask) -> GroupGrant {
         (granted, block)
     } else {
         // A plain ask: its cost (clamped as the script clamps it) or
-        // nothing; it can ask again once every limit could pass.
+        // nothing; it can ask again once every limit could pass. A charge:
+        // its amount.
         let allowed = decisions.first().is_some_and(|d| d.allowed);
         let block = decisions
             .iter()
@@ -328,8 +345,9 @@ fn grant_of(r: &[i64], spec: &BucketSpec, ask: Ask) -> Grant {
     let decision = decision_of(r);
     // What the script leaves out for a plain ask follows from the
     // decision: it took its cost (clamped to the capacity, as the script
-    // does) or nothing, and can ask again once it could pass.
-    let (granted, block_ms) = if ask.is_plain() {
+    // does) or nothing, and can ask again once it could pass; a charge
+    // took its amount (clamped likewise here).
+    let (granted, block_ms) = if !ask.is_lease() {
         let granted = if decision.allowed {
             ask.need.min(spec.capacity.get())
         } else {

@@ -253,7 +253,35 @@ pub(crate) mod fake {
                 .buckets
                 .entry(key.to_owned())
                 .or_insert_with(|| TokenState::full(spec, now));
-            bucket.grant(spec, ask, now)
+            match ask.charged() {
+                Some(amount) => Grant {
+                    granted: ask.want,
+                    decision: bucket.charge(spec, amount, now),
+                    block_ms: 0,
+                },
+                None => bucket.grant(spec, ask, now),
+            }
+        }
+
+        /// A charge of `ask` to every limit of `group`: a bucket in the map
+        /// single takes use (in Redis one key, whichever path wrote it), a
+        /// quota with the group arithmetic.
+        fn charge(&self, group: &[(String, GroupLimit)], ask: Ask) -> GroupGrant {
+            let decisions = group
+                .iter()
+                .map(|(key, limit)| match limit {
+                    GroupLimit::Bucket(spec) => self.grant(key, spec, ask).decision,
+                    GroupLimit::Quota { .. } => {
+                        let amount = ask.charged().unwrap_or(0);
+                        self.groups.charge_group(&[(key.clone(), *limit)], amount)[0]
+                    }
+                })
+                .collect();
+            GroupGrant {
+                granted: ask.want,
+                decisions,
+                block_ms: 0,
+            }
         }
     }
 
@@ -324,6 +352,9 @@ pub(crate) mod fake {
             match *item {
                 Item::One(key, spec, ask) => Answer::One(self.grant(key, &spec, ask)),
                 // The script's group arithmetic is the local limiter's.
+                Item::Group(group, ask) if ask.charged().is_some() => {
+                    Answer::Group(self.charge(group, ask))
+                }
                 Item::Group(group, ask) => Answer::Group(self.groups.take_group(group, ask)),
             }
         }

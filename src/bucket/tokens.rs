@@ -90,6 +90,27 @@ impl TokenState {
         }
     }
 
+    /// Refills to `now_ms` and charges `amount` tokens whatever the bucket
+    /// holds (gives them back when negative), as `lua/token_bucket.lua`
+    /// does: the count stays between minus the capacity (a debt the
+    /// refill pays back) and the capacity. Always allowed; the wait is
+    /// until one token exists.
+    pub fn charge(&mut self, spec: &BucketSpec, amount: i64, now_ms: u64) -> Decision {
+        let size = f64::from(spec.capacity.get());
+        self.tokens = (self.available(spec, now_ms) - amount as f64).clamp(-size, size);
+        self.updated_ms = now_ms;
+        Decision {
+            allowed: true,
+            // Saturating float-to-int casts: 0 for a debt.
+            remaining: self.tokens.floor() as u64,
+            retry_after_ms: if self.tokens >= 1.0 {
+                0
+            } else {
+                ((1.0 - self.tokens) * 1000.0 / spec.refill_per_second).ceil() as u64
+            },
+        }
+    }
+
     /// Whether the bucket is full at `now_ms`, so forgetting it loses nothing.
     pub fn is_full(&self, spec: &BucketSpec, now_ms: u64) -> bool {
         self.available(spec, now_ms) >= f64::from(spec.capacity.get())
@@ -135,13 +156,25 @@ mod tests {
     }
 
     #[test]
+    fn a_charge_goes_into_debt_down_to_minus_the_capacity_and_a_refund_up_to_it() {
+        let s = spec(10, 2.0);
+        let mut state = TokenState::full(&s, 0);
+        // 10 - 14: 4 in debt, 2.5 s until one token at 2/s.
+        let d = state.charge(&s, 14, 0);
+        assert_eq!((d.allowed, d.remaining, d.retry_after_ms), (true, 0, 2_500));
+        let refused = state.take(&s, 1, 0);
+        assert_eq!((refused.allowed, refused.retry_after_ms), (false, 2_500));
+        // The refill pays the debt back first.
+        assert!(state.take(&s, 1, 2_500).allowed);
+        assert_eq!(state.charge(&s, 1_000, 2_500).retry_after_ms, 5_500);
+        assert_eq!(state.tokens, -10.0, "at most one capacity in debt");
+        assert_eq!(state.charge(&s, -1_000, 2_500).remaining, 10);
+    }
+
+    #[test]
     fn a_lease_takes_up_to_want_at_least_min_or_just_the_request() {
         let s = spec(10, 10.0);
-        let ask = Ask {
-            want: 8,
-            min: 4,
-            need: 1,
-        };
+        let ask = Ask::lease(8, 4, 1);
         let mut state = TokenState::full(&s, 0);
         let g = state.grant(&s, ask, 0);
         assert_eq!((g.granted, g.decision.remaining, g.block_ms), (8, 2, 200));

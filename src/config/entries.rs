@@ -30,6 +30,7 @@ pub(super) fn rls(c: &mut Check, raw: &RawRls, server: &ServerSettings) -> Optio
     for (key, value) in [
         ("rls.tenant_key", &raw.tenant_key),
         ("rls.route_key", &raw.route_key),
+        ("rls.charge_key", &raw.charge_key),
     ] {
         if value.is_empty() {
             c.bad(key, "must name a descriptor entry key");
@@ -38,10 +39,17 @@ pub(super) fn rls(c: &mut Check, raw: &RawRls, server: &ServerSettings) -> Optio
     if raw.tenant_key == raw.route_key {
         c.bad("rls.route_key", "must differ from rls.tenant_key");
     }
+    if raw.charge_key == raw.tenant_key || raw.charge_key == raw.route_key {
+        c.bad(
+            "rls.charge_key",
+            "must differ from rls.tenant_key and rls.route_key",
+        );
+    }
     Some(RlsSettings {
         listen,
         tenant_key: raw.tenant_key.clone(),
         route_key: raw.route_key.clone(),
+        charge_key: raw.charge_key.clone(),
         domain: Some(raw.domain.clone()).filter(|d| !d.is_empty()),
     })
 }

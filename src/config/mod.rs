@@ -36,7 +36,7 @@ pub use settings::{
     InstanceSettings, LeaseSettings, LimitSettings, ListenerTlsFiles, LogFormat, LogSettings,
     MetricsSettings, Pace, RebalancerSettings, RedisCredentials, RedisSettings, RedisTarget,
     RedisTlsFiles, RlsSettings, RouteSpec, RuleSource, RulesSettings, ServerSettings,
-    UpstreamSettings,
+    UpstreamSettings, UsageSpec,
 };
 pub use validate::database_url;
 

@@ -413,6 +413,7 @@ pub(crate) struct RawRls {
     pub(crate) listen: String,
     pub(crate) tenant_key: String,
     pub(crate) route_key: String,
+    pub(crate) charge_key: String,
     pub(crate) domain: String,
 }
 
@@ -422,6 +423,7 @@ impl Default for RawRls {
             listen: String::new(),
             tenant_key: "api_key".into(),
             route_key: "route".into(),
+            charge_key: "charge".into(),
             domain: String::new(),
         }
     }
@@ -453,6 +455,12 @@ pub(crate) struct RawRoute {
     pub(crate) path_prefix: String,
     pub(crate) upstream: String,
     pub(crate) cost: i64,
+    pub(crate) usage_header: String,
+    /// 0: the route's cost.
+    pub(crate) reserve: i64,
+    pub(crate) reserve_header: String,
+    /// 0: the reserve.
+    pub(crate) max_reserve: i64,
 }
 
 impl Default for RawRoute {
@@ -463,6 +471,10 @@ impl Default for RawRoute {
             path_prefix: String::new(),
             upstream: String::new(),
             cost: 1,
+            usage_header: String::new(),
+            reserve: 0,
+            reserve_header: String::new(),
+            max_reserve: 0,
         }
     }
 }

@@ -1,14 +1,18 @@
 //! Route entries: each `[[routes]]` table checked into a [`RouteSpec`].
 //!
 //! Owns what makes a route usable: a valid, unique id, methods, a path
-//! prefix in normal form, an `http://` or `https://` upstream and a cost.
+//! prefix in normal form, an `http://` or `https://` upstream, a cost,
+//! and for a route whose answers report their usage, its reservation.
 
 use std::collections::HashSet;
 
+use std::num::NonZeroU32;
+
+use hyper::header::HeaderName;
 use hyper::{Method, Uri};
 
 use super::raw::RawRoute;
-use super::settings::RouteSpec;
+use super::settings::{RouteSpec, UsageSpec};
 use super::validate::Check;
 use crate::key::RouteId;
 use crate::path::normalize;
@@ -76,6 +80,7 @@ pub(super) fn route(
 
     let (upstream_origin, upstream_base_path) = upstream(c, &at("upstream"), &r.upstream);
     let cost = c.positive_i32(&at("cost"), r.cost);
+    let usage = usage(c, &at, r, cost);
 
     if c.problems.len() != before {
         return None;
@@ -87,6 +92,59 @@ pub(super) fn route(
         upstream_origin,
         upstream_base_path,
         cost,
+        usage,
+    })
+}
+
+/// The usage settlement of a route: `None` without `usage_header`, where
+/// the keys that only it gives meaning to are refused.
+fn usage(
+    c: &mut Check,
+    at: &dyn Fn(&str) -> String,
+    r: &RawRoute,
+    cost: NonZeroU32,
+) -> Option<UsageSpec> {
+    let header = |c: &mut Check, key: &str, raw: &str| {
+        HeaderName::from_bytes(raw.as_bytes())
+            .map_err(|_| c.bad(at(key), format!("{raw:?} is not a header name")))
+            .ok()
+    };
+    if r.usage_header.is_empty() {
+        for (key, set) in [
+            ("reserve", r.reserve != 0),
+            ("reserve_header", !r.reserve_header.is_empty()),
+            ("max_reserve", r.max_reserve != 0),
+        ] {
+            if set {
+                c.bad(at(key), "means something only with usage_header");
+            }
+        }
+        return None;
+    }
+    let usage_header = header(c, "usage_header", &r.usage_header);
+    let reserve_header = match r.reserve_header.as_str() {
+        "" => None,
+        raw => header(c, "reserve_header", raw),
+    };
+    let reserve = match r.reserve {
+        0 => cost,
+        v => c.positive_i32(&at("reserve"), v),
+    };
+    let max_reserve = match r.max_reserve {
+        0 => reserve,
+        v => c.positive_i32(&at("max_reserve"), v),
+    };
+    if max_reserve < reserve {
+        c.bad(
+            at("max_reserve"),
+            format!("must be at least the reserve ({reserve}), found {max_reserve}"),
+        );
+    }
+    Some(UsageSpec {
+        header: usage_header?,
+        reserve,
+        reserve_header,
+        max_reserve,
     })
 }
 

@@ -69,6 +69,9 @@ pub struct RlsSettings {
     pub tenant_key: String,
     /// The descriptor entry whose value is the route id.
     pub route_key: String,
+    /// The descriptor entry that, set to `true`, marks a charge: usage
+    /// reported after the fact, taken whatever the limits hold.
+    pub charge_key: String,
     /// The one domain served, when set; requests for another are refused.
     pub domain: Option<String>,
 }
@@ -434,6 +437,25 @@ pub struct RouteSpec {
     pub upstream_base_path: String,
     /// Tokens one request on this route takes.
     pub cost: NonZeroU32,
+    /// When its answers report what they cost: how that is settled.
+    pub usage: Option<UsageSpec>,
+}
+
+/// A route whose answers report what they really cost
+/// (`routes[].usage_header`): a reservation is taken up front and the
+/// difference settled when the answer's usage is known.
+#[derive(Debug, Clone)]
+pub struct UsageSpec {
+    /// The response header, or trailer, whose whole-number value is the
+    /// request's real cost.
+    pub header: hyper::header::HeaderName,
+    /// Tokens reserved up front (`routes[].reserve`, default the cost).
+    pub reserve: NonZeroU32,
+    /// The request header that sets the reservation, when configured.
+    pub reserve_header: Option<hyper::header::HeaderName>,
+    /// The most a reservation header may ask (`routes[].max_reserve`,
+    /// default the reserve).
+    pub max_reserve: NonZeroU32,
 }
 
 impl RouteSpec {

@@ -1,6 +1,7 @@
 //! One rate-limit decision, as every entry point takes it.
 //!
-//! Owns the step from (tenant, route, cost) to an answer: the rules in
+//! Owns the step from (tenant, route, cost) to an answer, and from
+//! (tenant, route, usage) to a charge: the rules in
 //! force, this region's share, the limiter (one limit or several), shadow
 //! mode, and the rate-limit headers that report it. The proxy, Envoy's
 //! rate limit service and the HTTP check all decide here, so leases, the
@@ -9,12 +10,13 @@
 
 use std::num::NonZeroU32;
 
-use super::Worker;
 use super::headers::RateLimitHeaders;
+use super::{ProxyState, Worker};
+use crate::bucket::Limiter;
 use crate::key::{RouteId, TenantId};
 use crate::rules::InForce;
 use crate::rules::model::Mode;
-use crate::telemetry::{DecisionSource, Outcome};
+use crate::telemetry::{DecisionSource, Outcome, UsageKind};
 
 /// What a decision came to.
 pub(super) struct Decided {
@@ -80,6 +82,48 @@ pub(super) async fn decide(
             source: verdict.source,
             headers: RateLimitHeaders::for_group(route.as_str(), &verdict, shadowed),
         }
+    }
+}
+
+/// Charges `amount` (gives it back when negative) for `tenant` on `route`
+/// under the rules in force now, whatever the limits hold: usage reported
+/// after the fact. Never refused; the headers report what is left.
+pub(super) async fn charge_now(
+    state: &ProxyState,
+    limiter: &Limiter,
+    tenant: &TenantId,
+    route: &RouteId,
+    amount: i64,
+) -> Decided {
+    let in_force = state
+        .rules
+        .snapshot()
+        .in_force(tenant.as_str(), route.as_str());
+    let share = state
+        .shares
+        .snapshot()
+        .share_for(tenant.as_str(), route.as_str());
+    let verdict = limiter
+        .charge(tenant, route, &in_force, share, amount)
+        .await;
+    if let Ok(configured) = state.routes.named(route.as_str()) {
+        let kind = if amount < 0 {
+            UsageKind::Refunded
+        } else {
+            UsageKind::Charged
+        };
+        configured.metrics.usage(kind, amount.unsigned_abs());
+    }
+    // Never refused; but a limit left with nothing (or in debt) is
+    // reported as a refusal would be, with the wait until the next
+    // request could pass.
+    let mut shown = verdict;
+    shown.allowed = shown.limits.iter().all(|l| l.decision.retry_after_ms == 0);
+    Decided {
+        refused: false,
+        shadowed: false,
+        source: shown.source,
+        headers: RateLimitHeaders::for_group(route.as_str(), &shown, false),
     }
 }
 

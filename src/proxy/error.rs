@@ -40,6 +40,9 @@ pub enum ProxyError {
     /// the header name.
     #[error("more than one api key")]
     SeveralKeys,
+    /// The reservation header is repeated or not a whole number.
+    #[error("invalid reservation")]
+    BadReservation,
     /// The tenant is over its limit.
     #[error("rate limited")]
     RateLimited,
@@ -72,6 +75,7 @@ impl ProxyError {
             | Self::BadKey(_)
             | Self::BadKeyEncoding
             | Self::SeveralKeys
+            | Self::BadReservation
             | Self::ClientAborted => StatusCode::BAD_REQUEST,
             Self::RateLimited | Self::TooManyInFlight => StatusCode::TOO_MANY_REQUESTS,
             Self::ClientTimeout => StatusCode::REQUEST_TIMEOUT,
@@ -89,6 +93,7 @@ impl ProxyError {
             Self::MissingKey => "missing_api_key",
             Self::BadKey(_) | Self::BadKeyEncoding => "invalid_api_key",
             Self::SeveralKeys => "ambiguous_api_key",
+            Self::BadReservation => "invalid_reservation",
             Self::RateLimited => "rate_limited",
             Self::TooManyInFlight => "too_many_in_flight",
             Self::ClientTimeout => "client_timeout",
@@ -124,6 +129,7 @@ impl ProxyError {
                 "The X-Api-Key header may only contain letters, digits and . _ : -"
             }
             Self::SeveralKeys => "Send exactly one X-Api-Key header holding one key.",
+            Self::BadReservation => "The reservation header, when sent, must be one whole number.",
             Self::RateLimited => "Too many requests for this API key and route; see Retry-After.",
             Self::TooManyInFlight => {
                 "Too many requests of this API key are in flight; retry when one has finished."

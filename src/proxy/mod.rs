@@ -16,7 +16,8 @@
 //!   request and response bodies (`body`) and the budget for bodies read
 //!   whole (`budget`), a connection as its requests see it (`client`),
 //!   answers given before a body was read (`early`), the one mapping from
-//!   a failure to an answer ([`error`]), and the access log ([`access`]).
+//!   a failure to an answer ([`error`]), the access log ([`access`]), and
+//!   usage settled after the answer on a `usage_header` route (`usage`).
 
 pub mod access;
 pub mod error;
@@ -32,6 +33,7 @@ mod entry;
 mod listen;
 mod slots;
 mod upstream;
+mod usage;
 
 pub use listen::{ProxyServer, Serving};
 pub use upstream::Forwarder;

@@ -125,6 +125,7 @@ mod tests {
 
     fn spec(id: &str, methods: &[Method], prefix: &str) -> RouteSpec {
         RouteSpec {
+            usage: None,
             id: RouteId::parse(id).unwrap(),
             methods: methods.to_vec(),
             path_prefix: prefix.to_owned(),

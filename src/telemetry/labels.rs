@@ -81,6 +81,33 @@ impl BodyDirection {
     }
 }
 
+/// What happened to tokens of a limit on what answers cost (the `kind` of
+/// `tollgate_usage_tokens_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UsageKind {
+    /// Taken up front by a request on a `usage_header` route.
+    Reserved,
+    /// Charged after the fact: usage beyond a reservation, or reported
+    /// through `POST /v1/charge` or an RLS charge.
+    Charged,
+    /// Given back: a reservation not used up, or a negative charge.
+    Refunded,
+}
+
+impl UsageKind {
+    /// Every kind, in label order.
+    pub(super) const ALL: [Self; 3] = [Self::Reserved, Self::Charged, Self::Refunded];
+
+    /// The `kind` label value.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Reserved => "reserved",
+            Self::Charged => "charged",
+            Self::Refunded => "refunded",
+        }
+    }
+}
+
 /// Where a decision came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DecisionSource {

@@ -38,6 +38,8 @@ pub const FALLBACK_DECISIONS_TOTAL: &str = "tollgate_fallback_decisions_total";
 pub const LOCAL_BUCKETS: &str = "tollgate_local_buckets";
 /// Upstream response-head latency by route (histogram, seconds).
 pub const UPSTREAM_SECONDS: &str = "tollgate_upstream_duration_seconds";
+/// Tokens of limits on what answers cost, by route and kind (counter).
+pub const USAGE_TOKENS_TOTAL: &str = "tollgate_usage_tokens_total";
 /// Rule reload attempts by result (counter).
 pub const RULE_RELOADS_TOTAL: &str = "tollgate_rule_reloads_total";
 /// Explicit rules in the snapshot in force (gauge).
@@ -92,7 +94,7 @@ const UPSTREAM_BUCKETS: &[f64] = &[
 ];
 
 pub use labels::{
-    BodyDirection, BreakerState, DecisionSource, RedisErrorKind, RoundResult, Unrouted,
+    BodyDirection, BreakerState, DecisionSource, RedisErrorKind, RoundResult, Unrouted, UsageKind,
 };
 pub use log::{
     ACCESS_TARGET, ClientNoise, count_accept_failure, count_client_noise, init_tracing, log_filter,
@@ -183,6 +185,11 @@ fn describe() {
         UPSTREAM_SECONDS,
         Unit::Seconds,
         "Upstream latency to the response head, by route."
+    );
+    describe_counter!(
+        USAGE_TOKENS_TOTAL,
+        Unit::Count,
+        "Tokens reserved, charged after the fact and refunded, by route."
     );
     describe_counter!(
         RULE_RELOADS_TOTAL,

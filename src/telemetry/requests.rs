@@ -1,4 +1,5 @@
-//! `tollgate_requests_total` and the per-route upstream histogram.
+//! `tollgate_requests_total`, and per route the upstream histogram and the
+//! tokens of limits on what answers cost.
 //!
 //! Owns the outcome labels of a request, the entry point it came through
 //! (`entry`: the proxy, Envoy's rate limit service, the HTTP check) and
@@ -11,7 +12,7 @@ use std::sync::Arc;
 use arc_swap::ArcSwap;
 use metrics::{Counter, Histogram};
 
-use super::{REQUESTS_TOTAL, UPSTREAM_SECONDS};
+use super::{REQUESTS_TOTAL, UPSTREAM_SECONDS, USAGE_TOKENS_TOTAL, UsageKind};
 use crate::key::{TenantName, full_fingerprint, tenant_label};
 
 /// Number of [`Outcome`]s.
@@ -104,6 +105,9 @@ impl Entry {
 pub struct RouteMetrics {
     /// `tollgate_upstream_duration_seconds{route}`.
     upstream: Histogram,
+    /// `tollgate_usage_tokens_total{route, kind}`, in [`UsageKind::ALL`]
+    /// order.
+    usage: [Counter; 3],
 }
 
 impl RouteMetrics {
@@ -111,7 +115,19 @@ impl RouteMetrics {
     pub fn new(route: &str) -> Self {
         Self {
             upstream: metrics::histogram!(UPSTREAM_SECONDS, "route" => route.to_owned()),
+            usage: UsageKind::ALL.map(|kind| {
+                metrics::counter!(
+                    USAGE_TOKENS_TOTAL,
+                    "route" => route.to_owned(),
+                    "kind" => kind.label(),
+                )
+            }),
         }
+    }
+
+    /// Counts `tokens` of `kind` on a limit of what answers cost.
+    pub fn usage(&self, kind: UsageKind, tokens: u64) {
+        self.usage[kind as usize].increment(tokens);
     }
 
     /// Records the time to an upstream's response head.

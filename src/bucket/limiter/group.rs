@@ -90,7 +90,7 @@ fn tightest(group: &[(String, GroupLimit)]) -> BucketSpec {
 
 /// Sub-group `shard` of `group`, split `shards` ways: each key in its
 /// sub-group's slot, each limit at 1/shards.
-fn sub_group(
+pub(super) fn sub_group(
     group: &[(String, GroupLimit)],
     shards: NonZeroU32,
     shard: u32,
@@ -121,17 +121,120 @@ fn binding(grant: &GroupGrant) -> Grant {
     }
 }
 
+/// What a group's limits are: each one's part in the verdict (tenant-wide,
+/// its place in its rule, its rule's mode).
+type Parts = Vec<(bool, usize, Mode)>;
+
+/// The limits in force for `tenant` on `route` (this region's `share` of
+/// each) as one group, the route's rule first, with each one's part.
+pub(super) fn limits_in_force(
+    tenant: &TenantId,
+    route: &RouteId,
+    in_force: &InForce,
+    share: f64,
+) -> (Vec<(String, GroupLimit)>, Parts) {
+    let mut parts = Vec::with_capacity(MAX_LIMITS);
+    let mut group = Vec::with_capacity(MAX_LIMITS);
+    let wide = RouteId::all();
+    let rules = std::iter::once((route, in_force.limit, &in_force.more)).chain(
+        in_force
+            .tenant_wide
+            .as_ref()
+            .map(|(limit, more)| (&wide, *limit, more)),
+    );
+    for (scope, limit, more) in rules {
+        for (index, kind) in limits_of(limit, more) {
+            if group.len() == MAX_LIMITS {
+                break;
+            }
+            let (key, limit_in_force) = match kind {
+                LimitKind::Bucket {
+                    capacity,
+                    refill_per_second,
+                } => (
+                    BucketKey::further(tenant, scope, index, ""),
+                    GroupLimit::Bucket(BucketSpec::of(capacity, refill_per_second)),
+                ),
+                LimitKind::Quota { quota, window } => (
+                    BucketKey::further(tenant, scope, index, &window.script_code()),
+                    GroupLimit::Quota { quota, window },
+                ),
+            };
+            let key = if index == 0 {
+                BucketKey::new(tenant, scope)
+            } else {
+                key
+            };
+            group.push((key.into_string(), limit_in_force.scaled(share)));
+            parts.push((scope.is_all(), index, limit.mode));
+        }
+    }
+    (group, parts)
+}
+
+/// The sub-groups a sharded rule's `group` is decided in (1 when it is
+/// not sharded, or stands beside a `*` rule): at most the rule's shards,
+/// each sub-group holding at least `cost` on every limit.
+pub(super) fn shards_for(
+    in_force: &InForce,
+    group: &[(String, GroupLimit)],
+    cost: u32,
+) -> NonZeroU32 {
+    let smallest = group.iter().map(|(_, l)| l.size()).min().unwrap_or(1);
+    NonZeroU32::new(
+        in_force
+            .limit
+            .shards
+            .get()
+            .min(u32::try_from(smallest / u64::from(cost.max(1))).unwrap_or(u32::MAX)),
+    )
+    .filter(|_| in_force.tenant_wide.is_none())
+    .unwrap_or(NonZeroU32::MIN)
+}
+
 impl LimiterCore {
-    /// Decides a group locally, each limit at its 1/N share.
-    fn local_group(&self, group: &[(String, GroupLimit)], cost: NonZeroU32) -> Vec<Decision> {
+    /// Decides a group locally as `ask` says, each limit at its 1/N share.
+    pub(super) fn local_group(&self, group: &[(String, GroupLimit)], ask: Ask) -> Vec<Decision> {
         let n = self.live.get();
         let divided: Vec<(String, GroupLimit)> = group
             .iter()
             .map(|(key, limit)| (key.clone(), limit.scaled(1.0 / f64::from(n.get()))))
             .collect();
-        self.local
-            .take_group(&divided, Ask::single(cost.get()))
-            .decisions
+        self.local.take_group(&divided, ask).decisions
+    }
+
+    /// A group's verdict from its limits' `decisions` made by `source`,
+    /// counting the decision's time since `started` (µs).
+    pub(super) fn group_verdict(
+        &self,
+        group: &[(String, GroupLimit)],
+        decisions: Vec<Decision>,
+        parts: Parts,
+        source: DecisionSource,
+        started: u64,
+    ) -> GroupVerdict {
+        let allowed = decisions.iter().all(|d| d.allowed);
+        let limits = group
+            .iter()
+            .zip(decisions)
+            .zip(parts)
+            .map(
+                |(((_, limit), decision), (tenant_wide, index, mode))| LimitVerdict {
+                    limit: *limit,
+                    decision,
+                    tenant_wide,
+                    index,
+                    mode,
+                },
+            )
+            .collect();
+        let elapsed = self.clock.now_micros().saturating_sub(started);
+        self.metrics.decision(source, elapsed as f64 / 1e6);
+        GroupVerdict {
+            allowed,
+            limits,
+            source,
+        }
     }
 }
 
@@ -148,57 +251,13 @@ impl<S: SharedStore> Limiter<S> {
     ) -> GroupVerdict {
         let core = &self.core;
         let started = core.clock.now_micros();
-        let mut parts = Vec::with_capacity(MAX_LIMITS);
-        let mut group = Vec::with_capacity(MAX_LIMITS);
-        let wide = RouteId::all();
-        let rules = std::iter::once((route, in_force.limit, &in_force.more)).chain(
-            in_force
-                .tenant_wide
-                .as_ref()
-                .map(|(limit, more)| (&wide, *limit, more)),
-        );
-        for (scope, limit, more) in rules {
-            for (index, kind) in limits_of(limit, more) {
-                if group.len() == MAX_LIMITS {
-                    break;
-                }
-                let (key, limit_in_force) = match kind {
-                    LimitKind::Bucket {
-                        capacity,
-                        refill_per_second,
-                    } => (
-                        BucketKey::further(tenant, scope, index, ""),
-                        GroupLimit::Bucket(BucketSpec::of(capacity, refill_per_second)),
-                    ),
-                    LimitKind::Quota { quota, window } => (
-                        BucketKey::further(tenant, scope, index, &window.script_code()),
-                        GroupLimit::Quota { quota, window },
-                    ),
-                };
-                let key = if index == 0 {
-                    BucketKey::new(tenant, scope)
-                } else {
-                    key
-                };
-                group.push((key.into_string(), limit_in_force.scaled(share)));
-                parts.push((scope.is_all(), index, limit.mode));
-            }
-        }
+        let (group, parts) = limits_in_force(tenant, route, in_force, share);
         let exact =
             in_force.limit.exact || in_force.tenant_wide.as_ref().is_some_and(|(l, _)| l.exact);
         // A sharded rule (never beside a `*` rule) is decided in one of its
         // sub-groups: every limit at 1/k, the keys under a tag of their
         // own. Each must hold at least one request's cost.
-        let smallest = group.iter().map(|(_, l)| l.size()).min().unwrap_or(1);
-        let shards = NonZeroU32::new(
-            in_force
-                .limit
-                .shards
-                .get()
-                .min(u32::try_from(smallest / u64::from(cost.get())).unwrap_or(u32::MAX)),
-        )
-        .filter(|_| in_force.tenant_wide.is_none())
-        .unwrap_or(NonZeroU32::MIN);
+        let shards = shards_for(in_force, &group, cost.get());
         let (decisions, source) = match (&self.redis, &core.breaker) {
             (Some(redis), Some(topology)) if shards.get() > 1 => {
                 self.sharded_group(redis, topology, &group, shards, exact, cost)
@@ -209,35 +268,16 @@ impl<S: SharedStore> Limiter<S> {
                 if topology.allows(first) {
                     self.shared_group(redis, &group, exact, cost).await
                 } else {
-                    self.group_fallback(&group, cost)
+                    self.group_fallback(&group, Ask::single(cost.get()))
                 }
             }
-            (Some(_), None) => self.group_fallback(&group, cost),
-            (None, _) => (core.local_group(&group, cost), DecisionSource::Local),
+            (Some(_), None) => self.group_fallback(&group, Ask::single(cost.get())),
+            (None, _) => (
+                core.local_group(&group, Ask::single(cost.get())),
+                DecisionSource::Local,
+            ),
         };
-        let allowed = decisions.iter().all(|d| d.allowed);
-        let limits = group
-            .iter()
-            .zip(decisions)
-            .zip(parts)
-            .map(
-                |(((_, limit), decision), (tenant_wide, index, mode))| LimitVerdict {
-                    limit: *limit,
-                    decision,
-                    tenant_wide,
-                    index,
-                    mode,
-                },
-            )
-            .collect();
-        let verdict = GroupVerdict {
-            allowed,
-            limits,
-            source,
-        };
-        let elapsed = core.clock.now_micros().saturating_sub(started);
-        core.metrics.decision(source, elapsed as f64 / 1e6);
-        verdict
+        core.group_verdict(&group, decisions, parts, source, started)
     }
 
     /// A sharded rule's group, decided in its sub-groups (every limit at
@@ -261,7 +301,7 @@ impl<S: SharedStore> Limiter<S> {
         for i in 0..k {
             let sub = sub_group(group, shards, (start + i) % k);
             if !topology.allows(sub.first().map_or("", |(key, _)| key.as_str())) {
-                return self.group_fallback(group, cost);
+                return self.group_fallback(group, Ask::single(cost.get()));
             }
             let (mut decisions, source) = self.shared_group(redis, &sub, exact, cost).await;
             if source == DecisionSource::Local {
@@ -281,7 +321,7 @@ impl<S: SharedStore> Limiter<S> {
             }
         }
         // Every one of the k ≥ 2 sub-groups refused.
-        refused.unwrap_or_else(|| self.group_fallback(group, cost))
+        refused.unwrap_or_else(|| self.group_fallback(group, Ask::single(cost.get())))
     }
 
     /// The hot-key path of a group, the breaker closed: the group's lease
@@ -352,7 +392,7 @@ impl<S: SharedStore> Limiter<S> {
                 if let Err(e) = outcome {
                     tracing::debug!(error = %e, "No answer from Redis; deciding locally.");
                 }
-                self.group_fallback(group, cost)
+                self.group_fallback(group, Ask::single(cost.get()))
             }
         }
     }
@@ -379,12 +419,12 @@ impl<S: SharedStore> Limiter<S> {
     }
 
     /// A local group decision standing in for Redis, counted as a fallback.
-    fn group_fallback(
+    pub(super) fn group_fallback(
         &self,
         group: &[(String, GroupLimit)],
-        cost: NonZeroU32,
+        ask: Ask,
     ) -> (Vec<Decision>, DecisionSource) {
-        let decisions = self.core.local_group(group, cost);
+        let decisions = self.core.local_group(group, ask);
         self.core
             .metrics
             .fallback(decisions.iter().all(|d| d.allowed));

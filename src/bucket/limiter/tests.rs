@@ -395,7 +395,7 @@ async fn a_hot_group_leases_one_batch_from_every_limit() {
     );
     // Each call took one count from both limits: the same ask for both.
     assert!(calls.chunks(2).all(|pair| pair[0].1 == pair[1].1));
-    assert!(calls[warm..].iter().any(|(_, ask)| !ask.is_plain()));
+    assert!(calls[warm..].iter().any(|(_, ask)| ask.is_lease()));
 }
 
 #[actix_web::test]
@@ -420,4 +420,71 @@ async fn a_sharded_rule_with_several_limits_is_decided_in_one_sub_group() {
     }
     assert_eq!(tags.len(), 4, "every sub-group is used: {tags:?}");
     assert!(tags.contains("rl2:{t/0"));
+}
+
+/// The rule of `limit` alone, as the rules answer for it.
+fn alone(limit: Limit) -> crate::rules::InForce {
+    crate::rules::InForce {
+        limit,
+        more: None,
+        has_rule: true,
+        tenant_wide: None,
+    }
+}
+
+async fn charge(s: &Setup, in_force: &crate::rules::InForce, amount: i64) -> super::GroupVerdict {
+    s.limiter
+        .charge(
+            &TenantId::parse("t").unwrap(),
+            &RouteId::parse("r").unwrap(),
+            in_force,
+            1.0,
+            amount,
+        )
+        .await
+}
+
+#[actix_web::test]
+async fn a_charge_puts_the_shared_bucket_in_debt_and_the_next_request_waits_for_it() {
+    tokio::time::pause();
+    let s = setup();
+    let l = limit(10, 1);
+    assert_eq!(check(&s, l).await.decision.remaining, 9);
+    let charged = charge(&s, &alone(l), 15).await;
+    assert!(charged.allowed, "a charge is never refused");
+    assert_eq!(charged.source, DecisionSource::Redis);
+    // 9 - 15: 6 in debt, 7 s until one token.
+    assert_eq!(charged.limits[0].decision.retry_after_ms, 7_000);
+    let spec = crate::bucket::BucketSpec::of(l.capacity, l.refill_per_second);
+    assert_eq!(
+        s.store.tokens(KEY, &spec),
+        Some(-6.0),
+        "the check's own key"
+    );
+    let refused = check(&s, l).await;
+    assert!(!refused.decision.allowed);
+    assert_eq!(refused.decision.retry_after_ms, 7_000);
+    // A refund pays the debt back, never above the capacity.
+    let refunded = charge(&s, &alone(l), -100).await;
+    assert_eq!(refunded.limits[0].decision.remaining, 10);
+    assert!(check(&s, l).await.decision.allowed);
+}
+
+#[actix_web::test]
+async fn without_an_answer_from_redis_a_charge_is_taken_from_the_local_share() {
+    tokio::time::pause();
+    let s = setup();
+    s.store.fail_next(Fault::Dropped);
+    let l = limit(10, 1);
+    let charged = charge(&s, &alone(l), 3).await;
+    assert_eq!(charged.source, DecisionSource::Local);
+    // 1/N of 10 with N = 2: 2 of 5 left.
+    assert_eq!(charged.limits[0].decision.remaining, 2);
+    s.gate.publish(State::Open);
+    let charged = charge(&s, &alone(l), 100).await;
+    assert_eq!(charged.source, DecisionSource::Local);
+    assert!(
+        !check(&s, l).await.decision.allowed,
+        "the local share is in debt"
+    );
 }

@@ -5,6 +5,10 @@
 //! - `POST /v1/check`, JSON `{"tenant", "route", "cost"}` (cost defaults
 //!   to 1): 200 when allowed, 429 when refused, a JSON body with the
 //!   numbers and the rate-limit headers either way;
+//! - `POST /v1/charge`, the same JSON with a required cost: usage
+//!   reported after the fact, taken whatever the limits hold (they may go
+//!   into debt; a negative cost gives tokens back); always 200, the same
+//!   body and headers saying what is left;
 //! - `/v1/auth`, any method, for subrequests (nginx `auth_request`,
 //!   Traefik `forwardAuth`): the tenant from `X-Api-Key` (checked as the
 //!   proxy checks it), the route from `X-Tollgate-Route`, the cost from
@@ -30,9 +34,10 @@ use crate::key::TenantId;
 use crate::proxy::Worker;
 use crate::proxy::body::{ProxyBody, SmallBodyError, read_small};
 use crate::proxy::client::Client;
-use crate::proxy::decide::decide_now;
+use crate::proxy::decide::{Decided, charge_now, decide_now};
 use crate::proxy::early;
 use crate::proxy::error::{error_response, json_response};
+use crate::proxy::route::Route;
 use crate::proxy::route::quoted;
 use crate::telemetry::Entry;
 
@@ -55,10 +60,12 @@ pub(super) async fn handle(
     let response = match (req.method(), req.uri().path()) {
         (_, "/v1/auth") => auth(&req, worker).await,
         (&Method::POST, "/v1/check") => return check(req, client, worker).await,
+        (&Method::POST, "/v1/charge") => return charge(req, client, worker).await,
         (_, "/v1/check") => invalid(StatusCode::METHOD_NOT_ALLOWED, "POST /v1/check"),
+        (_, "/v1/charge") => invalid(StatusCode::METHOD_NOT_ALLOWED, "POST /v1/charge"),
         _ => invalid(
             StatusCode::NOT_FOUND,
-            "served here: POST /v1/check, /v1/auth",
+            "served here: POST /v1/check, POST /v1/charge, /v1/auth",
         ),
     };
     early::answer(req, response, linger).await
@@ -87,7 +94,7 @@ fn invalid(status: StatusCode, message: &str) -> Response<ProxyBody> {
 }
 
 /// A cost of at least 1.
-fn cost(raw: u64) -> Result<NonZeroU32, String> {
+fn cost(raw: i128) -> Result<NonZeroU32, String> {
     u32::try_from(raw)
         .ok()
         .and_then(NonZeroU32::new)
@@ -125,7 +132,7 @@ async fn auth(req: &Request<Incoming>, worker: &Worker) -> Response<ProxyBody> {
     };
     let cost = match cost_header.map(|c| c.trim().parse::<u64>()) {
         None => NonZeroU32::MIN,
-        Some(Ok(raw)) => match cost(raw) {
+        Some(Ok(raw)) => match cost(i128::from(raw)) {
             Ok(cost) => cost,
             Err(message) => return invalid(StatusCode::BAD_REQUEST, &message),
         },
@@ -163,7 +170,7 @@ async fn auth(req: &Request<Incoming>, worker: &Worker) -> Response<ProxyBody> {
     response
 }
 
-/// The body of `POST /v1/check`.
+/// The body of `POST /v1/check` and `POST /v1/charge`.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct CheckRequest {
@@ -171,13 +178,29 @@ struct CheckRequest {
     tenant: String,
     /// A configured route id.
     route: String,
-    /// Tokens to take (default 1).
+    /// Tokens to take (a check: default 1), or to charge (a charge:
+    /// required; negative gives tokens back).
     #[serde(default)]
-    cost: Option<u64>,
+    cost: Option<i64>,
 }
 
-/// `POST /v1/check` from `client`.
-async fn check(req: Request<Incoming>, client: &Client, worker: &Worker) -> Response<ProxyBody> {
+/// A question of `POST /v1/check` or `POST /v1/charge`, checked.
+struct Question<'a> {
+    /// Whose limit.
+    tenant: TenantId,
+    /// On which configured route.
+    route: &'a Route,
+    /// The cost as sent.
+    cost: Option<i64>,
+}
+
+/// Reads and checks the JSON body of `req` from `client`; the answer to
+/// send instead when it is not a valid question.
+async fn question<'a>(
+    req: Request<Incoming>,
+    client: &Client,
+    worker: &'a Worker,
+) -> Result<Question<'a>, Response<ProxyBody>> {
     let linger = &client.linger;
     let timeout = worker.forwarder.read_timeout();
     let body = match read_small(req.into_body(), MAX_BODY, timeout, &client.budget).await {
@@ -187,10 +210,10 @@ async fn check(req: Request<Incoming>, client: &Client, worker: &Worker) -> Resp
             let mut response = invalid(StatusCode::PAYLOAD_TOO_LARGE, &message);
             // The rest of the body is still coming.
             early::close(&mut response, linger);
-            return response;
+            return Err(response);
         }
         Err(SmallBodyError::Broken) => {
-            return invalid(StatusCode::BAD_REQUEST, "the body broke off");
+            return Err(invalid(StatusCode::BAD_REQUEST, "the body broke off"));
         }
         Err(SmallBodyError::TimedOut) => {
             let mut response = invalid(
@@ -198,36 +221,71 @@ async fn check(req: Request<Incoming>, client: &Client, worker: &Worker) -> Resp
                 "the body did not arrive in time",
             );
             early::close(&mut response, linger);
-            return response;
+            return Err(response);
         }
     };
-    let asked: CheckRequest = match serde_json::from_slice(&body) {
+    let asked: CheckRequest = serde_json::from_slice(&body)
+        .map_err(|e| invalid(StatusCode::BAD_REQUEST, &format!("body: {e}")))?;
+    let tenant = TenantId::parse(&asked.tenant).map_err(|e| {
+        let message = format!("tenant {}: {e}", quoted(&asked.tenant));
+        invalid(StatusCode::BAD_REQUEST, &message)
+    })?;
+    let route = worker
+        .state
+        .routes
+        .named(&asked.route)
+        .map_err(|message| invalid(StatusCode::BAD_REQUEST, &format!("route: {message}")))?;
+    Ok(Question {
+        tenant,
+        route,
+        cost: asked.cost,
+    })
+}
+
+/// `POST /v1/check` from `client`.
+async fn check(req: Request<Incoming>, client: &Client, worker: &Worker) -> Response<ProxyBody> {
+    let asked = match question(req, client, worker).await {
         Ok(asked) => asked,
-        Err(e) => return invalid(StatusCode::BAD_REQUEST, &format!("body: {e}")),
+        Err(response) => return response,
     };
-    let tenant = match TenantId::parse(&asked.tenant) {
-        Ok(tenant) => tenant,
-        Err(e) => {
-            let message = format!("tenant {}: {e}", quoted(&asked.tenant));
-            return invalid(StatusCode::BAD_REQUEST, &message);
-        }
-    };
-    let route = match worker.state.routes.named(&asked.route) {
-        Ok(route) => route,
-        Err(message) => return invalid(StatusCode::BAD_REQUEST, &format!("route: {message}")),
-    };
-    let cost = match cost(asked.cost.unwrap_or(1)) {
+    let cost = match cost(i128::from(asked.cost.unwrap_or(1))) {
         Ok(cost) => cost,
         Err(message) => return invalid(StatusCode::BAD_REQUEST, &message),
     };
-    let decided = decide_now(worker, &tenant, &route.spec.id, cost).await;
+    let decided = decide_now(worker, &asked.tenant, &asked.route.spec.id, cost).await;
     let state = &*worker.state;
     state.requests.count(
         Entry::Check,
-        Some(tenant.as_str()),
-        route.index,
+        Some(asked.tenant.as_str()),
+        asked.route.index,
         decided.outcome(),
     );
+    answer(&decided)
+}
+
+/// `POST /v1/charge` from `client`: usage reported after the fact,
+/// charged whatever the limits hold (a negative cost gives tokens back,
+/// never above a limit's size); always 200, with what is left.
+async fn charge(req: Request<Incoming>, client: &Client, worker: &Worker) -> Response<ProxyBody> {
+    let asked = match question(req, client, worker).await {
+        Ok(asked) => asked,
+        Err(response) => return response,
+    };
+    let bound = i64::from(u32::MAX);
+    let amount = match asked.cost {
+        Some(amount) if (-bound..=bound).contains(&amount) => amount,
+        Some(amount) => {
+            let message = format!("cost must be between -{bound} and {bound}, found {amount}");
+            return invalid(StatusCode::BAD_REQUEST, &message);
+        }
+        None => return invalid(StatusCode::BAD_REQUEST, "cost is required for a charge"),
+    };
+    let (state, limiter) = (&worker.state, &worker.limiter);
+    answer(&charge_now(state, limiter, &asked.tenant, &asked.route.spec.id, amount).await)
+}
+
+/// The answer to a question that `decided`.
+fn answer(decided: &Decided) -> Response<ProxyBody> {
     let binding = decided.headers.binding();
     let status = if decided.refused {
         StatusCode::TOO_MANY_REQUESTS

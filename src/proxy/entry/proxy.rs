@@ -12,7 +12,9 @@
 //!    `[limits] shadow`, a refusal is counted as `shadow_rejected` and the
 //!    request goes on, without `Retry-After`);
 //! 4. **forward** — stream to the upstream and back, adding the rate-limit
-//!    headers.
+//!    headers; on a route with `usage_header`, the reservation taken in
+//!    step 3 is settled when the answer's head or trailers report its
+//!    usage (`crate::proxy::usage`).
 //!
 //! The phases run inline in one handler: no per-request actor message and
 //! no lock beyond the local limiter's short shard lock. The upstream gets
@@ -32,7 +34,8 @@ use crate::proxy::decide::{Decided, decide};
 use crate::proxy::early;
 use crate::proxy::error::ProxyError;
 use crate::proxy::upstream::Target;
-use crate::telemetry::{BodyDirection, Entry, Outcome, Unrouted};
+use crate::proxy::usage::{Settlement, reservation};
+use crate::telemetry::{BodyDirection, Entry, Outcome, Unrouted, UsageKind};
 
 /// Runs the phases for one proxied request from `client`, and writes its
 /// access line when the access log is on and keeps this request.
@@ -115,14 +118,26 @@ async fn phases(
         return early(req, ProxyError::TooManyInFlight).await;
     };
     drop(rules);
+    let cost = match &route.spec.usage {
+        None => route.spec.cost,
+        Some(usage) => match reservation(req.headers(), usage) {
+            Ok(reserved) => reserved,
+            Err(()) => return early(req, ProxyError::BadReservation).await,
+        },
+    };
     let Decided {
         refused,
         shadowed,
         source,
         headers,
-    } = decide(worker, &tenant, &route.spec.id, &in_force, route.spec.cost).await;
+    } = decide(worker, &tenant, &route.spec.id, &in_force, cost).await;
     if let Some(note) = note.as_deref_mut() {
         note.source = Some(source);
+    }
+    if route.spec.usage.is_some() && !refused {
+        route
+            .metrics
+            .usage(UsageKind::Reserved, u64::from(cost.get()));
     }
     if refused {
         count(Outcome::Rejected);
@@ -155,7 +170,24 @@ async fn phases(
         Err(_) => Outcome::UpstreamError,
     });
     match forwarded {
-        Ok(response) => response,
+        Ok(mut response) => {
+            if let Some(usage) = &route.spec.usage {
+                let settlement = Settlement::new(
+                    &worker.limiter,
+                    state,
+                    &tenant,
+                    &route.spec.id,
+                    &usage.header,
+                    cost,
+                );
+                if let Some(unsettled) = settlement.settle_from(response.headers())
+                    && let ProxyBody::Streamed(body) = response.body_mut()
+                {
+                    body.settle_from_trailers(unsettled);
+                }
+            }
+            response
+        }
         Err(e) => {
             let mut response = e.response();
             headers.apply(response.headers_mut());

@@ -5,7 +5,12 @@
 //! Owns how a request's descriptors become decisions. Each descriptor is
 //! one: its entry `rls.tenant_key` (default `api_key`) names the tenant,
 //! its entry `rls.route_key` (default `route`) a configured route, and its
-//! `hits_addend`, else the request's, else 1, is the cost. Every
+//! `hits_addend`, else the request's, else 1, is the cost. A descriptor
+//! whose entry `rls.charge_key` (default `charge`) is `true` is a charge:
+//! usage reported after the fact (Envoy's `apply_on_stream_done`), taken
+//! whatever the limits hold and never answered over-limit; its
+//! `hits_addend` may be 0, and with `is_negative_hits` it gives tokens
+//! back. Every
 //! descriptor is checked before any is decided, so a malformed request
 //! (`INVALID_ARGUMENT`, naming the descriptor) takes nothing. A tenant
 //! value that is not a valid key comes from the client, not from Envoy's
@@ -38,7 +43,7 @@ use crate::key::{RouteId, TenantId};
 use crate::proxy::Worker;
 use crate::proxy::body::ProxyBody;
 use crate::proxy::client::Client;
-use crate::proxy::decide::{Decided, decide_now};
+use crate::proxy::decide::{Decided, charge_now, decide_now};
 use crate::proxy::headers::Binding;
 use crate::proxy::route::{Route, quoted};
 use crate::rules::Window;
@@ -110,6 +115,8 @@ struct Ask<'a> {
     route: &'a Route,
     /// Tokens to take.
     cost: NonZeroU32,
+    /// For a charge, the tokens charged (negative: given back).
+    charge: Option<i64>,
 }
 
 /// Every descriptor of `request` as a decision to take.
@@ -156,9 +163,6 @@ fn ask<'a>(
     descriptor: &RateLimitDescriptor,
     default_cost: u32,
 ) -> Result<Ask<'a>, String> {
-    if descriptor.is_negative_hits {
-        return Err("negative hits (returning tokens) are not supported".into());
-    }
     let value = |key: &str| {
         let mut found = descriptor.entries.iter().filter(|e| e.key == key);
         match (found.next(), found.next()) {
@@ -173,6 +177,51 @@ fn ask<'a>(
         .routes
         .named(value(&settings.route_key)?)
         .map_err(|e| format!("{:?}: {e}", settings.route_key))?;
+    let charged = match value(&settings.charge_key) {
+        Ok("true") => true,
+        Ok(other) => {
+            return Err(format!(
+                "{:?} must be \"true\", found {}",
+                settings.charge_key,
+                quoted(other)
+            ));
+        }
+        Err(_)
+            if descriptor
+                .entries
+                .iter()
+                .all(|e| e.key != settings.charge_key) =>
+        {
+            false
+        }
+        Err(e) => return Err(e),
+    };
+    if charged {
+        let hits = descriptor
+            .hits_addend
+            .as_ref()
+            .map_or(u64::from(default_cost), |h| h.value);
+        let amount = i64::try_from(hits)
+            .ok()
+            .filter(|h| *h <= i64::from(u32::MAX))
+            .ok_or_else(|| format!("hits_addend {hits} is too large"))?;
+        return Ok(Ask {
+            tenant,
+            route,
+            cost: NonZeroU32::MIN,
+            charge: Some(if descriptor.is_negative_hits {
+                -amount
+            } else {
+                amount
+            }),
+        });
+    }
+    if descriptor.is_negative_hits {
+        return Err(format!(
+            "negative hits (returning tokens) are served on a charge only (an entry {} = \"true\")",
+            quoted(&settings.charge_key)
+        ));
+    }
     let cost = match &descriptor.hits_addend {
         // A check that takes nothing has no token bucket answer here.
         Some(hits) if hits.value == 0 => {
@@ -186,20 +235,32 @@ fn ask<'a>(
         tenant,
         route,
         cost: NonZeroU32::new(cost).unwrap_or(NonZeroU32::MIN),
+        charge: None,
     })
 }
 
 /// Decides every ask (each with a valid tenant), together.
 async fn answer(worker: &Worker, asks: &[Ask<'_>]) -> RateLimitResponse {
     let tenants: Vec<&TenantId> = asks.iter().filter_map(|a| a.tenant.as_ref()).collect();
-    let decisions = futures_util::future::join_all(
-        asks.iter()
-            .zip(&tenants)
-            .map(|(a, tenant)| decide_now(worker, tenant, &a.route.spec.id, a.cost)),
-    )
-    .await;
+    let decisions =
+        futures_util::future::join_all(asks.iter().zip(&tenants).map(|(a, tenant)| async move {
+            let route = &a.route.spec.id;
+            match a.charge {
+                Some(amount) => {
+                    charge_now(&worker.state, &worker.limiter, tenant, route, amount).await
+                }
+                None => decide_now(worker, tenant, route, a.cost).await,
+            }
+        }))
+        .await;
     let requests = &worker.state.requests;
-    for ((a, tenant), decided) in asks.iter().zip(&tenants).zip(&decisions) {
+    // A charge reports usage of a request already counted.
+    for ((a, tenant), decided) in asks
+        .iter()
+        .zip(&tenants)
+        .zip(&decisions)
+        .filter(|((a, _), _)| a.charge.is_none())
+    {
         requests.count(
             Entry::Rls,
             Some(tenant.as_str()),

@@ -21,6 +21,7 @@ use crate::proxy::body::{Polled, RequestBody};
 use crate::proxy::client::ClientCut;
 use crate::proxy::listen::stall::{Cut, Watch};
 use crate::proxy::slots::Slot;
+use crate::proxy::usage::Settlement;
 
 /// What a response holds while it streams: the upstream's body, the
 /// connection (with its permit and slot) it arrives on, and a way to end
@@ -101,6 +102,10 @@ pub(in crate::proxy) struct ResponseBody {
     done: bool,
     /// Reads now.
     clock: SharedClock,
+    /// On a `usage_header` route whose answer's head reported no usage:
+    /// settled from the trailers, if they report it.
+    /// Boxed: most answers carry none.
+    usage: Option<Box<Settlement>>,
 }
 
 impl ResponseBody {
@@ -119,7 +124,13 @@ impl ResponseBody {
             handed: None,
             done: false,
             clock,
+            usage: None,
         }
+    }
+
+    /// Settles `usage` from the trailers, should they report it.
+    pub(in crate::proxy) fn settle_from_trailers(&mut self, usage: Settlement) {
+        self.usage = Some(Box::new(usage));
     }
 }
 
@@ -155,8 +166,16 @@ impl Body for ResponseBody {
                             progress.wait(now);
                             Poll::Ready(Some(Ok(Frame::data(data))))
                         }
-                        // Trailers are hop-level here: skip them.
-                        Err(_) => continue,
+                        // Trailers are hop-level here: read for the usage
+                        // they may report, then skipped.
+                        Err(frame) => {
+                            if let Some(usage) = this.usage.take()
+                                && let Some(trailers) = frame.trailers_ref()
+                            {
+                                this.usage = usage.settle_from(trailers).map(Box::new);
+                            }
+                            continue;
+                        }
                     },
                     Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(io::Error::other(e)))),
                     Poll::Ready(None) => {

@@ -1,0 +1,181 @@
+//! Usage settled after the answer (`routes[].usage_header`), through the
+//! proxy to a real streaming upstream (Python's own HTTP server, see
+//! `tests/fixtures/usage_upstream.py`): the reservation up front, usage
+//! from the answer's head or from the trailers of a chunked event stream,
+//! refunds, a reservation header, answers that report nothing or break
+//! off, and a budget that goes into debt.
+
+#![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::{
+    KillOnDrop, RawResponse, Stack, raw_http, raw_http_with_body, spawn_from, wait_until,
+};
+
+/// A day's budget of 1,000 tokens for acme on route llm.
+const RULES: &str = "[[rule]]\ntenant = \"acme\"\nroute = \"llm\"\n\
+                     [[rule.limit]]\nquota = 1000\nwindow = \"day\"\n";
+
+/// The fixture upstream, on the port it printed.
+struct UsageUpstream {
+    port: u16,
+    _child: KillOnDrop,
+}
+
+impl UsageUpstream {
+    fn start() -> Self {
+        let script = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/usage_upstream.py"
+        );
+        let mut child = KillOnDrop(spawn_from(
+            "python3",
+            Command::new("python3")
+                .arg(script)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::null()),
+        ));
+        let mut line = String::new();
+        BufReader::new(child.0.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let port = line
+            .trim()
+            .parse()
+            .unwrap_or_else(|e| panic!("{line:?}: {e}"));
+        Self {
+            port,
+            _child: child,
+        }
+    }
+}
+
+/// A gateway with route llm (usage in `X-Usage`, 10 reserved, or what
+/// `X-Reserve` asks up to 100) in front of the fixture, and the check.
+fn stack(tag: &str, up: &UsageUpstream) -> Stack {
+    let port = up.port;
+    Stack::start(tag, RULES, |c, _| {
+        c.extra = format!(
+            "[[routes]]\nid = \"llm\"\npath_prefix = \"/llm\"\n\
+             upstream = \"http://127.0.0.1:{port}\"\nusage_header = \"x-usage\"\n\
+             reserve = 10\nreserve_header = \"x-reserve\"\nmax_reserve = 100\n\
+             [check]\nlisten = \"127.0.0.1:0\"\n"
+        );
+    })
+}
+
+/// `GET /llm/<what>` as acme, with `extra` header lines.
+fn get(addr: SocketAddr, what: &str, extra: &str) -> RawResponse {
+    raw_http(
+        addr,
+        &format!("GET /llm/{what} HTTP/1.1\r\nHost: api\r\nX-Api-Key: acme\r\n{extra}"),
+    )
+}
+
+/// `GET /llm/<what>` as acme, read as it comes until the connection ends
+/// (an answer cut short is no valid HTTP for `raw_http`).
+fn cut_short(addr: SocketAddr, what: &str) -> String {
+    let mut stream = TcpStream::connect(addr).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    write!(
+        stream,
+        "GET /llm/{what} HTTP/1.1\r\nHost: api\r\nX-Api-Key: acme\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut raw = Vec::new();
+    // The gateway ends the connection with an error, or closes it.
+    let _ = stream.read_to_end(&mut raw);
+    String::from_utf8_lossy(&raw).into_owned()
+}
+
+/// What acme has left of its budget, read by a charge of nothing.
+fn left(check: SocketAddr) -> u64 {
+    let body = r#"{"tenant": "acme", "route": "llm", "cost": 0}"#;
+    let res = raw_http_with_body(
+        check,
+        &format!(
+            "POST /v1/charge HTTP/1.1\r\nHost: c\r\nContent-Length: {}\r\n",
+            body.len()
+        ),
+        body,
+    );
+    res.json()["remaining"].as_u64().unwrap()
+}
+
+/// Waits until acme has `expected` left (a settlement runs after its
+/// answer has gone on).
+fn settles_at(check: SocketAddr, expected: u64) {
+    let mut seen = 0;
+    let settled = wait_until(Duration::from_secs(5), || {
+        seen = left(check);
+        seen == expected
+    });
+    assert!(settled, "{seen} left, {expected} expected");
+}
+
+#[test]
+fn usage_from_the_head_or_the_trailers_is_settled_against_the_reservation() {
+    let up = UsageUpstream::start();
+    let s = stack("usage-settle", &up);
+    let (addr, check) = (s.gw.addr, s.gw.check.unwrap());
+    // 10 reserved, 30 used: 20 more charged once the answer is out.
+    let res = get(addr, "header?used=30", "");
+    assert_eq!(res.status, 200, "{}", res.body);
+    assert_eq!(res.header("x-usage"), Some("30"));
+    assert_eq!(
+        res.header("ratelimit"),
+        Some("\"llm.1\";r=990;t=0"),
+        "the reservation"
+    );
+    settles_at(check, 970);
+    // An event stream reporting 50 in its trailers, 5 reserved by header.
+    let res = get(addr, "stream?used=50", "X-Reserve: 5\r\n");
+    assert_eq!(res.status, 200);
+    assert!(res.body.contains("data: token 4"), "{}", res.body);
+    settles_at(check, 920);
+    // Less used than reserved: the rest is given back.
+    let res = get(addr, "header?used=2", "X-Reserve: 100\r\n");
+    assert_eq!(res.header("ratelimit"), Some("\"llm.1\";r=820;t=0"));
+    settles_at(check, 918);
+    // A reservation header above max_reserve is capped; a malformed one
+    // is refused and takes nothing.
+    get(addr, "header?used=100", "X-Reserve: 100000\r\n");
+    settles_at(check, 818);
+    let res = get(addr, "header?used=1", "X-Reserve: lots\r\n");
+    assert_eq!(
+        (res.status, res.json()["error"].as_str()),
+        (400, Some("invalid_reservation"))
+    );
+    assert_eq!(left(check), 818);
+}
+
+#[test]
+fn an_answer_that_reports_nothing_or_breaks_off_keeps_its_reservation() {
+    let up = UsageUpstream::start();
+    let s = stack("usage-none", &up);
+    let (addr, check) = (s.gw.addr, s.gw.check.unwrap());
+    assert_eq!(get(addr, "none", "").status, 200);
+    assert_eq!(left(check), 990);
+    // The stream breaks off before its trailers: the client gets what
+    // came, and the 10 reserved stay charged.
+    let answer = cut_short(addr, "broken?used=50");
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(answer.contains("data: token 4"), "{answer}");
+    assert_eq!(left(check), 980);
+    // Well past the budget: the day's quota goes into debt, and the next
+    // request waits for the window's end.
+    get(addr, "header?used=5000", "");
+    settles_at(check, 0);
+    let refused = get(addr, "header?used=1", "");
+    assert_eq!(refused.status, 429);
+    let wait: u64 = refused.header("retry-after").unwrap().parse().unwrap();
+    assert!((1..=86_400).contains(&wait), "Retry-After {wait}");
+}
