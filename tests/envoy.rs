@@ -2,8 +2,9 @@
 //! shipped in `config/envoy-tollgate.yaml`, in front of an upstream, with
 //! tollgate's rate limit service behind it: the limit, the headers on 200
 //! and 429, no key, a malformed key, two tollgate instances sharing one
-//! limit, Redis paused, tollgate unreachable (failing open and closed)
-//! and tollgate frozen past Envoy's timeout.
+//! limit, Redis paused, tollgate unreachable (failing open and closed),
+//! tollgate frozen past Envoy's timeout, and usage charged when a stream
+//! is done (`apply_on_stream_done`, as `docs/integrations.md` shows it).
 
 #![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
 
@@ -17,6 +18,7 @@ use std::time::Duration;
 use common::peers::{Listening, assert_acme_gets_three, shipped_config};
 use common::{
     GatewayConfig, GatewayProcess, RawResponse, RedisServer, TempDir, Upstream, raw_http,
+    wait_until,
 };
 use tollgate::clock::{Clock, SystemClock};
 
@@ -93,15 +95,21 @@ fn tollgate(
     redis: Option<&RedisServer>,
     up: &Upstream,
 ) -> GatewayProcess {
-    let rules = dir.file(
-        "rules.toml",
-        "[[rule]]\ntenant = \"acme\"\nroute = \"api\"\ncapacity = 3\nrefill_per_second = 1\n",
-    );
-    let mut config = GatewayConfig::new(
-        &redis.map_or(String::new(), RedisServer::url),
-        rules,
-        &up.url(),
-    );
+    let rules =
+        "[[rule]]\ntenant = \"acme\"\nroute = \"api\"\ncapacity = 3\nrefill_per_second = 1\n";
+    tollgate_with(name, dir, redis, &up.url(), rules)
+}
+
+/// [`tollgate`] with `rules`, route api going to `up`.
+fn tollgate_with(
+    name: &str,
+    dir: &TempDir,
+    redis: Option<&RedisServer>,
+    up: &str,
+    rules: &str,
+) -> GatewayProcess {
+    let rules = dir.file("rules.toml", rules);
+    let mut config = GatewayConfig::new(&redis.map_or(String::new(), RedisServer::url), rules, up);
     config.redis_timeout_ms = 50;
     config
         .extra
@@ -216,4 +224,87 @@ fn a_frozen_tollgate_costs_at_most_envoys_timeout() {
         );
     }
     gw.resume();
+}
+
+/// The rate limit filter's own rate limits (which take the place of the
+/// route's): the shipped take, and the charge of what the answer reports
+/// in `X-Usage` once its stream is done, as `docs/integrations.md` shows
+/// them.
+const CHARGED_RATE_LIMITS: &str = "              failure_mode_deny: false
+              rate_limits:
+              - actions:
+                - request_headers: { header_name: x-api-key, descriptor_key: api_key }
+                - generic_key: { descriptor_key: route, descriptor_value: api }
+              - actions:
+                - request_headers: { header_name: x-api-key, descriptor_key: api_key }
+                - generic_key: { descriptor_key: route, descriptor_value: api }
+                - generic_key: { descriptor_key: charge, descriptor_value: \"true\" }
+                apply_on_stream_done: true
+                hits_addend: { format: \"%DYNAMIC_METADATA(tollgate:usage)%\" }
+";
+
+/// The filter that keeps the answer's `X-Usage` for the charge, before
+/// the rate limit filter, as `docs/integrations.md` shows it.
+const USAGE_TO_METADATA: &str = "          http_filters:
+          - name: envoy.filters.http.header_to_metadata
+            typed_config:
+              \"@type\": type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config
+              response_rules:
+              - header: x-usage
+                on_header_present: { metadata_namespace: tollgate, key: usage, type: NUMBER }
+";
+
+#[test]
+fn usage_reported_when_the_stream_is_done_is_charged_to_the_budget() {
+    let page = std::fs::read_to_string("docs/integrations.md").unwrap();
+    for part in [CHARGED_RATE_LIMITS, USAGE_TO_METADATA] {
+        assert!(
+            page.contains(part),
+            "docs/integrations.md shows the charge as it is tested: {part}"
+        );
+    }
+    let redis = RedisServer::start();
+    let up = common::UsageUpstream::start();
+    let dir = TempDir::new("envoy-charge");
+    // A day's budget of 100.
+    let rules = "[[rule]]\ntenant = \"acme\"\nroute = \"api\"\n[[rule.limit]]\nquota = 100\nwindow = \"day\"\n";
+    let gw = tollgate_with("rls-charge", &dir, Some(&redis), &up.url(), rules);
+    let envoy = Envoy::start(&[gw.rls_addr()], &up.url(), |c| {
+        c.replace(
+            "              failure_mode_deny: false\n",
+            CHARGED_RATE_LIMITS,
+        )
+        .replace("          http_filters:\n", USAGE_TO_METADATA)
+    });
+    let left = |res: &RawResponse| -> u64 {
+        let field = res.header("ratelimit").unwrap_or_else(|| panic!("{res:?}"));
+        let r = field
+            .split(";r=")
+            .nth(1)
+            .unwrap()
+            .split(';')
+            .next()
+            .unwrap();
+        r.parse().unwrap()
+    };
+    // The request takes 1; its answer reports 30, charged after it.
+    let res = envoy.get("/v1/header?used=30", Some("acme"));
+    assert_eq!(res.status, 200, "{}", res.body);
+    assert_eq!(left(&res), 99);
+    // Each look takes 1 and reports nothing more (its usage is 0).
+    let mut looks = 0;
+    let mut seen = 0;
+    let charged = wait_until(Duration::from_secs(5), || {
+        looks += 1;
+        seen = left(&envoy.get("/v1/header?used=0", Some("acme")));
+        seen < 99 - looks
+    });
+    assert!(charged, "{seen} left after {looks} looks");
+    assert_eq!(seen, 99 - 30 - looks, "the 30 reported, once");
+    // Past the budget: the day's quota goes into debt and Envoy refuses.
+    envoy.get("/v1/header?used=500", Some("acme"));
+    let refused = wait_until(Duration::from_secs(5), || {
+        envoy.get("/v1/header?used=0", Some("acme")).status == 429
+    });
+    assert!(refused, "the debt refuses the next requests");
 }

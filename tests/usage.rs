@@ -3,58 +3,22 @@
 //! `tests/fixtures/usage_upstream.py`): the reservation up front, usage
 //! from the answer's head or from the trailers of a chunked event stream,
 //! refunds, a reservation header, answers that report nothing or break
-//! off, and a budget that goes into debt.
+//! off, a budget that goes into debt, and Redis failing between the
+//! reservation and the settlement.
 
 #![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
 
 mod common;
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::{
-    KillOnDrop, RawResponse, Stack, raw_http, raw_http_with_body, spawn_from, wait_until,
-};
+use common::{RawResponse, Stack, UsageUpstream, raw_http, raw_http_with_body, wait_until};
 
 /// A day's budget of 1,000 tokens for acme on route llm.
 const RULES: &str = "[[rule]]\ntenant = \"acme\"\nroute = \"llm\"\n\
                      [[rule.limit]]\nquota = 1000\nwindow = \"day\"\n";
-
-/// The fixture upstream, on the port it printed.
-struct UsageUpstream {
-    port: u16,
-    _child: KillOnDrop,
-}
-
-impl UsageUpstream {
-    fn start() -> Self {
-        let script = concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/tests/fixtures/usage_upstream.py"
-        );
-        let mut child = KillOnDrop(spawn_from(
-            "python3",
-            Command::new("python3")
-                .arg(script)
-                .stdout(Stdio::piped())
-                .stderr(Stdio::null()),
-        ));
-        let mut line = String::new();
-        BufReader::new(child.0.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let port = line
-            .trim()
-            .parse()
-            .unwrap_or_else(|e| panic!("{line:?}: {e}"));
-        Self {
-            port,
-            _child: child,
-        }
-    }
-}
 
 /// A gateway with route llm (usage in `X-Usage`, 10 reserved, or what
 /// `X-Reserve` asks up to 100) in front of the fixture, and the check.
@@ -96,8 +60,8 @@ fn cut_short(addr: SocketAddr, what: &str) -> String {
     String::from_utf8_lossy(&raw).into_owned()
 }
 
-/// What acme has left of its budget, read by a charge of nothing.
-fn left(check: SocketAddr) -> u64 {
+/// The answer to a charge of nothing for acme: what it has left.
+fn charge_nothing(check: SocketAddr) -> serde_json::Value {
     let body = r#"{"tenant": "acme", "route": "llm", "cost": 0}"#;
     let res = raw_http_with_body(
         check,
@@ -107,7 +71,12 @@ fn left(check: SocketAddr) -> u64 {
         ),
         body,
     );
-    res.json()["remaining"].as_u64().unwrap()
+    res.json()
+}
+
+/// What acme has left of its budget.
+fn left(check: SocketAddr) -> u64 {
+    charge_nothing(check)["remaining"].as_u64().unwrap()
 }
 
 /// Waits until acme has `expected` left (a settlement runs after its
@@ -178,4 +147,30 @@ fn an_answer_that_reports_nothing_or_breaks_off_keeps_its_reservation() {
     assert_eq!(refused.status, 429);
     let wait: u64 = refused.header("retry-after").unwrap().parse().unwrap();
     assert!((1..=86_400).contains(&wait), "Retry-After {wait}");
+}
+
+#[test]
+fn with_redis_gone_between_reservation_and_settlement_the_reservation_stands() {
+    let up = UsageUpstream::start();
+    let s = stack("usage-redis", &up);
+    let (addr, check) = (s.gw.addr, s.gw.check.unwrap());
+    // Five events 300 ms apart; Redis pauses once the reservation is in.
+    let streaming = std::thread::spawn(move || get(addr, "stream?used=50&ms=300", ""));
+    settles_at(check, 990);
+    s.redis.pause();
+    let res = streaming.join().unwrap();
+    assert_eq!(res.status, 200, "the answer is not held up");
+    assert!(res.body.contains("data: token 4"), "{}", res.body);
+    s.redis.resume();
+    // The settlement went to the local share. Redis holds the
+    // reservation, and the settlement once if the frozen server had
+    // already received it (it runs it on waking): never twice.
+    let mut shared = None;
+    let answered = wait_until(Duration::from_secs(10), || {
+        let read = charge_nothing(check);
+        shared = Some(read["remaining"].as_u64().unwrap());
+        read["source"] == "redis"
+    });
+    assert!(answered, "Redis answers again");
+    assert!(matches!(shared, Some(990 | 950)), "{shared:?} left");
 }

@@ -1,9 +1,10 @@
 //! Mock upstreams: one that answers as the tests ask (echo, slow, a
-//! download, a status) and counts the slow requests it works on, and one
-//! that streams without end.
+//! download, a status) and counts the slow requests it works on, one
+//! that streams without end, and one on Python's own HTTP server that
+//! reports what each answer cost (`tests/fixtures/usage_upstream.py`).
 
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -203,5 +204,46 @@ impl EndlessUpstream {
     /// Connections the reader has closed so far.
     pub fn closed(&self) -> usize {
         self.closed.load(Ordering::SeqCst)
+    }
+}
+
+/// `tests/fixtures/usage_upstream.py` on the port it printed; killed on
+/// drop.
+pub struct UsageUpstream {
+    pub port: u16,
+    _child: KillOnDrop,
+}
+
+impl UsageUpstream {
+    /// Starts it (Debian's `python3`).
+    pub fn start() -> Self {
+        let script = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/usage_upstream.py"
+        );
+        let mut child = KillOnDrop(spawn_from(
+            "python3",
+            Command::new("python3")
+                .arg(script)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::null()),
+        ));
+        let mut line = String::new();
+        BufReader::new(child.0.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let port = line
+            .trim()
+            .parse()
+            .unwrap_or_else(|e| panic!("{line:?}: {e}"));
+        Self {
+            port,
+            _child: child,
+        }
+    }
+
+    /// Its base URL.
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
     }
 }
