@@ -29,6 +29,22 @@
 -- window) and a refund as n fewer (never below zero). A charge is
 -- always allowed.
 --
+-- Concurrency slots: a group's key may be a set of slots instead of a
+-- bucket (ARGV[3i-2] the slots, ARGV[3i-1] "c"): a sorted set whose
+-- members are the holders of a slot, each scored with the time its hold
+-- ends (ms by Redis's clock); a member whose time has passed is dropped
+-- when the key is next read. A group holding slots names its holder and
+-- the hold's lease after its count: "1*n@<lease_ms>:<holder>" (the holder
+-- in hex). A take admits only when every slot key has a free slot (or
+-- the holder holds one already), and then holds one slot per key (one,
+-- whatever the cost) for lease_ms; a charge leaves slots alone; the ask
+-- "r*n@..." gives the holder's slots back, and "n*n@..." holds them for
+-- another lease_ms (allowed 0 for a slot already lost). A slot key
+-- expires when no hold can remain (twice the lease after the last write).
+-- For a slot key, remaining is the free slots and retry_after_ms, when
+-- none is free, a fixed 1000: a slot frees when a request ends, which no
+-- clock foretells.
+--
 -- Groups: an ask "cost*n", "want:min:need*n" or "c<n>*n" starts a group
 -- of n keys
 -- (this one and the n-1 after it, whose asks are "-"): the limits of one
@@ -98,6 +114,8 @@ local reply = {}
 local n = 0
 -- Decides a group of keys (see the loop); made once a call meets one.
 local group
+-- The latest group's slot holder and lease (ms), when it names them.
+local holder, lease_ms
 -- The last key of the latest group: a '-' ask after it belongs to no group.
 local group_end = 0
 
@@ -124,20 +142,31 @@ for i = 1, #KEYS do
       end
     else
       -- A group's first ask, or a lone charge (a group of one).
-      local head, count = string.match(ask, '^([^*]+)%*(%d+)$')
+      local head, count, tail = string.match(ask, '^([^*]+)%*(%d+)(.*)$')
       if not head then
-        head, count = ask, 1
+        head, count, tail = ask, 1, ''
       end
       count = tonumber(count)
-      local gw, gm, gk, glease, gcharge
+      local gw, gm, gk, glease, gop
+      holder, lease_ms = nil, nil
+      if tail ~= '' then
+        local l, h = string.match(tail, '^@(%d+):(%x+)$')
+        holder, lease_ms = h, tonumber(l)
+        if not h or lease_ms < 1 then
+          count = nil
+        end
+      end
       if count and count >= 1 and i + count - 1 <= #KEYS then
         gw, gm, gk = string.match(head, '^(%d+):(%d+):(%d+)$')
         glease = gk ~= nil
         if glease then
           gw, gm, gk = tonumber(gw), tonumber(gm), tonumber(gk)
+        elseif head == 'r' or head == 'n' then
+          gop, gw, gm, gk = head, 0, 0, 0
         else
-          gcharge = string.match(head, '^c(%-?%d+)$')
-          gw = tonumber(gcharge or string.match(head, '^%d+$'))
+          local charged = string.match(head, '^c(%-?%d+)$')
+          gop = charged and 'c'
+          gw = tonumber(charged or string.match(head, '^%d+$'))
           gm, gk = gw, gw
         end
       end
@@ -215,10 +244,13 @@ for i = 1, #KEYS do
           return (floor(now_ms / len) + 1) * len
         end
 
-        -- Milliseconds until k can be taken from limit s holding tokens.
+        -- Milliseconds until k can be taken from limit s holding tokens
+        -- (for slots: until one is free, see the top).
         local function limit_wait(s, tokens, k)
           if tokens >= k then
             return 0
+          elseif s.slots then
+            return 1000
           elseif s.rate then
             return wait(k, tokens, s.rate)
           end
@@ -231,6 +263,20 @@ for i = 1, #KEYS do
           local capacity = tonumber(ARGV[at - 2])
           if not capacity or capacity < 1 then
             return nil
+          end
+          if ARGV[at - 1] == 'c' then
+            -- Slots: drop the holds whose lease ran out, count the rest.
+            local key = KEYS[j]
+            if type(redis.pcall('ZREMRANGEBYSCORE', key, '-inf', now_ms)) ~= 'number' then
+              return nil
+            end
+            local used = redis.pcall('ZCARD', key)
+            if type(used) ~= 'number' then
+              return nil
+            end
+            local held = holder and redis.pcall('ZSCORE', key, holder)
+            return {capacity = capacity, slots = true, tokens = capacity - used,
+              held = type(held) == 'string'}
           end
           local rate = tonumber(ARGV[at - 1])
           local s = {capacity = capacity, rate = rate}
@@ -269,26 +315,26 @@ for i = 1, #KEYS do
           return not set.err
         end
 
-        -- Charges amount (a refund when negative) to every key of the
-        -- group from first on, whose states are state.
-        local function charge(first, count, state, amount)
-          local left = {}
-          local written = true
-          for j = first, first + count - 1 do
-            local s = state[j]
-            local tokens = s.tokens - amount
-            if tokens > s.capacity then tokens = s.capacity end
-            if tokens < -s.capacity then tokens = -s.capacity end
-            left[j] = tokens
-            if amount ~= 0 and not store(j, s, tokens) then
-              written = false
-            end
-          end
+        -- Holds a slot of key j for the group's holder, for its lease;
+        -- false when the write failed.
+        local function hold(j)
+          local key = KEYS[j]
+          return type(redis.pcall('ZADD', key, now_ms + lease_ms, holder)) == 'number'
+            and type(redis.pcall('PEXPIRE', key, 2 * lease_ms)) == 'number'
+        end
+
+        -- Answers every key of the group from first on, whose states are
+        -- state and whose tokens are left now, allowed as allowed (each
+        -- key's own when a table), needing need: undecided when written
+        -- is false.
+        local function answer(first, count, state, left, allowed, need, written)
           for j = first, first + count - 1 do
             if written then
-              reply[n + 1] = 1
+              local ok = allowed
+              if type(ok) == 'table' then ok = ok[j] end
+              reply[n + 1] = ok and 1 or 0
               reply[n + 2] = floor(left[j])
-              reply[n + 3] = limit_wait(state[j], left[j], 1)
+              reply[n + 3] = limit_wait(state[j], left[j], need)
               n = n + 3
             else
               undecided(false)
@@ -296,29 +342,86 @@ for i = 1, #KEYS do
           end
         end
 
+        -- Charges amount (a refund when negative) to every bucket and
+        -- quota of the group from first on, whose states are state;
+        -- slots stay as they are.
+        local function charge(first, count, state, amount)
+          local left = {}
+          local written = true
+          for j = first, first + count - 1 do
+            local s = state[j]
+            local tokens = s.tokens
+            if not s.slots then
+              tokens = tokens - amount
+              if tokens > s.capacity then tokens = s.capacity end
+              if tokens < -s.capacity then tokens = -s.capacity end
+              if amount ~= 0 and not store(j, s, tokens) then
+                written = false
+              end
+            end
+            left[j] = tokens
+          end
+          answer(first, count, state, left, true, 1, written)
+        end
+
+        -- Gives back (op 'r') or renews (op 'n') the holder's slots in
+        -- the group from first on; buckets and quotas stay as they are.
+        -- A renewal is allowed where the holder still holds its slot.
+        local function slots(first, count, state, op)
+          local left, kept = {}, {}
+          local written = true
+          for j = first, first + count - 1 do
+            local s = state[j]
+            left[j], kept[j] = s.tokens, true
+            if s.slots and op == 'r' then
+              if s.held then
+                written = type(redis.pcall('ZREM', KEYS[j], holder)) == 'number' and written
+                left[j] = s.tokens + 1
+              end
+            elseif s.slots then
+              kept[j] = s.held
+              if s.held and not hold(j) then
+                written = false
+              end
+            end
+          end
+          answer(first, count, state, left, kept, 1, written)
+        end
+
         -- Decides the group of count keys starting at first, as the ask
         -- (want, min, need; a lease when lease; a charge of want when
         -- charged) says: every key's state is read before any is written,
         -- so a key that cannot be decided leaves the whole group undecided
         -- and untouched.
-        group = function(first, count, want, min, need, lease, charged)
+        group = function(first, count, want, min, need, lease, op)
           local state = {}
           local avail, size
+          -- Whether a slot key has no slot free for the holder.
+          local full = false
           for j = first, first + count - 1 do
             local s = limit_state(j)
-            if not s then
+            if not s or (s.slots and not holder and op ~= 'c') then
               for _ = first, first + count - 1 do
                 undecided(lease)
               end
               return
             end
-            if not avail or s.tokens < avail then avail = s.tokens end
-            if not size or s.capacity < size then size = s.capacity end
+            if s.slots then
+              if s.tokens < 1 and not s.held then full = true end
+            else
+              if not avail or s.tokens < avail then avail = s.tokens end
+              if not size or s.capacity < size then size = s.capacity end
+            end
             state[j] = s
           end
-          if charged then
+          if op == 'c' then
             return charge(first, count, state, want)
+          elseif op then
+            return slots(first, count, state, op)
           end
+          -- A group of slots alone takes no tokens: its ask is met whole.
+          avail = avail or want
+          size = size or want
           if want > size then want = size end
           if min > want then min = want end
           if need > min then need = min end
@@ -329,10 +432,22 @@ for i = 1, #KEYS do
           elseif avail >= need then
             granted = need
           end
+          if full then granted = 0 end
           local written = true
-          if granted > 0 then
-            for j = first, first + count - 1 do
-              if not store(j, state[j], state[j].tokens - granted) then
+          local left = {}
+          for j = first, first + count - 1 do
+            local s = state[j]
+            if s.slots then
+              left[j] = s.tokens
+              if granted > 0 and not s.held then
+                left[j] = s.tokens - 1
+              end
+              if granted > 0 and not hold(j) then
+                written = false
+              end
+            else
+              left[j] = s.tokens - granted
+              if granted > 0 and not store(j, s, left[j]) then
                 written = false
               end
             end
@@ -342,7 +457,7 @@ for i = 1, #KEYS do
               undecided(lease)
             else
               local s = state[j]
-              local tokens = s.tokens - granted
+              local tokens = left[j]
               reply[n + 1] = granted > 0 and 1 or 0
               reply[n + 2] = floor(tokens)
               reply[n + 3] = limit_wait(s, tokens, need)
@@ -358,7 +473,7 @@ for i = 1, #KEYS do
       end
       if gw then
         group_end = i + count - 1
-        group(i, count, gw, gm, gk, glease, gcharge ~= nil)
+        group(i, count, gw, gm, gk, glease, gop)
       else
         -- A malformed ask fails this key; the '-' keys after it, which
         -- no group holds, fail one by one.

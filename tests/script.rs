@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use common::{RedisServer, wait_until};
 use redis::AsyncCommands;
-use tollgate::bucket::decision::GroupLimit;
+use tollgate::bucket::decision::{GroupLimit, Holder};
 use tollgate::bucket::{Ask, BucketSpec, Decision, RedisBucket};
 use tollgate::clock::{Clock, SystemClock};
 use tollgate::config::{RedisSettings, RedisTarget};
@@ -657,4 +657,122 @@ async fn a_charge_counts_on_every_limit_of_a_group_and_a_refund_stops_at_zero() 
     let counted: u32 = conn.get("rl2:{g}:r#1s").await.unwrap();
     assert_eq!(counted, 0);
     assert!(decide_group(&b, &group).await.iter().all(|d| d.allowed));
+}
+
+/// A bucket of `capacity` (1 token a second) and `slots` concurrency slots.
+fn bucket_and_slots(capacity: u32, slots: u32) -> Vec<(String, GroupLimit)> {
+    vec![
+        (
+            "rl2:{s}:r".to_owned(),
+            GroupLimit::Bucket(spec(capacity, 1)),
+        ),
+        (
+            "rl2:{s}:r#1c".to_owned(),
+            GroupLimit::Slots {
+                slots: NonZeroU32::new(slots).unwrap(),
+            },
+        ),
+    ]
+}
+
+/// Holder `id`, whose holds last `lease_ms`.
+fn holder(id: u128, lease_ms: u32) -> Holder {
+    Holder { id, lease_ms }
+}
+
+#[actix_web::test]
+async fn slots_admit_as_many_holders_as_there_are_and_come_back_when_released() {
+    let (redis, b) = redis_and_bucket();
+    let mut conn = redis.conn().await;
+    let group = bucket_and_slots(10, 2);
+    let take = |id| b.take_group(&group, Ask::single(3).held_by(holder(id, 60_000)));
+    for (id, free) in [(1, 1), (2, 0)] {
+        let d = take(id).await.unwrap().decisions;
+        assert!(d.iter().all(|d| d.allowed), "{d:?}");
+        assert_eq!(d[1].remaining, free);
+    }
+    // A third holder waits; the bucket keeps its tokens (10 - 2 × 3).
+    let refused = take(3).await.unwrap().decisions;
+    assert!(refused.iter().all(|d| !d.allowed), "{refused:?}");
+    assert_eq!((refused[1].remaining, refused[1].retry_after_ms), (0, 1000));
+    assert_eq!(refused[0].remaining, 4, "a refused group takes no token");
+    // Every hold is a member of the key, scored with its lease's end.
+    let members: Vec<String> = conn.zrange("rl2:{s}:r#1c", 0, -1).await.unwrap();
+    assert_eq!(members, ["1", "2"]);
+    let ttl: i64 = conn.pttl("rl2:{s}:r#1c").await.unwrap();
+    assert!(ttl > 60_000 && ttl <= 120_000, "{ttl}");
+    // Releasing touches the slots only; a second release changes nothing.
+    let slots_only = &group[1..];
+    for _ in 0..2 {
+        let d = b
+            .take_group(slots_only, Ask::release(holder(1, 60_000)))
+            .await
+            .unwrap()
+            .decisions;
+        assert!(d[0].allowed && d[0].remaining == 1, "{d:?}");
+    }
+    assert!(take(3).await.unwrap().decisions[1].allowed);
+    // A charge leaves slots alone.
+    let d = b
+        .take_group(&group, Ask::charge(2))
+        .await
+        .unwrap()
+        .decisions;
+    assert_eq!((d[0].remaining, d[1].remaining), (0, 0), "{d:?}");
+    let members: Vec<String> = conn.zrange("rl2:{s}:r#1c", 0, -1).await.unwrap();
+    assert_eq!(members, ["2", "3"]);
+}
+
+#[actix_web::test]
+async fn an_unrenewed_hold_ends_with_its_lease_and_a_renewed_one_does_not() {
+    let (_redis, b) = redis_and_bucket();
+    let group = bucket_and_slots(100, 2);
+    let slots_only = &group[1..];
+    let lease = 300;
+    for id in [10, 11] {
+        let d = b
+            .take_group(&group, Ask::single(1).held_by(holder(id, lease)))
+            .await
+            .unwrap()
+            .decisions;
+        assert!(d[1].allowed, "{d:?}");
+    }
+    // Holder 10 renews every 100 ms; holder 11's gateway died.
+    for _ in 0..6 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let d = b
+            .take_group(slots_only, Ask::renew(holder(10, lease)))
+            .await
+            .unwrap()
+            .decisions;
+        assert!(d[0].allowed, "a renewed hold is kept: {d:?}");
+    }
+    let lost = b
+        .take_group(slots_only, Ask::renew(holder(11, lease)))
+        .await
+        .unwrap()
+        .decisions;
+    assert!(
+        !lost[0].allowed,
+        "the dead holder's slot came back: {lost:?}"
+    );
+    assert_eq!(lost[0].remaining, 1);
+    // Its slot is free for another; then the limit is full again.
+    let take = |id| b.take_group(&group, Ask::single(1).held_by(holder(id, lease)));
+    assert!(take(12).await.unwrap().decisions[1].allowed);
+    assert!(!take(13).await.unwrap().decisions[1].allowed);
+}
+
+#[actix_web::test]
+async fn a_slot_group_without_a_holder_is_not_decided_and_takes_nothing() {
+    let (redis, b) = redis_and_bucket();
+    let mut conn = redis.conn().await;
+    let group = bucket_and_slots(5, 1);
+    let outcome = b.take_group(&group, Ask::single(1)).await;
+    assert!(
+        matches!(outcome, Err(RedisCallError::Refused)),
+        "{outcome:?}"
+    );
+    let exists: bool = conn.exists("rl2:{s}:r").await.unwrap();
+    assert!(!exists, "nothing written");
 }

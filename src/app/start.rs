@@ -199,19 +199,22 @@ fn describe(target: &RedisTarget, config: &Config) {
 
 /// The limiter's state shared by every worker.
 pub(super) fn limiter(config: &Config, base: &Base, shared: &Shared) -> Arc<LimiterCore> {
-    Arc::new(LimiterCore::new(
-        LocalBuckets::new(config.fallback.max_keys, base.clock.clone()),
-        HotKeys::new(
-            config.lease,
-            config.fallback.max_keys,
+    Arc::new(
+        LimiterCore::new(
+            LocalBuckets::new(config.fallback.max_keys, base.clock.clone()),
+            HotKeys::new(
+                config.lease,
+                config.fallback.max_keys,
+                base.clock.clone(),
+                base.metrics.clone(),
+            ),
+            shared.live.clone(),
+            shared.breaker.clone(),
             base.clock.clone(),
             base.metrics.clone(),
-        ),
-        shared.live.clone(),
-        shared.breaker.clone(),
-        base.clock.clone(),
-        base.metrics.clone(),
-    ))
+        )
+        .with_slot_lease(config.slot_lease),
+    )
 }
 
 /// The rebalancer, when it is on and has regions and a database to write

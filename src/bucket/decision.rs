@@ -87,6 +87,13 @@ pub enum GroupLimit {
         /// The window.
         window: Window,
     },
+    /// At most `slots` requests in flight at once: a take holds one slot
+    /// (whatever the cost) for the ask's [`Holder`] until it is released
+    /// or its lease runs out unrenewed; a charge leaves it alone.
+    Slots {
+        /// Requests in flight at most.
+        slots: NonZeroU32,
+    },
 }
 
 impl GroupLimit {
@@ -103,7 +110,14 @@ impl GroupLimit {
                     window,
                 }
             }
-            quota @ Self::Quota { .. } => quota,
+            Self::Slots { slots } if share > 0.0 && share < 1.0 => {
+                // Saturating float-to-int cast of a finite, non-negative value.
+                let scaled = (f64::from(slots.get()) * share).floor() as u32;
+                Self::Slots {
+                    slots: NonZeroU32::new(scaled).unwrap_or(NonZeroU32::MIN),
+                }
+            }
+            whole @ (Self::Quota { .. } | Self::Slots { .. }) => whole,
         }
     }
 
@@ -116,24 +130,35 @@ impl GroupLimit {
                 quota: NonZeroU32::new(quota.get() / n.get()).unwrap_or(NonZeroU32::MIN),
                 window,
             },
+            Self::Slots { slots } => Self::Slots {
+                slots: NonZeroU32::new(slots.get() / n.get()).unwrap_or(NonZeroU32::MIN),
+            },
         }
     }
 
     /// Requests the limit admits at most at once (`q` of
-    /// `RateLimit-Policy`): the capacity or the quota.
+    /// `RateLimit-Policy`): the capacity, the quota or the slots.
     pub fn size(&self) -> u64 {
         match self {
             Self::Bucket(spec) => u64::from(spec.capacity.get()),
             Self::Quota { quota, .. } => u64::from(quota.get()),
+            Self::Slots { slots } => u64::from(slots.get()),
         }
     }
 
-    /// Its window in seconds (`w` of `RateLimit-Policy`).
+    /// Its window in seconds (`w` of `RateLimit-Policy`); 0 for slots,
+    /// which count requests at once, not over time.
     pub fn window_seconds(&self) -> u64 {
         match self {
             Self::Bucket(spec) => spec.window_seconds(),
             Self::Quota { window, .. } => window.nominal_seconds(),
+            Self::Slots { .. } => 0,
         }
+    }
+
+    /// Whether it is a concurrency limit.
+    pub fn is_slots(&self) -> bool {
+        matches!(self, Self::Slots { .. })
     }
 }
 
@@ -175,6 +200,22 @@ pub enum AskKind {
     /// `want` tokens given back (a reservation not used up), never
     /// above the bucket's size.
     Refund,
+    /// The holder's concurrency slots given back; buckets and quotas
+    /// untouched.
+    Release,
+    /// The holder's concurrency slots kept for another lease; a slot
+    /// already lost (its lease ran out) is not taken again.
+    Renew,
+}
+
+/// Who holds a request's concurrency slots, and how long a hold lasts
+/// unless renewed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Holder {
+    /// Unique across the cluster: this process's random id and a count.
+    pub id: u128,
+    /// Milliseconds a slot is held after it was taken or last renewed.
+    pub lease_ms: u32,
 }
 
 /// What one script call asks for.
@@ -189,6 +230,8 @@ pub struct Ask {
     pub need: u32,
     /// Whether it may be refused.
     pub kind: AskKind,
+    /// Who holds the concurrency slots it takes, releases or renews.
+    pub holder: Option<Holder>,
 }
 
 impl Ask {
@@ -205,6 +248,31 @@ impl Ask {
             min,
             need,
             kind: AskKind::Take,
+            holder: None,
+        }
+    }
+
+    /// This ask taking concurrency slots for `holder`.
+    pub fn held_by(self, holder: Holder) -> Self {
+        Self {
+            holder: Some(holder),
+            ..self
+        }
+    }
+
+    /// `holder`'s slots given back.
+    pub fn release(holder: Holder) -> Self {
+        Self {
+            kind: AskKind::Release,
+            ..Self::single(0).held_by(holder)
+        }
+    }
+
+    /// `holder`'s slots kept for another lease.
+    pub fn renew(holder: Holder) -> Self {
+        Self {
+            kind: AskKind::Renew,
+            ..Self::single(0).held_by(holder)
         }
     }
 
@@ -221,6 +289,7 @@ impl Ask {
             } else {
                 AskKind::Charge
             },
+            holder: None,
         }
     }
 
@@ -231,11 +300,11 @@ impl Ask {
         self.kind == AskKind::Take && !(self.want == self.min && self.min == self.need)
     }
 
-    /// The signed amount of a charge (negative: a refund); `None` for a
-    /// take.
+    /// The signed amount of a charge (negative: a refund); `None` for
+    /// any other ask.
     pub fn charged(&self) -> Option<i64> {
         match self.kind {
-            AskKind::Take => None,
+            AskKind::Take | AskKind::Release | AskKind::Renew => None,
             AskKind::Charge => Some(i64::from(self.want)),
             AskKind::Refund => Some(-i64::from(self.want)),
         }

@@ -103,6 +103,9 @@ impl RedisState {
     }
 }
 
+/// A concurrency slot's lease when the core is not told one.
+const DEFAULT_SLOT_LEASE: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Limiter state shared by every proxy worker: the local buckets, hot-key
 /// state, the breaker gate and the live instance count.
 pub struct LimiterCore {
@@ -121,6 +124,8 @@ pub struct LimiterCore {
     clock: SharedClock,
     /// Decision, error and fallback counters.
     metrics: Metrics,
+    /// Holder ids and the lease of concurrency slots.
+    holders: slots::Holders,
 }
 
 impl LimiterCore {
@@ -142,6 +147,16 @@ impl LimiterCore {
             breaker,
             clock,
             metrics,
+            holders: slots::Holders::new(DEFAULT_SLOT_LEASE),
+        }
+    }
+
+    /// The same core, its concurrency slots held `lease` unless renewed
+    /// (`[limits] slot_lease_ms`; 10 s when not set).
+    pub fn with_slot_lease(self, lease: std::time::Duration) -> Self {
+        Self {
+            holders: slots::Holders::new(lease),
+            ..self
         }
     }
 
@@ -449,8 +464,10 @@ impl<C: Borrow<LimiterCore>, K: Borrow<str>> Drop for SlotGuard<C, K> {
 mod charge;
 mod group;
 mod memory;
+mod slots;
 
 pub use group::{GroupVerdict, LimitVerdict};
 use memory::GroupMemory;
+pub use slots::SlotHold;
 #[cfg(test)]
 mod tests;

@@ -1,12 +1,13 @@
 //! In-process buckets: local-only mode and the fallback when Redis fails.
 //!
-//! Owns a bounded [`KeyMap`] of [`TokenState`]s, and one of quota counts
-//! for requests with several limits ([`LocalBuckets::take_group`]). A
-//! bucket that has refilled completely is idle, and so is a quota whose
-//! window has ended: forgetting either loses nothing, since it comes back
-//! full.
+//! Owns a bounded [`KeyMap`] of [`TokenState`]s, and ones of quota counts
+//! and of concurrency slots for requests with several limits
+//! ([`LocalBuckets::take_group`]). A bucket that has refilled completely
+//! is idle, and so is a quota whose window has ended and a set of slots
+//! whose holds have all ended: forgetting either loses nothing, since it
+//! comes back full.
 
-use super::decision::{Ask, BucketSpec, Decision, GroupGrant, GroupLimit};
+use super::decision::{Ask, AskKind, BucketSpec, Decision, GroupGrant, GroupLimit, Holder};
 use super::keymap::{Idle, KeyMap};
 use super::tokens::TokenState;
 use crate::clock::SharedClock;
@@ -54,12 +55,50 @@ impl Idle for Counted {
     }
 }
 
-/// Keyed in-process token buckets and quota counts.
+/// Wait quoted when no slot is free: a slot frees when a request ends,
+/// which no clock foretells (the script's figure).
+const SLOT_WAIT_MS: u64 = 1000;
+
+/// One tracked set of concurrency slots: who holds one, and until when
+/// (by the map's own clock) unless renewed.
+#[derive(Debug, Clone, Default)]
+struct Seats {
+    /// Holder id → end of its hold.
+    holds: Vec<(u128, u64)>,
+}
+
+impl Seats {
+    /// Drops the holds that ended by `now_ms`; the slots still held.
+    fn live(&mut self, now_ms: u64) -> u64 {
+        self.holds.retain(|(_, ends)| *ends > now_ms);
+        self.holds.len() as u64
+    }
+
+    /// Where `holder`'s hold is, if it has one.
+    fn of(&self, holder: Option<Holder>) -> Option<usize> {
+        let holder = holder?;
+        self.holds.iter().position(|(id, _)| *id == holder.id)
+    }
+}
+
+impl Idle for Seats {
+    fn is_idle(&self, now_ms: u64) -> bool {
+        self.holds.iter().all(|(_, ends)| *ends <= now_ms)
+    }
+
+    fn last_used_ms(&self) -> u64 {
+        self.holds.iter().map(|(_, ends)| *ends).max().unwrap_or(0)
+    }
+}
+
+/// Keyed in-process token buckets, quota counts and concurrency slots.
 pub struct LocalBuckets {
     /// Key → bucket.
     buckets: KeyMap<Entry>,
     /// Key → quota count.
     quotas: KeyMap<Counted>,
+    /// Key → concurrency slots.
+    slots: KeyMap<Seats>,
     /// Time source for refills.
     clock: SharedClock,
 }
@@ -70,6 +109,7 @@ impl LocalBuckets {
         Self {
             buckets: KeyMap::new(max_keys),
             quotas: KeyMap::new(max_keys),
+            slots: KeyMap::new(max_keys),
             clock,
         }
     }
@@ -114,13 +154,25 @@ impl LocalBuckets {
     /// for the last tokens of different limits may both pass, which the
     /// fallback's 1/N shares make small.
     ///
+    /// A concurrency limit admits when it has a slot free (or the ask's
+    /// holder holds one), and then holds one for the holder, whatever the
+    /// cost, until released or its lease ends unrenewed.
+    ///
     /// A charge (or refund) is taken from every limit whatever it holds,
-    /// as [`LocalBuckets::charge_group`] says.
+    /// as [`LocalBuckets::charge_group`] says; a release or renewal is
+    /// [`LocalBuckets::hold_group`]'s.
     pub fn take_group(&self, group: &[(String, GroupLimit)], ask: Ask) -> GroupGrant {
         if let Some(amount) = ask.charged() {
             return GroupGrant {
                 granted: ask.want,
                 decisions: self.charge_group(group, amount),
+                block_ms: 0,
+            };
+        }
+        if matches!(ask.kind, AskKind::Release | AskKind::Renew) {
+            return GroupGrant {
+                granted: 0,
+                decisions: self.hold_group(group, ask),
                 block_ms: 0,
             };
         }
@@ -142,20 +194,32 @@ impl LocalBuckets {
                         .unwrap_or(0);
                     f64::from(quota.get()) - used as f64
                 }
+                GroupLimit::Slots { slots } => {
+                    let used = self.slots.get(key, |s| s.live(now)).unwrap_or(0);
+                    f64::from(slots.get()) - used as f64
+                }
             })
             .collect();
-        let size = group
+        // Slots are not counted in tokens: each admits or not.
+        let holds = |key: &str| self.slots.get(key, |s| s.of(ask.holder)).flatten();
+        let full = group
             .iter()
-            .map(|(_, limit)| limit.size())
+            .zip(&held)
+            .any(|((key, limit), free)| limit.is_slots() && *free < 1.0 && holds(key).is_none());
+        let counted = || group.iter().zip(&held).filter(|((_, l), _)| !l.is_slots());
+        let size = counted()
+            .map(|((_, limit), _)| limit.size())
             .min()
-            .unwrap_or(0);
+            .unwrap_or(u64::MAX);
         let clamp = |n: u32| u64::from(n).min(size);
         let want = clamp(ask.want);
         let min = clamp(ask.min).min(want);
         let need = clamp(ask.need).min(min);
-        let avail = held.iter().copied().fold(f64::INFINITY, f64::min);
+        let avail = counted().map(|(_, t)| *t).fold(f64::INFINITY, f64::min);
         // Saturating float-to-int casts of finite, non-negative values.
-        let granted = if avail >= min as f64 {
+        let granted = if full {
+            0
+        } else if avail >= min as f64 {
             (avail.floor() as u64).min(want)
         } else if avail >= need as f64 {
             need
@@ -167,7 +231,13 @@ impl LocalBuckets {
             .iter()
             .zip(held)
             .map(|((key, limit), tokens)| {
-                let left = tokens - granted as f64;
+                let left = match limit {
+                    GroupLimit::Slots { .. } if granted > 0 => {
+                        tokens - self.hold(key, ask.holder, now) as f64
+                    }
+                    GroupLimit::Slots { .. } => tokens,
+                    _ => tokens - granted as f64,
+                };
                 let wait = |n: u64| -> u64 {
                     if left >= n as f64 {
                         return 0;
@@ -177,6 +247,7 @@ impl LocalBuckets {
                             ((n as f64 - left) * 1000.0 / spec.refill_per_second).ceil() as u64
                         }
                         GroupLimit::Quota { window, .. } => window.end_ms(unix) - unix,
+                        GroupLimit::Slots { .. } => SLOT_WAIT_MS,
                     }
                 };
                 if granted > 0 {
@@ -200,6 +271,7 @@ impl LocalBuckets {
                                 c.used += granted;
                             });
                         }
+                        GroupLimit::Slots { .. } => {}
                     }
                 }
                 block_ms = block_ms.max(wait(min));
@@ -251,8 +323,78 @@ impl LocalBuckets {
                         retry_after_ms: if used < size { 0 } else { ends_ms - unix },
                     }
                 }
+                GroupLimit::Slots { .. } => self.slot_decision(key, *limit, true, now),
             })
             .collect()
+    }
+
+    /// Holds a slot of `key` for `holder` (for its lease) unless it holds
+    /// one already; 1 when a slot was taken, else 0.
+    fn hold(&self, key: &str, holder: Option<Holder>, now: u64) -> u64 {
+        let Some(h) = holder else { return 0 };
+        let ends = now + u64::from(h.lease_ms);
+        self.slots
+            .with(key, now, Seats::default, |seats| match seats.of(holder) {
+                Some(at) => {
+                    seats.holds[at].1 = ends;
+                    0
+                }
+                None => {
+                    seats.holds.push((h.id, ends));
+                    1
+                }
+            })
+    }
+
+    /// Gives back (a release) or holds for another lease (a renewal) the
+    /// ask's holder's slots in `group`, as the script does; buckets and
+    /// quotas stay as they are. A renewal is allowed where the holder
+    /// still holds its slot.
+    pub fn hold_group(&self, group: &[(String, GroupLimit)], ask: Ask) -> Vec<Decision> {
+        let now = self.clock.now_ms();
+        let release = ask.kind == AskKind::Release;
+        group
+            .iter()
+            .map(|(key, limit)| {
+                if !limit.is_slots() {
+                    return Decision {
+                        allowed: true,
+                        remaining: limit.size(),
+                        retry_after_ms: 0,
+                    };
+                }
+                let kept = self
+                    .slots
+                    .get(key, |seats| {
+                        seats.live(now);
+                        match (seats.of(ask.holder), ask.holder) {
+                            (Some(at), _) if release => {
+                                seats.holds.swap_remove(at);
+                                true
+                            }
+                            (Some(at), Some(h)) => {
+                                seats.holds[at].1 = now + u64::from(h.lease_ms);
+                                true
+                            }
+                            _ => release,
+                        }
+                    })
+                    .unwrap_or(release);
+                self.slot_decision(key, *limit, kept, now)
+            })
+            .collect()
+    }
+
+    /// A slot limit's decision as it stands: `allowed`, the free slots,
+    /// and a wait when none is.
+    fn slot_decision(&self, key: &str, limit: GroupLimit, allowed: bool, now: u64) -> Decision {
+        let used = self.slots.get(key, |s| s.live(now)).unwrap_or(0);
+        let free = limit.size().saturating_sub(used);
+        Decision {
+            allowed,
+            remaining: free,
+            retry_after_ms: if free > 0 { 0 } else { SLOT_WAIT_MS },
+        }
     }
 
     /// Drops every bucket that is full again and every quota whose window
@@ -260,6 +402,7 @@ impl LocalBuckets {
     pub fn sweep(&self) -> usize {
         let now = self.clock.now_ms();
         self.quotas.sweep(now);
+        self.slots.sweep(now);
         self.buckets.sweep(now)
     }
 }

@@ -16,7 +16,9 @@ pub mod tokens;
 pub use coalesce::{BucketClient, Coalesced};
 pub use decision::{Ask, BucketSpec, Decision, Grant, GroupLimit};
 pub use lease::HotKeys;
-pub use limiter::{GroupVerdict, LimitVerdict, Limiter, LimiterCore, RedisState, Verdict};
+pub use limiter::{
+    GroupVerdict, LimitVerdict, Limiter, LimiterCore, RedisState, SlotHold, Verdict,
+};
 pub use local::LocalBuckets;
 pub use redis::{RedisBucket, WarmWorkers};
 pub use store::SharedStore;

@@ -271,7 +271,7 @@ pub(crate) mod fake {
                 .iter()
                 .map(|(key, limit)| match limit {
                     GroupLimit::Bucket(spec) => self.grant(key, spec, ask).decision,
-                    GroupLimit::Quota { .. } => {
+                    GroupLimit::Quota { .. } | GroupLimit::Slots { .. } => {
                         let amount = ask.charged().unwrap_or(0);
                         self.groups.charge_group(&[(key.clone(), *limit)], amount)[0]
                     }

@@ -201,10 +201,20 @@ impl Default for RawLimit {
 }
 
 /// `[limits]`: how every rule is applied.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub(crate) struct RawLimits {
     pub(crate) shadow: bool,
+    pub(crate) slot_lease_ms: i64,
+}
+
+impl Default for RawLimits {
+    fn default() -> Self {
+        Self {
+            shadow: false,
+            slot_lease_ms: 10_000,
+        }
+    }
 }
 
 /// `[admin]`: admin API protection.

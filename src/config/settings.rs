@@ -29,6 +29,10 @@ pub struct Config {
     /// Shadow mode for the whole gateway: `[limits] shadow`; refusals of
     /// every rule are forwarded and counted, never answered with 429.
     pub shadow: bool,
+    /// How long a concurrency slot stays held unless its gateway renews
+    /// it (`[limits] slot_lease_ms`): a killed gateway's slots come back
+    /// within this time.
+    pub slot_lease: Duration,
     /// Admin API protection.
     pub admin: AdminSettings,
     /// When to stop calling a failing Redis.

@@ -319,6 +319,16 @@ pub(crate) fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
     let mut rules = rules;
     rules.routes = routes.iter().map(|r| r.id.clone()).collect();
     let upstream = proxying::upstream(&mut c, &raw.upstream, &routes);
+    // Renewed every third of it: shorter would be a call per request.
+    let slot_lease = Duration::from_millis(
+        c.range(
+            "limits.slot_lease_ms",
+            raw.limits.slot_lease_ms,
+            300,
+            3_600_000,
+        )
+        .unwrap_or(10_000),
+    );
 
     if c.problems.is_empty() {
         Ok(Config {
@@ -328,6 +338,7 @@ pub(crate) fn validate(raw: RawConfig) -> Result<Config, Vec<Problem>> {
             rules,
             default_rule,
             shadow: raw.limits.shadow,
+            slot_lease,
             admin,
             breaker,
             fallback,

@@ -12,7 +12,7 @@ use std::num::NonZeroU32;
 
 use super::headers::RateLimitHeaders;
 use super::{ProxyState, Worker};
-use crate::bucket::Limiter;
+use crate::bucket::{Limiter, SlotHold};
 use crate::key::{RouteId, TenantId};
 use crate::rules::InForce;
 use crate::rules::model::Mode;
@@ -28,6 +28,9 @@ pub(super) struct Decided {
     pub(super) source: DecisionSource,
     /// The headers that report it.
     pub(super) headers: RateLimitHeaders,
+    /// The request's concurrency slots, when its limits hold any and it
+    /// was admitted: held until this is dropped.
+    pub(super) held: Option<SlotHold>,
 }
 
 impl Decided {
@@ -68,6 +71,7 @@ pub(super) async fn decide(
             shadowed,
             source: verdict.source,
             headers: RateLimitHeaders::new(route.as_str(), &verdict, shadowed),
+            held: None,
         }
     } else {
         let verdict = worker
@@ -81,6 +85,7 @@ pub(super) async fn decide(
             shadowed,
             source: verdict.source,
             headers: RateLimitHeaders::for_group(route.as_str(), &verdict, shadowed),
+            held: verdict.held,
         }
     }
 }
@@ -124,10 +129,14 @@ pub(super) async fn charge_now(
         shadowed: false,
         source: shown.source,
         headers: RateLimitHeaders::for_group(route.as_str(), &shown, false),
+        held: None,
     }
 }
 
-/// [`decide`] under the rules in force now for `tenant` on `route`.
+/// [`decide`] under the rules in force now for `tenant` on `route`, for
+/// a gateway that asks before a request and does not say when it ends
+/// (Envoy's rate limit service, the HTTP check): a concurrency slot it
+/// takes is held for one lease (`limits.slot_lease_ms`), then ends.
 pub(super) async fn decide_now(
     worker: &Worker,
     tenant: &TenantId,
@@ -139,5 +148,9 @@ pub(super) async fn decide_now(
         .rules
         .snapshot()
         .in_force(tenant.as_str(), route.as_str());
-    decide(worker, tenant, route, &in_force, cost).await
+    let mut decided = decide(worker, tenant, route, &in_force, cost).await;
+    if let Some(held) = decided.held.take() {
+        held.keep_until_lease_ends();
+    }
+    decided
 }

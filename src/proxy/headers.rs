@@ -310,6 +310,7 @@ mod tests {
                 part(true, 0, bucket, if allowed { d(9, 0) } else { d(0, 300) }),
             ],
             source: DecisionSource::Redis,
+            held: None,
         }
     }
 

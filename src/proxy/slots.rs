@@ -13,6 +13,10 @@
 //! `forward`), so abandoning requests frees nothing the upstream still
 //! works on.
 //!
+//! A request under a concurrency limit (`{ concurrent = N }`) keeps its
+//! cluster-wide slots ([`SlotHold`]) in its slot here, so they are given back
+//! at the same moment.
+//!
 //! Invariant: the map holds only tenants with an exchange in flight, so it
 //! is bounded by the worker's connections, never by the keys seen.
 
@@ -21,6 +25,7 @@ use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::rc::Rc;
 
+use crate::bucket::SlotHold;
 use crate::config::UpstreamSettings;
 use crate::key::TenantId;
 
@@ -67,6 +72,7 @@ impl Slots {
             slots: Rc::clone(self),
             tenant: tenant.clone(),
             defaulted: !has_rule,
+            held: None,
         })
     }
 
@@ -85,6 +91,17 @@ pub(super) struct Slot {
     tenant: TenantId,
     /// Whether it also counts in the default-rule group.
     defaulted: bool,
+    /// The request's slots of the cluster's concurrency limits, if any:
+    /// given back when this slot is.
+    held: Option<SlotHold>,
+}
+
+impl Slot {
+    /// Holds the request's cluster-wide concurrency slots (`held`) as
+    /// long as this one.
+    pub(super) fn keep(&mut self, held: Option<SlotHold>) {
+        self.held = held;
+    }
 }
 
 impl Drop for Slot {

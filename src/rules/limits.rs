@@ -1,6 +1,7 @@
 //! The kinds of limit a rule may hold, beside its first token bucket.
 //!
-//! Owns [`LimitKind`] (a token bucket, or a quota of requests per window)
+//! Owns [`LimitKind`] (a token bucket, a quota of requests per window, or
+//! a number of requests in flight at once)
 //! and [`Window`] (a calendar minute, hour, day or month, or a fixed
 //! window of any length, all on UTC boundaries), with the arithmetic the
 //! gateway needs of them: when a window ends, and how a window is named in
@@ -143,6 +144,11 @@ pub enum LimitKind {
         quota: NonZeroU32,
         /// The window.
         window: Window,
+    },
+    /// At most `slots` requests in flight at once, across the cluster.
+    Concurrent {
+        /// Requests in flight at most.
+        slots: NonZeroU32,
     },
 }
 

@@ -34,8 +34,9 @@ pub fn shard_count(value: i64) -> Option<NonZeroU32> {
 }
 
 /// One `[[rule.limit]]` (or one entry of an admin request's `limits`) as
-/// written: a bucket (`capacity` and `refill_per_second`) or a quota
-/// (`quota` with `window` or `window_seconds`).
+/// written: a bucket (`capacity` and `refill_per_second`), a quota
+/// (`quota` with `window` or `window_seconds`) or a concurrency limit
+/// (`concurrent`).
 /// The same shape in every source that states one (TOML, JSON).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -55,6 +56,9 @@ pub struct LimitSpec {
     /// A fixed window's length in seconds, for a quota.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub window_seconds: Option<i64>,
+    /// Requests in flight at once, for a concurrency limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub concurrent: Option<i64>,
 }
 
 impl From<LimitKind> for LimitSpec {
@@ -75,6 +79,10 @@ impl From<LimitKind> for LimitSpec {
                     Window::Seconds(s) => Some(i64::from(s.get())),
                     _ => None,
                 },
+                ..Self::default()
+            },
+            LimitKind::Concurrent { slots } => Self {
+                concurrent: Some(i64::from(slots.get())),
                 ..Self::default()
             },
         }
@@ -187,6 +195,7 @@ impl RuleSpec {
             }
         }
         let mut windows = Vec::new();
+        let mut concurrent = false;
         for spec in &self.limits {
             if let Some(kind) = limit_kind(&mut bad, spec) {
                 if let LimitKind::Quota { window, .. } = kind {
@@ -197,6 +206,15 @@ impl RuleSpec {
                         );
                     }
                     windows.push(window);
+                }
+                if let LimitKind::Concurrent { .. } = kind {
+                    if concurrent {
+                        bad(
+                            "limits.concurrent",
+                            "a rule holds at most one concurrency limit".into(),
+                        );
+                    }
+                    concurrent = true;
                 }
                 kinds.push(kind);
             }
@@ -211,13 +229,14 @@ impl RuleSpec {
             );
         }
         // The first bucket, when the rule starts with one; a rule of
-        // quotas first keeps every limit among its further ones.
+        // quotas (or a concurrency limit) first keeps every limit among
+        // its further ones.
         let first = match kinds.first() {
             Some(&LimitKind::Bucket {
                 capacity,
                 refill_per_second,
             }) => Some((true, capacity, refill_per_second, 1)),
-            Some(LimitKind::Quota { .. }) => Some((false, NonZeroU32::MIN, NonZeroU32::MIN, 0)),
+            Some(_) => Some((false, NonZeroU32::MIN, NonZeroU32::MIN, 0)),
             None => None,
         };
         let shards = number(
@@ -292,12 +311,23 @@ fn number(
     checked
 }
 
-/// Checks one further limit: exactly one of the two shapes.
+/// Checks one further limit: exactly one of the three shapes.
 fn limit_kind(bad: &mut impl FnMut(&'static str, String), spec: &LimitSpec) -> Option<LimitKind> {
     let bucket = spec.capacity.is_some() || spec.refill_per_second.is_some();
     let quota = spec.quota.is_some() || spec.window.is_some() || spec.window_seconds.is_some();
-    match (bucket, quota) {
-        (true, false) => {
+    let concurrent = spec.concurrent.is_some();
+    match (bucket, quota, concurrent) {
+        (false, false, true) => {
+            let slots = number(
+                bad,
+                "limits.concurrent",
+                spec.concurrent,
+                positive_i32,
+                I32_MAX,
+            );
+            Some(LimitKind::Concurrent { slots: slots? })
+        }
+        (true, false, false) => {
             let capacity = number(bad, "limits.capacity", spec.capacity, positive_i32, I32_MAX);
             let refill = number(
                 bad,
@@ -311,7 +341,7 @@ fn limit_kind(bad: &mut impl FnMut(&'static str, String), spec: &LimitSpec) -> O
                 refill_per_second: refill?,
             })
         }
-        (false, true) => {
+        (false, true, false) => {
             let quota = number(bad, "limits.quota", spec.quota, positive_i32, I32_MAX);
             let window = match (spec.window.as_deref(), spec.window_seconds) {
                 (Some(name), None) => Window::parse(name).or_else(|| {
@@ -345,7 +375,8 @@ fn limit_kind(bad: &mut impl FnMut(&'static str, String), spec: &LimitSpec) -> O
         _ => {
             bad(
                 "limits",
-                "a limit is either capacity and refill_per_second, or a quota with its window"
+                "a limit is either capacity and refill_per_second, a quota with its window, \
+                 or concurrent"
                     .into(),
             );
             None
@@ -518,6 +549,37 @@ mod tests {
             quota(2, "day"),
         ];
         assert_eq!(fields(twice, 1), ["limits.window"]);
+        let at_once = |n| LimitSpec {
+            concurrent: Some(n),
+            ..LimitSpec::default()
+        };
+        assert_eq!(fields(vec![at_once(0)], 1), ["limits.concurrent"]);
+        assert_eq!(
+            fields(vec![at_once(2), at_once(3)], 1),
+            ["limits.concurrent"]
+        );
+        let with_quota = LimitSpec {
+            concurrent: Some(2),
+            ..quota(5, "day")
+        };
+        assert_eq!(fields(vec![with_quota], 1), ["limits"]);
+    }
+
+    #[test]
+    fn a_concurrency_limit_reads_from_toml_and_travels_back() {
+        let spec: RuleSpec =
+            toml::from_str("tenant = \"acme\"\nroute = \"chat\"\n[[limit]]\nconcurrent = 4\n")
+                .unwrap();
+        let rule = spec.clone().validate().unwrap();
+        assert!(!rule.limit.bucket, "a concurrency limit is no first bucket");
+        let kinds: Vec<LimitKind> = rule.limits().collect();
+        assert_eq!(
+            kinds,
+            [LimitKind::Concurrent {
+                slots: NonZeroU32::new(4).unwrap()
+            }]
+        );
+        assert_eq!(RuleSpec::from(&rule).limits, spec.limits);
     }
 
     #[test]

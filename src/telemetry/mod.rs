@@ -42,6 +42,11 @@ pub const UPSTREAM_SECONDS: &str = "tollgate_upstream_duration_seconds";
 pub const USAGE_TOKENS_TOTAL: &str = "tollgate_usage_tokens_total";
 /// Rule reload attempts by result (counter).
 pub const RULE_RELOADS_TOTAL: &str = "tollgate_rule_reloads_total";
+/// Gauge: concurrency slots this gateway holds for requests in flight.
+pub const SLOTS_HELD: &str = "tollgate_slots_held";
+/// Counter: slot holds whose lease ran out while their request was still
+/// in flight (the gateway could not renew them in time).
+pub const SLOTS_LOST_TOTAL: &str = "tollgate_slots_lost_total";
 /// Explicit rules in the snapshot in force (gauge).
 pub const RULES: &str = "tollgate_rules";
 
@@ -197,6 +202,16 @@ fn describe() {
         "Rule reload attempts by result."
     );
     describe_gauge!(
+        SLOTS_HELD,
+        Unit::Count,
+        "Concurrency slots this gateway holds for requests in flight."
+    );
+    describe_counter!(
+        SLOTS_LOST_TOTAL,
+        Unit::Count,
+        "Slot holds whose lease ran out while their request was in flight."
+    );
+    describe_gauge!(
         RULES,
         Unit::Count,
         "Explicit rules in the snapshot in force."
@@ -282,6 +297,10 @@ pub struct Metrics {
     fallback: [Counter; 2],
     /// `tollgate_local_buckets`.
     local_buckets: Gauge,
+    /// `tollgate_slots_held`.
+    slots_held: Gauge,
+    /// `tollgate_slots_lost_total`.
+    slots_lost: Counter,
     /// `tollgate_rule_reloads_total{result}`: ok, error.
     rule_reloads: [Counter; 2],
     /// `tollgate_rules`.
@@ -322,6 +341,8 @@ impl Metrics {
             fallback: ["allowed", "rejected"]
                 .map(|o| metrics::counter!(FALLBACK_DECISIONS_TOTAL, "outcome" => o)),
             local_buckets: metrics::gauge!(LOCAL_BUCKETS),
+            slots_held: metrics::gauge!(SLOTS_HELD),
+            slots_lost: metrics::counter!(SLOTS_LOST_TOTAL),
             rule_reloads: ["ok", "error"]
                 .map(|r| metrics::counter!(RULE_RELOADS_TOTAL, "result" => r)),
             rules: metrics::gauge!(RULES),
@@ -367,6 +388,20 @@ impl Metrics {
     /// Counts a decision made by the local fallback.
     pub fn fallback(&self, allowed: bool) {
         self.fallback[usize::from(!allowed)].increment(1);
+    }
+
+    /// Counts a request's slots taken (`true`) or given back.
+    pub fn slots_held(&self, taken: bool) {
+        if taken {
+            self.slots_held.increment(1.0);
+        } else {
+            self.slots_held.decrement(1.0);
+        }
+    }
+
+    /// Counts a hold found lost when it was renewed.
+    pub fn slot_lost(&self) {
+        self.slots_lost.increment(1);
     }
 
     /// Sets the number of buckets the local limiter holds.

@@ -144,6 +144,11 @@ impl GatewayProcess {
     pub fn resume(&self) {
         self.child.resume();
     }
+
+    /// Kills the gateway (SIGKILL): nothing it holds is given back.
+    pub fn kill(&mut self) {
+        self.child.kill();
+    }
 }
 
 /// The proxy and admin ports of the `tollgate is serving.` log line, in

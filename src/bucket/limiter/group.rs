@@ -19,6 +19,7 @@ use super::super::decision::{Ask, BucketSpec, Decision, Grant, GroupGrant, Group
 use super::super::lease::Plan;
 use super::super::shard;
 use super::super::store::SharedStore;
+use super::slots::SlotHold;
 use super::{Limiter, LimiterCore, SlotGuard};
 use crate::key::{BucketKey, RouteId, TenantId, in_sub_group};
 use crate::redis_client::Topology;
@@ -50,6 +51,9 @@ pub struct GroupVerdict {
     pub limits: Vec<LimitVerdict>,
     /// Which limiter decided.
     pub source: DecisionSource,
+    /// The request's concurrency slots, when its limits hold any and it
+    /// was admitted: held until this guard (every clone) is dropped.
+    pub held: Option<SlotHold>,
 }
 
 impl GroupVerdict {
@@ -75,6 +79,7 @@ fn tightest(group: &[(String, GroupLimit)]) -> BucketSpec {
             GroupLimit::Quota { quota, window } => {
                 f64::from(quota.get()) / window.nominal_seconds() as f64
             }
+            GroupLimit::Slots { .. } => f64::INFINITY,
         })
         .fold(f64::INFINITY, f64::min);
     BucketSpec {
@@ -159,6 +164,10 @@ pub(super) fn limits_in_force(
                     BucketKey::further(tenant, scope, index, &window.script_code()),
                     GroupLimit::Quota { quota, window },
                 ),
+                LimitKind::Concurrent { slots } => (
+                    BucketKey::further(tenant, scope, index, "c"),
+                    GroupLimit::Slots { slots },
+                ),
             };
             let key = if index == 0 {
                 BucketKey::new(tenant, scope)
@@ -234,6 +243,7 @@ impl LimiterCore {
             allowed,
             limits,
             source,
+            held: None,
         }
     }
 }
@@ -252,6 +262,11 @@ impl<S: SharedStore> Limiter<S> {
         let core = &self.core;
         let started = core.clock.now_micros();
         let (group, parts) = limits_in_force(tenant, route, in_force, share);
+        if group.iter().any(|(_, limit)| limit.is_slots()) {
+            let (decisions, source, held) = self.take_slots(&group, cost).await;
+            let verdict = core.group_verdict(&group, decisions, parts, source, started);
+            return GroupVerdict { held, ..verdict };
+        }
         let exact =
             in_force.limit.exact || in_force.tenant_wide.as_ref().is_some_and(|(l, _)| l.exact);
         // A sharded rule (never beside a `*` rule) is decided in one of its

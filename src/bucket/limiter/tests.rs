@@ -488,3 +488,91 @@ async fn without_an_answer_from_redis_a_charge_is_taken_from_the_local_share() {
         "the local share is in debt"
     );
 }
+
+/// A rule of `limit` with `slots` concurrency slots beside it.
+fn with_slots(limit: Limit, slots: u32) -> crate::rules::InForce {
+    let at_once = crate::rules::LimitKind::Concurrent {
+        slots: NonZeroU32::new(slots).unwrap(),
+    };
+    crate::rules::InForce {
+        more: Some(Arc::from([at_once])),
+        ..with_quota(limit, 1)
+    }
+}
+
+/// Lets spawned tasks (slot renewals and releases) run.
+async fn settle() {
+    tokio::time::sleep(Duration::from_millis(1)).await;
+}
+
+#[actix_web::test]
+async fn slots_are_held_and_renewed_while_their_guard_lives_and_given_back_after() {
+    tokio::time::pause();
+    let s = setup();
+    let rule = with_slots(limit(1000, 1000), 2);
+    let first = check_group(&s, &rule).await;
+    let second = check_group(&s, &rule).await;
+    for v in [&first, &second] {
+        assert!(v.allowed && v.held.is_some(), "{v:?}");
+        assert_eq!(v.source, DecisionSource::Redis);
+    }
+    let full = check_group(&s, &rule).await;
+    assert!(!full.allowed && full.held.is_none(), "{full:?}");
+    assert_eq!(full.limits[1].decision.retry_after_ms, 1000);
+    // A minute is six leases: the holds are renewed, not lost.
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    assert!(!check_group(&s, &rule).await.allowed);
+    let renewals = |s: &Setup| {
+        s.store
+            .calls()
+            .iter()
+            .filter(|(_, ask)| ask.kind == crate::bucket::decision::AskKind::Renew)
+            .count()
+    };
+    assert!(renewals(&s) >= 2 * 17, "{} renewals", renewals(&s));
+    // A clone keeps them; the last one gives them back.
+    let copy = first.clone();
+    drop(first);
+    settle().await;
+    assert!(!check_group(&s, &rule).await.allowed);
+    drop(copy);
+    settle().await;
+    let again = check_group(&s, &rule).await;
+    assert!(again.allowed, "{again:?}");
+    // Detached, a hold is no longer renewed: it ends with its lease.
+    again.held.unwrap().keep_until_lease_ends();
+    settle().await;
+    let before = renewals(&s);
+    assert!(!check_group(&s, &rule).await.allowed);
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    // One renewal every 3.3 s: 3 or 4 in 11 s, as the phase falls.
+    let renewed = renewals(&s) - before;
+    assert!(
+        (3..=4).contains(&renewed),
+        "only the second hold renews: {renewed}"
+    );
+    assert!(check_group(&s, &rule).await.allowed);
+}
+
+#[actix_web::test]
+async fn without_redis_slots_are_held_locally_at_one_nth_and_given_back() {
+    tokio::time::pause();
+    let s = setup();
+    // Two live instances: one slot of two here.
+    let rule = with_slots(limit(1000, 1000), 2);
+    for _ in 0..4 {
+        s.store.fail_next(Fault::Dropped);
+    }
+    let held = check_group(&s, &rule).await;
+    assert_eq!((held.allowed, held.source), (true, DecisionSource::Local));
+    assert!(held.held.is_some());
+    let refused = check_group(&s, &rule).await;
+    assert_eq!(
+        (refused.allowed, refused.source),
+        (false, DecisionSource::Local)
+    );
+    drop(held);
+    settle().await;
+    let again = check_group(&s, &rule).await;
+    assert_eq!((again.allowed, again.source), (true, DecisionSource::Local));
+}

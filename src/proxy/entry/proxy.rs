@@ -113,7 +113,7 @@ async fn phases(
 
     let rules = state.rules.snapshot();
     let in_force = rules.in_force(tenant.as_str(), route.spec.id.as_str());
-    let Some(slot) = slots.acquire(&tenant, in_force.names_tenant()) else {
+    let Some(mut slot) = slots.acquire(&tenant, in_force.names_tenant()) else {
         count(Outcome::InFlightLimited);
         return early(req, ProxyError::TooManyInFlight).await;
     };
@@ -130,7 +130,10 @@ async fn phases(
         shadowed,
         source,
         headers,
+        held,
     } = decide(worker, &tenant, &route.spec.id, &in_force, cost).await;
+    // The cluster's concurrency slots last as long as the worker's.
+    slot.keep(held);
     if let Some(note) = note.as_deref_mut() {
         note.source = Some(source);
     }

@@ -340,7 +340,8 @@ fn status(route: &RouteId, decided: &Decided) -> DescriptorStatus {
 
 /// A limit in Envoy's terms: a token bucket as its refill per second
 /// (rounded, at least 1); a quota as its size per calendar unit, or per
-/// second when its window is a number of seconds that is no unit.
+/// second when its window is a number of seconds that is no unit; a
+/// concurrency limit as its slots, in no unit.
 fn per_unit(limit: GroupLimit) -> (u32, Unit) {
     match limit {
         GroupLimit::Bucket(spec) => {
@@ -358,5 +359,7 @@ fn per_unit(limit: GroupLimit) -> (u32, Unit) {
                 (rate.round().max(1.0) as u32, Unit::Second)
             }
         },
+        // Requests at once: no unit of time says it.
+        GroupLimit::Slots { slots } => (slots.get(), Unit::Unknown),
     }
 }

@@ -1,0 +1,206 @@
+//! Concurrency limits: slots held in the shared store while requests run.
+//!
+//! Owns [`Holders`] (a holder id per request, unique across the cluster)
+//! and [`SlotHold`], the guard of one request's slots. While a guard lives, a
+//! task renews its slots every third of the lease; when the last clone of
+//! it is dropped, the task gives them back. A gateway that dies stops
+//! renewing, and its slots come back when their lease runs out. Slots
+//! taken while Redis is away are held by the local limiter, at 1/N of
+//! each concurrency limit, and released the same way; a hold taken in
+//! Redis stays there whatever happens to Redis meanwhile (a renewal that
+//! cannot reach it is tried again at the next turn, and a hold found lost
+//! is counted).
+
+use std::hash::{BuildHasher, RandomState};
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::sync::oneshot;
+
+use super::{Limiter, LimiterCore};
+use crate::bucket::decision::{Ask, Decision, GroupGrant, GroupLimit, Holder};
+use crate::bucket::store::SharedStore;
+use crate::redis_client::RedisCallError;
+use crate::telemetry::DecisionSource;
+
+/// Hands out holder ids: this process's random half and a count.
+pub(super) struct Holders {
+    /// Random per process, so no two gateways share ids.
+    instance: u64,
+    /// The next count.
+    next: AtomicU64,
+    /// Each hold's lease.
+    lease_ms: u32,
+}
+
+impl Holders {
+    /// Holders whose slots last `lease` unless renewed.
+    pub(super) fn new(lease: Duration) -> Self {
+        Self {
+            instance: RandomState::new().hash_one(std::process::id()),
+            next: AtomicU64::new(0),
+            lease_ms: u32::try_from(lease.as_millis()).unwrap_or(u32::MAX).max(1),
+        }
+    }
+
+    /// A holder no other request of the cluster has.
+    pub(super) fn next(&self) -> Holder {
+        let count = self.next.fetch_add(1, Ordering::Relaxed);
+        Holder {
+            id: u128::from(self.instance) << 64 | u128::from(count),
+            lease_ms: self.lease_ms,
+        }
+    }
+}
+
+/// Where a request's slots are held.
+pub(super) enum Place<S> {
+    /// In the shared store.
+    Shared(S),
+    /// In this gateway's local limiter.
+    Local,
+}
+
+/// The guard of one request's concurrency slots: they are held, and
+/// renewed, until the last clone is dropped.
+#[derive(Clone)]
+pub struct SlotHold(Arc<oneshot::Sender<()>>);
+
+impl std::fmt::Debug for SlotHold {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SlotHold")
+    }
+}
+
+impl SlotHold {
+    /// Stops renewing the slots without giving them back: they end with
+    /// their lease. For a request whose end this gateway does not see.
+    pub fn keep_until_lease_ends(self) {
+        if let Ok(guard) = Arc::try_unwrap(self.0) {
+            let _ = guard.send(());
+        }
+    }
+}
+
+impl PartialEq for SlotHold {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+/// Holds `holder`'s slots of `group` (the request's concurrency limits,
+/// just taken at `place`) until the guard is dropped, renewing them every
+/// third of the lease.
+pub(super) fn hold<S: SharedStore>(
+    core: Arc<LimiterCore>,
+    place: Place<S>,
+    group: Vec<(String, GroupLimit)>,
+    holder: Holder,
+) -> SlotHold {
+    let (guard, mut dropped) = oneshot::channel::<()>();
+    let every = Duration::from_millis(u64::from(holder.lease_ms / 3).max(1));
+    core.metrics.slots_held(true);
+    actix_web::rt::spawn(async move {
+        // Some(true): detached; Some(false): dropped; None: lost.
+        let ended = loop {
+            tokio::select! {
+                end = &mut dropped => break Some(end.is_ok()),
+                () = tokio::time::sleep(every) => {
+                    match ask(&core, &place, &group, Ask::renew(holder)).await {
+                        Ok(grant) if grant.decisions.iter().any(|d| !d.allowed) => break None,
+                        Ok(_) => {}
+                        Err(e) => tracing::debug!(error = %e, "A slot renewal got no answer; trying again."),
+                    }
+                }
+            }
+        };
+        match ended {
+            Some(false) => {}
+            Some(true) => {
+                core.metrics.slots_held(false);
+                return;
+            }
+            None => {
+                core.metrics.slot_lost();
+                tracing::debug!("A concurrency slot's lease ran out before its request ended.");
+                // Its other slots (route and tenant-wide) are still held:
+                // they go back with the request, unless it is detached.
+                if dropped.await.is_ok() {
+                    core.metrics.slots_held(false);
+                    return;
+                }
+            }
+        }
+        if let Err(e) = ask(&core, &place, &group, Ask::release(holder)).await {
+            tracing::debug!(error = %e, "A slot release got no answer; its lease ends it.");
+        }
+        core.metrics.slots_held(false);
+    });
+    SlotHold(Arc::new(guard))
+}
+
+/// Asks `place` for `ask` on `group`.
+async fn ask<S: SharedStore>(
+    core: &LimiterCore,
+    place: &Place<S>,
+    group: &[(String, GroupLimit)],
+    ask: Ask,
+) -> Result<GroupGrant, RedisCallError> {
+    match place {
+        Place::Shared(store) => store.take_group(group, ask).await,
+        Place::Local => Ok(core.local.take_group(group, ask)),
+    }
+}
+
+impl<S: SharedStore> Limiter<S> {
+    /// Takes `cost` from the limits of `group`, which holds concurrency
+    /// limits, and a slot of each for a new holder, all or nothing, in one
+    /// call: never from a lease or the over-limit cache (a slot frees
+    /// whenever a request ends), never split into sub-groups. Redis away:
+    /// the local limiter at 1/N. The guard comes back when admitted.
+    pub(super) async fn take_slots(
+        &self,
+        group: &[(String, GroupLimit)],
+        cost: NonZeroU32,
+    ) -> (Vec<Decision>, DecisionSource, Option<SlotHold>) {
+        let core = &self.core;
+        let holder = core.holders.next();
+        let ask = Ask::single(cost.get()).held_by(holder);
+        let first = group.first().map_or("", |(key, _)| key.as_str());
+        let shared = match (&self.redis, &core.breaker) {
+            (Some(redis), Some(topology)) if topology.allows(first) => {
+                match redis.take_group(group, ask).await {
+                    Ok(grant) if grant.decisions.len() == group.len() => {
+                        Some((grant.decisions, Place::Shared(redis.clone())))
+                    }
+                    outcome => {
+                        if let Err(e) = outcome {
+                            tracing::debug!(error = %e, "No answer from Redis; deciding locally.");
+                        }
+                        None
+                    }
+                }
+            }
+            _ => None,
+        };
+        let (decisions, source, place) = match shared {
+            Some((decisions, place)) => (decisions, DecisionSource::Redis, place),
+            None if self.redis.is_some() => {
+                let (decisions, source) = self.group_fallback(group, ask);
+                (decisions, source, Place::Local)
+            }
+            None => (
+                core.local_group(group, ask),
+                DecisionSource::Local,
+                Place::Local,
+            ),
+        };
+        let held = decisions.iter().all(|d| d.allowed).then(|| {
+            let slots = group.iter().filter(|(_, l)| l.is_slots()).cloned();
+            hold(self.core.clone(), place, slots.collect(), holder)
+        });
+        (decisions, source, held)
+    }
+}

@@ -1,0 +1,126 @@
+//! Concurrency limits (`[[rule.limit]] concurrent = N`) through the proxy,
+//! against a real Redis and upstream: at most N requests of a tenant in
+//! flight across every gateway, each slot held until its answer has been
+//! read to the end, `429` with `Retry-After` while they are all held, and
+//! the slots of a gateway killed mid-request back within the lease.
+
+#![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use common::{Fleet, GatewayProcess, RawResponse, RedisServer, TempDir, Upstream, raw_http};
+use common::{GatewayConfig, metric};
+use redis::AsyncCommands;
+use tollgate::clock::{Clock, SystemClock};
+
+/// Three of acme's requests at once, and plenty of tokens.
+const RULES: &str = "[[rule]]\ntenant = \"acme\"\nroute = \"api\"\n\
+                     capacity = 1000\nrefill_per_second = 1000\n\
+                     [[rule.limit]]\nconcurrent = 3\n";
+
+/// The key holding acme's slots on route api.
+const SLOTS_KEY: &str = "rl2:{acme}:api#1c";
+
+/// `GET /slow?ms=<ms>` as acme through `addr`.
+fn slow(addr: SocketAddr, ms: u64) -> RawResponse {
+    raw_http(
+        addr,
+        &format!("GET /slow?ms={ms} HTTP/1.1\r\nHost: api\r\nX-Api-Key: acme\r\n"),
+    )
+}
+
+#[actix_web::test]
+async fn at_most_n_requests_are_in_flight_across_gateways_until_their_answers_end() {
+    let fleet = Fleet::start("concurrent", 2, RULES, |_, c, _| {
+        c.upstream_timeout_ms = 5_000;
+    });
+    let addrs: Vec<SocketAddr> = fleet.gateways.iter().map(|g| g.addr).collect();
+    // Eight at once, four through each gateway, each taking 1.5 s.
+    let calls: Vec<_> = (0..8)
+        .map(|i| {
+            let addr = addrs[i % 2];
+            std::thread::spawn(move || slow(addr, 1_500))
+        })
+        .collect();
+    let answers: Vec<RawResponse> = calls.into_iter().map(|c| c.join().unwrap()).collect();
+    let admitted = answers.iter().filter(|r| r.status == 200).count();
+    assert_eq!(admitted, 3, "{answers:?}");
+    for refused in answers.iter().filter(|r| r.status != 200) {
+        assert_eq!(refused.status, 429, "{refused:?}");
+        assert_eq!(refused.header("retry-after"), Some("1"));
+    }
+    assert_eq!(fleet.up.most_slow_at_once(), 3);
+    // Every slot came back with its answer: three more pass at once.
+    let calls: Vec<_> = (0..3)
+        .map(|i| {
+            let addr = addrs[i % 2];
+            std::thread::spawn(move || slow(addr, 300))
+        })
+        .collect();
+    for call in calls {
+        assert_eq!(call.join().unwrap().status, 200);
+    }
+    let mut redis = fleet.redis.conn().await;
+    let held: u64 = redis.zcard(SLOTS_KEY).await.unwrap();
+    assert_eq!(held, 0, "every slot given back");
+    for gw in &fleet.gateways {
+        assert_eq!(metric(gw, "tollgate_slots_held").await, Some(0.0));
+    }
+}
+
+/// A gateway process on `redis` and `up`, acme's slots leased for 1 s.
+fn process(name: &str, dir: &TempDir, redis: &RedisServer, up: &Upstream) -> GatewayProcess {
+    let mut config = GatewayConfig::new(&redis.url(), dir.0.join("rules.toml"), &up.url());
+    config.extra.push_str("[limits]\nslot_lease_ms = 1000\n");
+    config.upstream_timeout_ms = 60_000;
+    GatewayProcess::start(name, dir, &config.toml())
+}
+
+#[actix_web::test]
+async fn the_slots_of_a_killed_gateway_come_back_within_the_lease() {
+    let redis = RedisServer::start();
+    let up = Upstream::start();
+    let dir = TempDir::new("concurrent-kill");
+    dir.file(
+        "rules.toml",
+        &RULES.replace("concurrent = 3", "concurrent = 1"),
+    );
+    let mut doomed = process("doomed", &dir, &redis, &up);
+    let survivor = process("survivor", &dir, &redis, &up);
+    let at = |gw: &GatewayProcess| -> SocketAddr { ([127, 0, 0, 1], gw.proxy).into() };
+    let doomed_addr = at(&doomed);
+    let long = std::thread::spawn(move || {
+        // Cut off when its gateway dies: no answer to check.
+        std::panic::catch_unwind(|| slow(doomed_addr, 30_000)).ok()
+    });
+    let mut conn = redis.conn().await;
+    let mut tries = 0;
+    while conn.zcard::<_, u64>(SLOTS_KEY).await.unwrap() == 0 {
+        tries += 1;
+        assert!(tries < 100, "the long request never took acme's one slot");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Held past two leases: the doomed gateway renews it.
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    let refused = slow(at(&survivor), 10);
+    assert_eq!(refused.status, 429, "{refused:?}");
+    doomed.kill();
+    let clock = SystemClock::new();
+    let killed = clock.now_ms();
+    let mut back = None;
+    while clock.now_ms() - killed < 5_000 {
+        if slow(at(&survivor), 10).status == 200 {
+            back = Some(clock.now_ms() - killed);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let back = back.expect("the killed gateway's slot never came back");
+    // Within the lease (1 s) after its last renewal, a third of one before
+    // the kill at most.
+    assert!(back <= 1_400, "back after {back} ms");
+    let _ = long.join();
+}
