@@ -35,9 +35,10 @@
 -- ends (ms by Redis's clock); a member whose time has passed is dropped
 -- when the key is next read. A group holding slots names its holder and
 -- the hold's lease after its count: "1*n@<lease_ms>:<holder>" (the holder
--- in hex). A take admits only when every slot key has a free slot (or
--- the holder holds one already), and then holds one slot per key (one,
--- whatever the cost) for lease_ms; a charge leaves slots alone; the ask
+-- in hex). A take admits only when every slot key has a free slot and
+-- the holder holds none of them (a holder id used twice at once is
+-- refused, never shared), and then holds one slot per key (one, whatever
+-- the cost) for lease_ms; a charge leaves slots alone; the ask
 -- "r*n@..." gives the holder's slots back, and "n*n@..." holds them for
 -- another lease_ms (allowed 0 for a slot already lost). A slot key
 -- expires when no hold can remain (twice the lease after the last write).
@@ -407,7 +408,7 @@ for i = 1, #KEYS do
               return
             end
             if s.slots then
-              if s.tokens < 1 and not s.held then full = true end
+              if s.tokens < 1 or s.held then full = true end
             else
               if not avail or s.tokens < avail then avail = s.tokens end
               if not size or s.capacity < size then size = s.capacity end
@@ -439,11 +440,11 @@ for i = 1, #KEYS do
             local s = state[j]
             if s.slots then
               left[j] = s.tokens
-              if granted > 0 and not s.held then
+              if granted > 0 then
                 left[j] = s.tokens - 1
-              end
-              if granted > 0 and not hold(j) then
-                written = false
+                if not hold(j) then
+                  written = false
+                end
               end
             else
               left[j] = s.tokens - granted

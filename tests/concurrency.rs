@@ -2,7 +2,9 @@
 //! against a real Redis and upstream: at most N requests of a tenant in
 //! flight across every gateway, each slot held until its answer has been
 //! read to the end, `429` with `Retry-After` while they are all held, and
-//! the slots of a gateway killed mid-request back within the lease.
+//! the slots of a gateway killed mid-request back within the lease; and
+//! the check listener's slots, held for a named request until released,
+//! or for one lease.
 
 #![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
 
@@ -11,8 +13,9 @@ mod common;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use common::{Fleet, GatewayProcess, RawResponse, RedisServer, TempDir, Upstream, raw_http};
+use common::{Fleet, GatewayProcess, RawResponse, RedisServer, Stack, TempDir, Upstream};
 use common::{GatewayConfig, metric};
+use common::{raw_http, raw_http_with_body};
 use redis::AsyncCommands;
 use tollgate::clock::{Clock, SystemClock};
 
@@ -123,4 +126,63 @@ async fn the_slots_of_a_killed_gateway_come_back_within_the_lease() {
     // the kill at most.
     assert!(back <= 1_400, "back after {back} ms");
     let _ = long.join();
+}
+
+/// `POST <path>` on the check listener with `body`.
+fn post(check: SocketAddr, path: &str, body: &str) -> RawResponse {
+    raw_http_with_body(
+        check,
+        &format!(
+            "POST {path} HTTP/1.1\r\nHost: c\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
+            body.len()
+        ),
+        body,
+    )
+}
+
+/// A check for acme on route api, naming request `id` when given.
+fn check(addr: SocketAddr, id: Option<&str>) -> u16 {
+    let named = id.map_or(String::new(), |id| format!(r#", "request_id": "{id}""#));
+    post(
+        addr,
+        "/v1/check",
+        &format!(r#"{{"tenant": "acme", "route": "api"{named}}}"#),
+    )
+    .status
+}
+
+#[test]
+fn the_check_holds_a_slot_for_a_named_request_until_released_or_for_one_lease() {
+    let rules = RULES.replace("concurrent = 3", "concurrent = 2");
+    let s = Stack::start("concurrent-check", &rules, |c, _| {
+        c.extra
+            .push_str("[limits]\nslot_lease_ms = 600\n[check]\nlisten = \"127.0.0.1:0\"\n");
+    });
+    let addr = s.gw.check.unwrap();
+    assert_eq!(check(addr, Some("r1")), 200);
+    assert_eq!(check(addr, Some("r2")), 200);
+    assert_eq!(check(addr, Some("r3")), 429);
+    let release = |id: &str| {
+        post(
+            addr,
+            "/v1/release",
+            &format!(r#"{{"tenant": "acme", "route": "api", "request_id": "{id}"}}"#),
+        )
+    };
+    let res = release("r1");
+    assert_eq!(
+        (res.status, res.json()["released"].as_bool()),
+        (200, Some(true))
+    );
+    assert_eq!(check(addr, Some("r3")), 200);
+    // A release must name its request and takes no cost.
+    let res = post(addr, "/v1/release", r#"{"tenant": "acme", "route": "api"}"#);
+    assert_eq!(res.status, 400, "{}", res.body);
+    assert!(res.body.contains("request_id is required"), "{}", res.body);
+    // Slots nobody releases end with their lease.
+    assert_eq!(check(addr, None), 429);
+    std::thread::sleep(Duration::from_millis(700));
+    assert_eq!(check(addr, None), 200);
+    assert_eq!(check(addr, None), 200);
+    assert_eq!(check(addr, None), 429);
 }

@@ -3,8 +3,9 @@
 //! tollgate's rate limit service behind it: the limit, the headers on 200
 //! and 429, no key, a malformed key, two tollgate instances sharing one
 //! limit, Redis paused, tollgate unreachable (failing open and closed),
-//! tollgate frozen past Envoy's timeout, and usage charged when a stream
-//! is done (`apply_on_stream_done`, as `docs/integrations.md` shows it).
+//! tollgate frozen past Envoy's timeout, usage charged when a stream is
+//! done (`apply_on_stream_done`, as `docs/integrations.md` shows it), and
+//! a concurrency slot held until the stream is done.
 
 #![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
 
@@ -307,4 +308,85 @@ fn usage_reported_when_the_stream_is_done_is_charged_to_the_budget() {
         envoy.get("/v1/header?used=0", Some("acme")).status == 429
     });
     assert!(refused, "the debt refuses the next requests");
+}
+
+/// The rate limit filter's own rate limits for a concurrency limit: the
+/// take names its request (`x-request-id`, which Envoy makes for every
+/// request), and a release naming it when its stream is done, as
+/// `docs/integrations.md` shows them.
+const SLOT_RATE_LIMITS: &str = "              failure_mode_deny: false
+              rate_limits:
+              - actions:
+                - request_headers: { header_name: x-api-key, descriptor_key: api_key }
+                - generic_key: { descriptor_key: route, descriptor_value: api }
+                - request_headers: { header_name: x-request-id, descriptor_key: request_id }
+              - actions:
+                - request_headers: { header_name: x-api-key, descriptor_key: api_key }
+                - generic_key: { descriptor_key: route, descriptor_value: api }
+                - request_headers: { header_name: x-request-id, descriptor_key: request_id }
+                - generic_key: { descriptor_key: release, descriptor_value: \"true\" }
+                apply_on_stream_done: true
+";
+
+#[actix_web::test]
+async fn a_concurrency_slot_is_held_until_envoys_stream_is_done() {
+    let page = std::fs::read_to_string("docs/integrations.md").unwrap();
+    assert!(
+        page.contains(SLOT_RATE_LIMITS),
+        "docs/integrations.md shows the release as it is tested"
+    );
+    let redis = RedisServer::start();
+    let up = common::UsageUpstream::start();
+    let dir = TempDir::new("envoy-slots");
+    let rules = "[[rule]]\ntenant = \"acme\"\nroute = \"api\"\n[[rule.limit]]\nconcurrent = 2\n";
+    // A lease far longer than the test: only a release frees a slot.
+    let gw = tollgate_with("rls-slots", &dir, Some(&redis), &up.url(), rules);
+    let envoy = Envoy::start(&[gw.rls_addr()], &up.url(), |c| {
+        c.replace("              failure_mode_deny: false\n", SLOT_RATE_LIMITS)
+    });
+    let addr = envoy.0.addr;
+    // Two streams of five events 300 ms apart.
+    let streams: Vec<_> = (0..2)
+        .map(|_| {
+            std::thread::spawn(move || {
+                raw_http(
+                    addr,
+                    "GET /v1/stream?used=5&ms=300 HTTP/1.1\r\nHost: api\r\nX-Api-Key: acme\r\n",
+                )
+            })
+        })
+        .collect();
+    let mut conn = redis.conn().await;
+    let key = "rl2:{acme}:api#1c";
+    let mut tries = 0;
+    while redis::AsyncCommands::zcard::<_, u64>(&mut conn, key)
+        .await
+        .unwrap()
+        < 2
+    {
+        tries += 1;
+        assert!(tries < 100, "the two streams never held both slots");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let refused = envoy.get("/v1/header?used=1", Some("acme"));
+    assert_eq!(refused.status, 429, "{refused:?}");
+    for stream in streams {
+        let res = stream.join().unwrap();
+        assert_eq!(res.status, 200, "{res:?}");
+        assert!(res.body.contains("data: token 4"), "{}", res.body);
+    }
+    // Envoy releases each slot when its stream is done.
+    let mut tries = 0;
+    while redis::AsyncCommands::zcard::<_, u64>(&mut conn, key)
+        .await
+        .unwrap()
+        > 0
+    {
+        tries += 1;
+        assert!(tries < 100, "the slots were not released");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for _ in 0..3 {
+        assert_eq!(envoy.get("/v1/header?used=1", Some("acme")).status, 200);
+    }
 }

@@ -3,8 +3,9 @@
 //! Envoy itself would call it: limits shared by two gateways through real
 //! Redis, `hits_addend`, several descriptors in one request, malformed
 //! requests refused without taking anything, charges (usage reported
-//! after the fact, as Envoy's `apply_on_stream_done` sends it), and
-//! answers from the local fallback while Redis is paused.
+//! after the fact, as Envoy's `apply_on_stream_done` sends it),
+//! concurrency slots held for named requests and released, and answers
+//! from the local fallback while Redis is paused.
 
 #![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
 
@@ -25,7 +26,9 @@ use tonic::transport::Channel;
 /// (metrics are the test process's, so its series must be its own).
 const RULES: &str = "[[rule]]\ntenant = \"acme\"\nroute = \"api\"\ncapacity = 10\nrefill_per_second = 1\n\
                      [[rule]]\ntenant = \"charger\"\nroute = \"api\"\nname = \"Charger\"\n\
-                     capacity = 10\nrefill_per_second = 1\n";
+                     capacity = 10\nrefill_per_second = 1\n\
+                     [[rule]]\ntenant = \"slotted\"\nroute = \"api\"\n\
+                     [[rule.limit]]\nconcurrent = 2\n";
 
 /// A stack whose gateways serve RLS on a free port, with `domain` when
 /// given and Redis calls bounded by `redis_timeout_ms`.
@@ -226,6 +229,77 @@ async fn a_charge_is_taken_past_zero_and_never_answered_over_limit() {
     assert!(
         metrics.contains(series),
         "one request, four charges: {metrics}"
+    );
+}
+
+/// A descriptor of `slotted` on route api naming request `id`; a release
+/// of its slots when `release`.
+fn slotted(id: &str, release: bool) -> RateLimitDescriptor {
+    let mut d = descriptor("slotted", "api", None);
+    d.entries.push(Entry {
+        key: "request_id".into(),
+        value: id.into(),
+    });
+    if release {
+        d.entries.push(Entry {
+            key: "release".into(),
+            value: "true".into(),
+        });
+    }
+    d
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slots_are_held_for_named_requests_until_released_or_refused_together() {
+    let s = stack("rls-slots", "", 1000);
+    let mut c = client(&s.gw).await;
+    let mut code =
+        async |d: RateLimitDescriptor| ask(&mut c, request(vec![d], 0)).await.overall_code;
+    let (ok, over) = (Code::Ok as i32, Code::OverLimit as i32);
+    assert_eq!(code(slotted("a", false)).await, ok);
+    assert_eq!(code(slotted("b", false)).await, ok);
+    assert_eq!(code(slotted("c", false)).await, over, "two at once");
+    // Envoy's stream-done call for a: its slot is back.
+    assert_eq!(code(slotted("a", true)).await, ok);
+    assert_eq!(code(slotted("c", false)).await, ok);
+    assert_eq!(code(slotted("b", true)).await, ok);
+    // One descriptor over the limit refuses the request: the slot another
+    // descriptor took goes back. (acme's 10 tokens spent first.)
+    assert_eq!(code(descriptor("acme", "api", Some(10))).await, ok);
+    let res = ask(
+        &mut c,
+        request(
+            vec![slotted("d", false), descriptor("acme", "api", None)],
+            0,
+        ),
+    )
+    .await;
+    assert_eq!(res.overall_code, over);
+    let mut code =
+        async |d: RateLimitDescriptor| ask(&mut c, request(vec![d], 0)).await.overall_code;
+    let mut taken = false;
+    for _ in 0..50 {
+        if code(slotted("e", false)).await == ok {
+            taken = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert!(taken, "d's slot never came back");
+    assert_eq!(code(slotted("f", false)).await, over, "c and e hold both");
+    // A release names its request.
+    let mut nameless = descriptor("slotted", "api", None);
+    nameless.entries.push(Entry {
+        key: "release".into(),
+        value: "true".into(),
+    });
+    let err = c
+        .should_rate_limit(request(vec![nameless], 0))
+        .await
+        .unwrap_err();
+    assert!(
+        err.message().contains("a release names its request"),
+        "{err:?}"
     );
 }
 

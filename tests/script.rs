@@ -711,6 +711,9 @@ async fn slots_admit_as_many_holders_as_there_are_and_come_back_when_released() 
             .decisions;
         assert!(d[0].allowed && d[0].remaining == 1, "{d:?}");
     }
+    // One slot per holder: a holder id used twice at once is refused.
+    let twice = take(2).await.unwrap().decisions;
+    assert!(!twice[1].allowed && twice[1].remaining == 1, "{twice:?}");
     assert!(take(3).await.unwrap().decisions[1].allowed);
     // A charge leaves slots alone.
     let d = b

@@ -468,6 +468,6 @@ mod slots;
 
 pub use group::{GroupVerdict, LimitVerdict};
 use memory::GroupMemory;
-pub use slots::SlotHold;
+pub use slots::{SlotHold, holder_id};
 #[cfg(test)]
 mod tests;

@@ -154,8 +154,8 @@ impl LocalBuckets {
     /// for the last tokens of different limits may both pass, which the
     /// fallback's 1/N shares make small.
     ///
-    /// A concurrency limit admits when it has a slot free (or the ask's
-    /// holder holds one), and then holds one for the holder, whatever the
+    /// A concurrency limit admits when it has a slot free and the ask's
+    /// holder holds none, and then holds one for the holder, whatever the
     /// cost, until released or its lease ends unrenewed.
     ///
     /// A charge (or refund) is taken from every limit whatever it holds,
@@ -200,12 +200,13 @@ impl LocalBuckets {
                 }
             })
             .collect();
-        // Slots are not counted in tokens: each admits or not.
+        // Slots are not counted in tokens: each admits or not. A holder
+        // already holding one is refused: one slot per holder.
         let holds = |key: &str| self.slots.get(key, |s| s.of(ask.holder)).flatten();
         let full = group
             .iter()
             .zip(&held)
-            .any(|((key, limit), free)| limit.is_slots() && *free < 1.0 && holds(key).is_none());
+            .any(|((key, limit), free)| limit.is_slots() && (*free < 1.0 || holds(key).is_some()));
         let counted = || group.iter().zip(&held).filter(|((_, l), _)| !l.is_slots());
         let size = counted()
             .map(|((_, limit), _)| limit.size())
@@ -328,22 +329,15 @@ impl LocalBuckets {
             .collect()
     }
 
-    /// Holds a slot of `key` for `holder` (for its lease) unless it holds
-    /// one already; 1 when a slot was taken, else 0.
+    /// Holds a slot of `key` for `holder` (for its lease); 1 when a slot
+    /// was taken (a take without a holder holds none), else 0.
     fn hold(&self, key: &str, holder: Option<Holder>, now: u64) -> u64 {
         let Some(h) = holder else { return 0 };
         let ends = now + u64::from(h.lease_ms);
-        self.slots
-            .with(key, now, Seats::default, |seats| match seats.of(holder) {
-                Some(at) => {
-                    seats.holds[at].1 = ends;
-                    0
-                }
-                None => {
-                    seats.holds.push((h.id, ends));
-                    1
-                }
-            })
+        self.slots.with(key, now, Seats::default, |seats| {
+            seats.holds.push((h.id, ends));
+        });
+        1
     }
 
     /// Gives back (a release) or holds for another lease (a renewal) the

@@ -31,25 +31,38 @@ pub(super) fn rls(c: &mut Check, raw: &RawRls, server: &ServerSettings) -> Optio
         ("rls.tenant_key", &raw.tenant_key),
         ("rls.route_key", &raw.route_key),
         ("rls.charge_key", &raw.charge_key),
+        ("rls.request_id_key", &raw.request_id_key),
+        ("rls.release_key", &raw.release_key),
     ] {
         if value.is_empty() {
             c.bad(key, "must name a descriptor entry key");
         }
     }
-    if raw.tenant_key == raw.route_key {
-        c.bad("rls.route_key", "must differ from rls.tenant_key");
-    }
-    if raw.charge_key == raw.tenant_key || raw.charge_key == raw.route_key {
-        c.bad(
-            "rls.charge_key",
-            "must differ from rls.tenant_key and rls.route_key",
-        );
+    // Each entry key means one thing: each differs from those before it.
+    let keys = [
+        ("rls.tenant_key", &raw.tenant_key),
+        ("rls.route_key", &raw.route_key),
+        ("rls.charge_key", &raw.charge_key),
+        ("rls.request_id_key", &raw.request_id_key),
+        ("rls.release_key", &raw.release_key),
+    ];
+    for (i, (key, value)) in keys.iter().enumerate() {
+        let earlier: Vec<&str> = keys[..i]
+            .iter()
+            .filter(|(_, v)| v == value)
+            .map(|(k, _)| *k)
+            .collect();
+        if !earlier.is_empty() {
+            c.bad(*key, format!("must differ from {}", earlier.join(" and ")));
+        }
     }
     Some(RlsSettings {
         listen,
         tenant_key: raw.tenant_key.clone(),
         route_key: raw.route_key.clone(),
         charge_key: raw.charge_key.clone(),
+        request_id_key: raw.request_id_key.clone(),
+        release_key: raw.release_key.clone(),
         domain: Some(raw.domain.clone()).filter(|d| !d.is_empty()),
     })
 }

@@ -424,6 +424,8 @@ pub(crate) struct RawRls {
     pub(crate) tenant_key: String,
     pub(crate) route_key: String,
     pub(crate) charge_key: String,
+    pub(crate) request_id_key: String,
+    pub(crate) release_key: String,
     pub(crate) domain: String,
 }
 
@@ -434,6 +436,8 @@ impl Default for RawRls {
             tenant_key: "api_key".into(),
             route_key: "route".into(),
             charge_key: "charge".into(),
+            request_id_key: "request_id".into(),
+            release_key: "release".into(),
             domain: String::new(),
         }
     }

@@ -76,6 +76,12 @@ pub struct RlsSettings {
     /// The descriptor entry that, set to `true`, marks a charge: usage
     /// reported after the fact, taken whatever the limits hold.
     pub charge_key: String,
+    /// The descriptor entry whose value names the request (Envoy's
+    /// `x-request-id`): its concurrency slots are held for it.
+    pub request_id_key: String,
+    /// The descriptor entry that, set to `true`, marks a release: the
+    /// named request's concurrency slots given back.
+    pub release_key: String,
     /// The one domain served, when set; requests for another are refused.
     pub domain: Option<String>,
 }

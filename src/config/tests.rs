@@ -571,3 +571,24 @@ fn relative_paths_follow_the_config_file_unless_only_the_working_directory_has_t
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn descriptor_entry_keys_each_mean_one_thing_and_slot_leases_are_bounded() {
+    let config = load(MINIMAL, &BTreeMap::new()).unwrap();
+    assert_eq!(config.slot_lease, std::time::Duration::from_secs(10));
+    let clashing = format!(
+        "{MINIMAL}[rls]\nlisten = \"127.0.0.1:8081\"\nrequest_id_key = \"api_key\"\n\
+         release_key = \"charge\"\n[limits]\nslot_lease_ms = 100\n"
+    );
+    let found = problems(&clashing, &[]);
+    for expected in [
+        "rls.request_id_key: must differ from rls.tenant_key",
+        "rls.release_key: must differ from rls.charge_key",
+        "limits.slot_lease_ms",
+    ] {
+        assert!(
+            found.iter().any(|p| p.contains(expected)),
+            "{expected} not in {found:?}"
+        );
+    }
+}

@@ -12,6 +12,7 @@ use std::num::NonZeroU32;
 
 use super::headers::RateLimitHeaders;
 use super::{ProxyState, Worker};
+use crate::bucket::limiter::holder_id;
 use crate::bucket::{Limiter, SlotHold};
 use crate::key::{RouteId, TenantId};
 use crate::rules::InForce;
@@ -34,6 +35,16 @@ pub(super) struct Decided {
 }
 
 impl Decided {
+    /// Keeps the request's concurrency slots, if it took any, for one
+    /// lease (`limits.slot_lease_ms`) unless released before: for a
+    /// gateway that asks before a request and tells its end, if at all,
+    /// in a later call.
+    pub(super) fn keep_slots_for_lease(&mut self) {
+        if let Some(held) = self.held.take() {
+            held.keep_until_lease_ends();
+        }
+    }
+
     /// The outcome label of a decision that is the whole answer (nothing
     /// is forwarded after it).
     pub(super) fn outcome(&self) -> Outcome {
@@ -46,13 +57,15 @@ impl Decided {
 }
 
 /// Takes `cost` for `tenant` on `route` under `in_force` (the rules the
-/// caller looked up), through `worker`'s limiter.
+/// caller looked up), through `worker`'s limiter; a concurrency slot is
+/// held for `holder` (a fresh one when `None`).
 pub(super) async fn decide(
     worker: &Worker,
     tenant: &TenantId,
     route: &RouteId,
     in_force: &InForce,
     cost: NonZeroU32,
+    holder: Option<u128>,
 ) -> Decided {
     let state = &*worker.state;
     let share = state
@@ -76,7 +89,7 @@ pub(super) async fn decide(
     } else {
         let verdict = worker
             .limiter
-            .check_group(tenant, route, in_force, share, cost)
+            .check_group(tenant, route, in_force, share, cost, holder)
             .await;
         let refused = !verdict.allowed;
         let shadowed = refused && (state.shadow || verdict.refused_in_shadow_only());
@@ -134,23 +147,42 @@ pub(super) async fn charge_now(
 }
 
 /// [`decide`] under the rules in force now for `tenant` on `route`, for
-/// a gateway that asks before a request and does not say when it ends
-/// (Envoy's rate limit service, the HTTP check): a concurrency slot it
-/// takes is held for one lease (`limits.slot_lease_ms`), then ends.
+/// a gateway that asks before a request (Envoy's rate limit service, the
+/// HTTP check); a concurrency slot is held for the request named
+/// `request`, if it names itself, so that [`release_now`] can give it
+/// back. The caller keeps the slot ([`Decided::keep_slots_for_lease`]) or
+/// drops it at once.
 pub(super) async fn decide_now(
     worker: &Worker,
     tenant: &TenantId,
     route: &RouteId,
     cost: NonZeroU32,
+    request: Option<&str>,
 ) -> Decided {
     let in_force = worker
         .state
         .rules
         .snapshot()
         .in_force(tenant.as_str(), route.as_str());
-    let mut decided = decide(worker, tenant, route, &in_force, cost).await;
-    if let Some(held) = decided.held.take() {
-        held.keep_until_lease_ends();
-    }
-    decided
+    let holder = request.map(|r| holder_id(tenant, r));
+    decide(worker, tenant, route, &in_force, cost, holder).await
+}
+
+/// Gives back the concurrency slots that the request named `request`
+/// holds for `tenant` on `route`; whether the limits in force hold any.
+pub(super) async fn release_now(
+    worker: &Worker,
+    tenant: &TenantId,
+    route: &RouteId,
+    request: &str,
+) -> bool {
+    let in_force = worker
+        .state
+        .rules
+        .snapshot()
+        .in_force(tenant.as_str(), route.as_str());
+    worker
+        .limiter
+        .release_slots(tenant, route, &in_force, holder_id(tenant, request))
+        .await
 }

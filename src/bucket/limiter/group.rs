@@ -250,7 +250,9 @@ impl LimiterCore {
 
 impl<S: SharedStore> Limiter<S> {
     /// Takes `cost` from every limit in force for `tenant` on `route`
-    /// (this region's `share` of each), or from none when one refuses.
+    /// (this region's `share` of each), or from none when one refuses; a
+    /// concurrency limit's slot is held for `holder` (a fresh holder when
+    /// `None`; see [`Limiter::release_slots`]).
     pub async fn check_group(
         &self,
         tenant: &TenantId,
@@ -258,12 +260,13 @@ impl<S: SharedStore> Limiter<S> {
         in_force: &InForce,
         share: f64,
         cost: NonZeroU32,
+        holder: Option<u128>,
     ) -> GroupVerdict {
         let core = &self.core;
         let started = core.clock.now_micros();
         let (group, parts) = limits_in_force(tenant, route, in_force, share);
         if group.iter().any(|(_, limit)| limit.is_slots()) {
-            let (decisions, source, held) = self.take_slots(&group, cost).await;
+            let (decisions, source, held) = self.take_slots(&group, cost, holder).await;
             let verdict = core.group_verdict(&group, decisions, parts, source, started);
             return GroupVerdict { held, ..verdict };
         }

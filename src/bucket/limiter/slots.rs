@@ -19,10 +19,13 @@ use std::time::Duration;
 
 use tokio::sync::oneshot;
 
+use super::group::limits_in_force;
 use super::{Limiter, LimiterCore};
 use crate::bucket::decision::{Ask, Decision, GroupGrant, GroupLimit, Holder};
 use crate::bucket::store::SharedStore;
+use crate::key::{RouteId, TenantId};
 use crate::redis_client::RedisCallError;
+use crate::rules::InForce;
 use crate::telemetry::DecisionSource;
 
 /// Hands out holder ids: this process's random half and a count.
@@ -42,6 +45,14 @@ impl Holders {
             instance: RandomState::new().hash_one(std::process::id()),
             next: AtomicU64::new(0),
             lease_ms: u32::try_from(lease.as_millis()).unwrap_or(u32::MAX).max(1),
+        }
+    }
+
+    /// Holder `id`, named by the request (see [`holder_id`]).
+    pub(super) fn named(&self, id: u128) -> Holder {
+        Holder {
+            id,
+            lease_ms: self.lease_ms,
         }
     }
 
@@ -164,9 +175,13 @@ impl<S: SharedStore> Limiter<S> {
         &self,
         group: &[(String, GroupLimit)],
         cost: NonZeroU32,
+        holder: Option<u128>,
     ) -> (Vec<Decision>, DecisionSource, Option<SlotHold>) {
         let core = &self.core;
-        let holder = core.holders.next();
+        let holder = match holder {
+            Some(id) => core.holders.named(id),
+            None => core.holders.next(),
+        };
         let ask = Ask::single(cost.get()).held_by(holder);
         let first = group.first().map_or("", |(key, _)| key.as_str());
         let shared = match (&self.redis, &core.breaker) {
@@ -202,5 +217,50 @@ impl<S: SharedStore> Limiter<S> {
             hold(self.core.clone(), place, slots.collect(), holder)
         });
         (decisions, source, held)
+    }
+}
+
+/// The holder id of a request that names itself (Envoy's `x-request-id`,
+/// a check caller's `request_id`) for `tenant`: the same on every gateway
+/// and every build (FNV-1a, twice over, so 128 bits), so that the call
+/// that ends a request releases the slot the call that began it took.
+pub fn holder_id(tenant: &TenantId, request: &str) -> u128 {
+    let fnv = |seed: u64| {
+        let mut hash = seed;
+        for byte in tenant.as_str().bytes().chain([0]).chain(request.bytes()) {
+            hash ^= u64::from(byte);
+            hash = hash.wrapping_mul(0x0100_0000_01b3);
+        }
+        hash
+    };
+    u128::from(fnv(0xcbf2_9ce4_8422_2325)) << 64 | u128::from(fnv(0x84222325cbf29ce4))
+}
+
+impl<S: SharedStore> Limiter<S> {
+    /// Gives back the slots that holder `id` holds of the concurrency
+    /// limits in force for `tenant` on `route`, in Redis and in the local
+    /// limiter both (where it was taken is not known here; where it was
+    /// not, nothing changes). Whether the tenant's limits hold any.
+    pub async fn release_slots(
+        &self,
+        tenant: &TenantId,
+        route: &RouteId,
+        in_force: &InForce,
+        id: u128,
+    ) -> bool {
+        let (group, _) = limits_in_force(tenant, route, in_force, 1.0);
+        let slots: Vec<(String, GroupLimit)> =
+            group.into_iter().filter(|(_, l)| l.is_slots()).collect();
+        if slots.is_empty() {
+            return false;
+        }
+        let ask = Ask::release(self.core.holders.named(id));
+        self.core.local.take_group(&slots, ask);
+        if let Some(redis) = &self.redis
+            && let Err(e) = redis.take_group(&slots, ask).await
+        {
+            tracing::debug!(error = %e, "A slot release got no answer; its lease ends it.");
+        }
+        true
     }
 }

@@ -277,6 +277,7 @@ async fn check_group(s: &Setup, in_force: &crate::rules::InForce) -> super::Grou
             in_force,
             1.0,
             NonZeroU32::MIN,
+            None,
         )
         .await
 }

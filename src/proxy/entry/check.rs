@@ -1,10 +1,17 @@
 //! The HTTP check endpoint (`check.listen`): a decision and nothing
 //! forwarded, for gateways that ask before they proxy.
 //!
-//! Owns two forms of the same question:
-//! - `POST /v1/check`, JSON `{"tenant", "route", "cost"}` (cost defaults
-//!   to 1): 200 when allowed, 429 when refused, a JSON body with the
-//!   numbers and the rate-limit headers either way;
+//! Owns two forms of the same question, and the calls that follow one:
+//! - `POST /v1/check`, JSON `{"tenant", "route", "cost", "request_id"}`
+//!   (cost defaults to 1; request_id optional): 200 when allowed, 429
+//!   when refused, a JSON body with the numbers and the rate-limit headers
+//!   either way. A concurrency slot it takes is held for one lease
+//!   (`limits.slot_lease_ms`), or until `POST /v1/release` names its
+//!   request_id;
+//! - `POST /v1/release`, JSON `{"tenant", "route", "request_id"}`: gives
+//!   back the slots that request holds; 200 with `{"released": true}`
+//!   when the limits in force hold a concurrency limit (whether or not
+//!   the request still held its slot), else `false`;
 //! - `POST /v1/charge`, the same JSON with a required cost: usage
 //!   reported after the fact, taken whatever the limits hold (they may go
 //!   into debt; a negative cost gives tokens back); always 200, the same
@@ -34,7 +41,7 @@ use crate::key::TenantId;
 use crate::proxy::Worker;
 use crate::proxy::body::{ProxyBody, SmallBodyError, read_small};
 use crate::proxy::client::Client;
-use crate::proxy::decide::{Decided, charge_now, decide_now};
+use crate::proxy::decide::{Decided, charge_now, decide_now, release_now};
 use crate::proxy::early;
 use crate::proxy::error::{error_response, json_response};
 use crate::proxy::route::Route;
@@ -61,11 +68,13 @@ pub(super) async fn handle(
         (_, "/v1/auth") => auth(&req, worker).await,
         (&Method::POST, "/v1/check") => return check(req, client, worker).await,
         (&Method::POST, "/v1/charge") => return charge(req, client, worker).await,
+        (&Method::POST, "/v1/release") => return release(req, client, worker).await,
         (_, "/v1/check") => invalid(StatusCode::METHOD_NOT_ALLOWED, "POST /v1/check"),
         (_, "/v1/charge") => invalid(StatusCode::METHOD_NOT_ALLOWED, "POST /v1/charge"),
+        (_, "/v1/release") => invalid(StatusCode::METHOD_NOT_ALLOWED, "POST /v1/release"),
         _ => invalid(
             StatusCode::NOT_FOUND,
-            "served here: POST /v1/check, POST /v1/charge, /v1/auth",
+            "served here: POST /v1/check, POST /v1/charge, POST /v1/release, /v1/auth",
         ),
     };
     early::answer(req, response, linger).await
@@ -151,7 +160,8 @@ async fn auth(req: &Request<Incoming>, worker: &Worker) -> Response<ProxyBody> {
             return response;
         }
     };
-    let decided = decide_now(worker, &tenant, &route.spec.id, cost).await;
+    let mut decided = decide_now(worker, &tenant, &route.spec.id, cost, None).await;
+    decided.keep_slots_for_lease();
     state.requests.count(
         Entry::Check,
         Some(tenant.as_str()),
@@ -170,7 +180,8 @@ async fn auth(req: &Request<Incoming>, worker: &Worker) -> Response<ProxyBody> {
     response
 }
 
-/// The body of `POST /v1/check` and `POST /v1/charge`.
+/// The body of `POST /v1/check`, `POST /v1/charge` and `POST
+/// /v1/release`.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct CheckRequest {
@@ -182,9 +193,17 @@ struct CheckRequest {
     /// required; negative gives tokens back).
     #[serde(default)]
     cost: Option<i64>,
+    /// The request a check asks for, named so that a release can give
+    /// back its concurrency slots (required for a release).
+    #[serde(default)]
+    request_id: Option<String>,
 }
 
-/// A question of `POST /v1/check` or `POST /v1/charge`, checked.
+/// Longest `request_id`.
+const MAX_REQUEST_ID: usize = 256;
+
+/// A question of `POST /v1/check`, `/v1/charge` or `/v1/release`,
+/// checked.
 struct Question<'a> {
     /// Whose limit.
     tenant: TenantId,
@@ -192,6 +211,8 @@ struct Question<'a> {
     route: &'a Route,
     /// The cost as sent.
     cost: Option<i64>,
+    /// The request's name, as sent.
+    request_id: Option<String>,
 }
 
 /// Reads and checks the JSON body of `req` from `client`; the answer to
@@ -235,10 +256,17 @@ async fn question<'a>(
         .routes
         .named(&asked.route)
         .map_err(|message| invalid(StatusCode::BAD_REQUEST, &format!("route: {message}")))?;
+    if let Some(id) = &asked.request_id
+        && (id.is_empty() || id.len() > MAX_REQUEST_ID)
+    {
+        let message = format!("request_id must be 1 to {MAX_REQUEST_ID} bytes long");
+        return Err(invalid(StatusCode::BAD_REQUEST, &message));
+    }
     Ok(Question {
         tenant,
         route,
         cost: asked.cost,
+        request_id: asked.request_id,
     })
 }
 
@@ -252,7 +280,16 @@ async fn check(req: Request<Incoming>, client: &Client, worker: &Worker) -> Resp
         Ok(cost) => cost,
         Err(message) => return invalid(StatusCode::BAD_REQUEST, &message),
     };
-    let decided = decide_now(worker, &asked.tenant, &asked.route.spec.id, cost).await;
+    let route = &asked.route.spec.id;
+    let mut decided = decide_now(
+        worker,
+        &asked.tenant,
+        route,
+        cost,
+        asked.request_id.as_deref(),
+    )
+    .await;
+    decided.keep_slots_for_lease();
     let state = &*worker.state;
     state.requests.count(
         Entry::Check,
@@ -282,6 +319,26 @@ async fn charge(req: Request<Incoming>, client: &Client, worker: &Worker) -> Res
     };
     let (state, limiter) = (&worker.state, &worker.limiter);
     answer(&charge_now(state, limiter, &asked.tenant, &asked.route.spec.id, amount).await)
+}
+
+/// `POST /v1/release` from `client`: the named request's concurrency
+/// slots given back.
+async fn release(req: Request<Incoming>, client: &Client, worker: &Worker) -> Response<ProxyBody> {
+    let asked = match question(req, client, worker).await {
+        Ok(asked) => asked,
+        Err(response) => return response,
+    };
+    let Some(request) = asked.request_id.as_deref() else {
+        return invalid(
+            StatusCode::BAD_REQUEST,
+            "request_id is required for a release",
+        );
+    };
+    if asked.cost.is_some() {
+        return invalid(StatusCode::BAD_REQUEST, "a release takes no cost");
+    }
+    let released = release_now(worker, &asked.tenant, &asked.route.spec.id, request).await;
+    json_response(StatusCode::OK, &serde_json::json!({ "released": released }))
 }
 
 /// The answer to a question that `decided`.

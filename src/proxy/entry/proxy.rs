@@ -131,7 +131,7 @@ async fn phases(
         source,
         headers,
         held,
-    } = decide(worker, &tenant, &route.spec.id, &in_force, cost).await;
+    } = decide(worker, &tenant, &route.spec.id, &in_force, cost, None).await;
     // The cluster's concurrency slots last as long as the worker's.
     slot.keep(held);
     if let Some(note) = note.as_deref_mut() {

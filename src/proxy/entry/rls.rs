@@ -43,7 +43,7 @@ use crate::key::{RouteId, TenantId};
 use crate::proxy::Worker;
 use crate::proxy::body::ProxyBody;
 use crate::proxy::client::Client;
-use crate::proxy::decide::{Decided, charge_now, decide_now};
+use crate::proxy::decide::{Decided, charge_now, decide_now, release_now};
 use crate::proxy::headers::Binding;
 use crate::proxy::route::{Route, quoted};
 use crate::rules::Window;
@@ -54,6 +54,10 @@ const SHOULD_RATE_LIMIT: &str = "/envoy.service.ratelimit.v3.RateLimitService/Sh
 
 /// Most descriptors one request may carry.
 pub(super) const MAX_DESCRIPTORS: usize = 64;
+
+/// Longest request id a descriptor may name (Envoy's `x-request-id` is a
+/// 36-byte UUID).
+const MAX_REQUEST_ID: usize = 256;
 
 /// Answers one call on the RLS listener.
 pub(super) async fn handle(
@@ -107,16 +111,29 @@ fn refused_keys(worker: &Worker, asks: &[Ask<'_>]) -> RateLimitResponse {
     }
 }
 
+/// What one descriptor asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Asked {
+    /// A decision: these tokens taken, or refused.
+    Take(NonZeroU32),
+    /// A charge: these tokens taken whatever the limits hold (negative:
+    /// given back).
+    Charge(i64),
+    /// The named request's concurrency slots given back.
+    Release,
+}
+
 /// One descriptor, checked.
 struct Ask<'a> {
     /// Whose limit; `None` when the value is not a valid key.
     tenant: Option<TenantId>,
     /// On which configured route.
     route: &'a Route,
-    /// Tokens to take.
-    cost: NonZeroU32,
-    /// For a charge, the tokens charged (negative: given back).
-    charge: Option<i64>,
+    /// What it asks for.
+    asked: Asked,
+    /// The request it is about, when the descriptor names it
+    /// (`rls.request_id_key`): a take holds its concurrency slots for it.
+    request: Option<String>,
 }
 
 /// Every descriptor of `request` as a decision to take.
@@ -177,25 +194,52 @@ fn ask<'a>(
         .routes
         .named(value(&settings.route_key)?)
         .map_err(|e| format!("{:?}: {e}", settings.route_key))?;
-    let charged = match value(&settings.charge_key) {
-        Ok("true") => true,
-        Ok(other) => {
+    // An entry that may be absent, else must be "true".
+    let flag = |key: &str| match value(key) {
+        Ok("true") => Ok(true),
+        Ok(other) => Err(format!("{key:?} must be \"true\", found {}", quoted(other))),
+        Err(_) if descriptor.entries.iter().all(|e| e.key != key) => Ok(false),
+        Err(e) => Err(e),
+    };
+    let charged = flag(&settings.charge_key)?;
+    let request = match value(&settings.request_id_key) {
+        Ok(id) if id.is_empty() || id.len() > MAX_REQUEST_ID => {
             return Err(format!(
-                "{:?} must be \"true\", found {}",
-                settings.charge_key,
-                quoted(other)
+                "{:?} must be 1 to {MAX_REQUEST_ID} bytes long",
+                settings.request_id_key
             ));
         }
+        Ok(id) => Some(id.to_owned()),
         Err(_)
             if descriptor
                 .entries
                 .iter()
-                .all(|e| e.key != settings.charge_key) =>
+                .all(|e| e.key != settings.request_id_key) =>
         {
-            false
+            None
         }
         Err(e) => return Err(e),
     };
+    if flag(&settings.release_key)? {
+        if charged || descriptor.is_negative_hits {
+            return Err(format!(
+                "a release ({:?}) is neither a charge nor negative hits",
+                settings.release_key
+            ));
+        }
+        if request.is_none() {
+            return Err(format!(
+                "a release names its request (an entry {})",
+                quoted(&settings.request_id_key)
+            ));
+        }
+        return Ok(Ask {
+            tenant,
+            route,
+            asked: Asked::Release,
+            request,
+        });
+    }
     if charged {
         let hits = descriptor
             .hits_addend
@@ -208,12 +252,12 @@ fn ask<'a>(
         return Ok(Ask {
             tenant,
             route,
-            cost: NonZeroU32::MIN,
-            charge: Some(if descriptor.is_negative_hits {
+            asked: Asked::Charge(if descriptor.is_negative_hits {
                 -amount
             } else {
                 amount
             }),
+            request,
         });
     }
     if descriptor.is_negative_hits {
@@ -234,32 +278,50 @@ fn ask<'a>(
     Ok(Ask {
         tenant,
         route,
-        cost: NonZeroU32::new(cost).unwrap_or(NonZeroU32::MIN),
-        charge: None,
+        asked: Asked::Take(NonZeroU32::new(cost).unwrap_or(NonZeroU32::MIN)),
+        request,
     })
 }
 
 /// Decides every ask (each with a valid tenant), together.
 async fn answer(worker: &Worker, asks: &[Ask<'_>]) -> RateLimitResponse {
     let tenants: Vec<&TenantId> = asks.iter().filter_map(|a| a.tenant.as_ref()).collect();
-    let decisions =
+    let (state, limiter) = (&worker.state, &worker.limiter);
+    let mut decisions =
         futures_util::future::join_all(asks.iter().zip(&tenants).map(|(a, tenant)| async move {
             let route = &a.route.spec.id;
-            match a.charge {
-                Some(amount) => {
-                    charge_now(&worker.state, &worker.limiter, tenant, route, amount).await
+            let request = a.request.as_deref();
+            match a.asked {
+                Asked::Take(cost) => decide_now(worker, tenant, route, cost, request).await,
+                Asked::Charge(amount) => charge_now(state, limiter, tenant, route, amount).await,
+                Asked::Release => {
+                    if let Some(request) = request {
+                        release_now(worker, tenant, route, request).await;
+                    }
+                    // What is left, as a charge of nothing reads it.
+                    charge_now(state, limiter, tenant, route, 0).await
                 }
-                None => decide_now(worker, tenant, route, a.cost).await,
             }
         }))
         .await;
+    // Envoy refuses the whole request when one descriptor is over the
+    // limit: the slots the others took go back at once. Else they are
+    // held for one lease, or until a release names their request.
+    let over = decisions.iter().any(|d| d.refused);
+    for decided in &mut decisions {
+        if over {
+            decided.held = None;
+        } else {
+            decided.keep_slots_for_lease();
+        }
+    }
     let requests = &worker.state.requests;
-    // A charge reports usage of a request already counted.
+    // A charge or release reports on a request already counted.
     for ((a, tenant), decided) in asks
         .iter()
         .zip(&tenants)
         .zip(&decisions)
-        .filter(|((a, _), _)| a.charge.is_none())
+        .filter(|((a, _), _)| matches!(a.asked, Asked::Take(_)))
     {
         requests.count(
             Entry::Rls,
@@ -268,7 +330,6 @@ async fn answer(worker: &Worker, asks: &[Ask<'_>]) -> RateLimitResponse {
             decided.outcome(),
         );
     }
-    let over = decisions.iter().any(|d| d.refused);
     // The most restrictive: the refusal with the longest wait, else the
     // fewest requests left.
     let shown = if over {
