@@ -103,6 +103,14 @@ pub(super) async fn decide(
     }
 }
 
+/// The limits in force now for `tenant` on `route`.
+fn in_force_now(state: &ProxyState, tenant: &TenantId, route: &RouteId) -> InForce {
+    state
+        .rules
+        .snapshot()
+        .in_force(tenant.as_str(), route.as_str())
+}
+
 /// Charges `amount` (gives it back when negative) for `tenant` on `route`
 /// under the rules in force now, whatever the limits hold: usage reported
 /// after the fact. Never refused; the headers report what is left.
@@ -113,10 +121,7 @@ pub(super) async fn charge_now(
     route: &RouteId,
     amount: i64,
 ) -> Decided {
-    let in_force = state
-        .rules
-        .snapshot()
-        .in_force(tenant.as_str(), route.as_str());
+    let in_force = in_force_now(state, tenant, route);
     let share = state
         .shares
         .snapshot()
@@ -159,11 +164,7 @@ pub(super) async fn decide_now(
     cost: NonZeroU32,
     request: Option<&str>,
 ) -> Decided {
-    let in_force = worker
-        .state
-        .rules
-        .snapshot()
-        .in_force(tenant.as_str(), route.as_str());
+    let in_force = in_force_now(&worker.state, tenant, route);
     let holder = request.map(|r| holder_id(tenant, r));
     decide(worker, tenant, route, &in_force, cost, holder).await
 }
@@ -176,11 +177,7 @@ pub(super) async fn release_now(
     route: &RouteId,
     request: &str,
 ) -> bool {
-    let in_force = worker
-        .state
-        .rules
-        .snapshot()
-        .in_force(tenant.as_str(), route.as_str());
+    let in_force = in_force_now(&worker.state, tenant, route);
     worker
         .limiter
         .release_slots(tenant, route, &in_force, holder_id(tenant, request))
