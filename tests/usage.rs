@@ -139,6 +139,18 @@ fn an_answer_that_reports_nothing_or_breaks_off_keeps_its_reservation() {
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     assert!(answer.contains("data: token 4"), "{answer}");
     assert_eq!(left(check), 980);
+    // Both reservations expired unsettled, and are counted so. (Metrics
+    // are this process's: no other test leaves one unsettled.)
+    let series = "tollgate_usage_tokens_total{route=\"llm\",kind=\"expired\"} ";
+    let mut expired = 0.0;
+    let counted = wait_until(Duration::from_secs(5), || {
+        expired = common::metrics_text(&s.gw)
+            .lines()
+            .find_map(|l| l.strip_prefix(series)?.parse().ok())
+            .unwrap_or(0.0);
+        expired == 20.0
+    });
+    assert!(counted, "{expired} tokens counted as expired");
     // Well past the budget: the day's quota goes into debt, and the next
     // request waits for the window's end.
     get(addr, "header?used=5000", "");

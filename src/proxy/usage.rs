@@ -23,6 +23,7 @@ use super::decide::charge_now;
 use crate::bucket::Limiter;
 use crate::config::UsageSpec;
 use crate::key::{RouteId, TenantId};
+use crate::telemetry::UsageKind;
 
 /// The tokens a request on `usage`'s route reserves: its reservation
 /// header's whole number (at least 1, at most `max_reserve`) when the
@@ -65,8 +66,16 @@ fn whole(raw: &[u8]) -> Option<u64> {
     text.parse().ok()
 }
 
-/// What settling one request's usage needs, once its answer reports it.
+/// What settling one request's usage needs, once its answer reports it;
+/// dropped unsettled (no usage reported, an error, an abort), its
+/// reservation is counted as expired: kept as the request's cost.
 pub(in crate::proxy) struct Settlement {
+    /// What it settles with; `None` once settled.
+    parts: Option<Parts>,
+}
+
+/// The parts of a [`Settlement`].
+struct Parts {
     /// The worker's limiter.
     limiter: Limiter,
     /// The rules, shares and counters.
@@ -93,27 +102,49 @@ impl Settlement {
         reserved: NonZeroU32,
     ) -> Self {
         Self {
-            limiter: limiter.clone(),
-            state: Arc::clone(state),
-            tenant: tenant.clone(),
-            route: route.clone(),
-            header: header.clone(),
-            reserved,
+            parts: Some(Parts {
+                limiter: limiter.clone(),
+                state: Arc::clone(state),
+                tenant: tenant.clone(),
+                route: route.clone(),
+                header: header.clone(),
+                reserved,
+            }),
         }
     }
 
     /// Settles with the usage `headers` report (a response's head or its
     /// trailers); `self` back when they report none.
-    pub(in crate::proxy) fn settle_from(self, headers: &HeaderMap) -> Option<Self> {
-        match reported(headers, &self.header) {
-            Some(used) => {
-                self.settle(used);
+    pub(in crate::proxy) fn settle_from(mut self, headers: &HeaderMap) -> Option<Self> {
+        let used = self
+            .parts
+            .as_ref()
+            .and_then(|p| reported(headers, &p.header));
+        match (used, self.parts.take()) {
+            (Some(used), Some(parts)) => {
+                parts.settle(used);
                 None
             }
-            None => Some(self),
+            (_, parts) => {
+                self.parts = parts;
+                Some(self)
+            }
         }
     }
+}
 
+impl Drop for Settlement {
+    fn drop(&mut self) {
+        if let Some(parts) = &self.parts
+            && let Ok(route) = parts.state.routes.named(parts.route.as_str())
+        {
+            let reserved = u64::from(parts.reserved.get());
+            route.metrics.usage(UsageKind::Expired, reserved);
+        }
+    }
+}
+
+impl Parts {
     /// Charges `used` − the reservation (gives back the difference when
     /// less was used) in the background on this worker.
     fn settle(self, used: u64) {

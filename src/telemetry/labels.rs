@@ -92,11 +92,15 @@ pub enum UsageKind {
     Charged,
     /// Given back: a reservation not used up, or a negative charge.
     Refunded,
+    /// A reservation never settled (its answer reported no usage, failed
+    /// or was cut off): kept as the request's cost.
+    Expired,
 }
 
 impl UsageKind {
     /// Every kind, in label order.
-    pub(super) const ALL: [Self; 3] = [Self::Reserved, Self::Charged, Self::Refunded];
+    pub(super) const ALL: [Self; 4] =
+        [Self::Reserved, Self::Charged, Self::Refunded, Self::Expired];
 
     /// The `kind` label value.
     pub fn label(self) -> &'static str {
@@ -104,6 +108,7 @@ impl UsageKind {
             Self::Reserved => "reserved",
             Self::Charged => "charged",
             Self::Refunded => "refunded",
+            Self::Expired => "expired",
         }
     }
 }

@@ -107,7 +107,7 @@ pub struct RouteMetrics {
     upstream: Histogram,
     /// `tollgate_usage_tokens_total{route, kind}`, in [`UsageKind::ALL`]
     /// order.
-    usage: [Counter; 3],
+    usage: [Counter; 4],
 }
 
 impl RouteMetrics {

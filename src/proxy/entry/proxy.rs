@@ -149,6 +149,12 @@ async fn phases(
         return early::answer(req, rejected, &client.linger).await;
     }
 
+    // Dropped unsettled (an error, no usage reported), its reservation
+    // is counted as expired.
+    let settlement = route.spec.usage.as_ref().map(|usage| {
+        let limiter = &worker.limiter;
+        Settlement::new(limiter, state, &tenant, &route.spec.id, &usage.header, cost)
+    });
     let started = state.clock.now_micros();
     // A failed exchange may leave some of the body unread.
     let body_pending = req.version() != Version::HTTP_2 && !req.body().is_end_stream();
@@ -174,20 +180,10 @@ async fn phases(
     });
     match forwarded {
         Ok(mut response) => {
-            if let Some(usage) = &route.spec.usage {
-                let settlement = Settlement::new(
-                    &worker.limiter,
-                    state,
-                    &tenant,
-                    &route.spec.id,
-                    &usage.header,
-                    cost,
-                );
-                if let Some(unsettled) = settlement.settle_from(response.headers())
-                    && let ProxyBody::Streamed(body) = response.body_mut()
-                {
-                    body.settle_from_trailers(unsettled);
-                }
+            if let Some(unsettled) = settlement.and_then(|s| s.settle_from(response.headers()))
+                && let ProxyBody::Streamed(body) = response.body_mut()
+            {
+                body.settle_from_trailers(unsettled);
             }
             response
         }
