@@ -186,3 +186,38 @@ fn with_redis_gone_between_reservation_and_settlement_the_reservation_stands() {
     assert!(answered, "Redis answers again");
     assert!(matches!(shared, Some(990 | 950)), "{shared:?} left");
 }
+
+#[test]
+fn the_demo_chat_answer_is_settled_from_the_trailer_hyper_sends_when_asked() {
+    // The demo's upstream is hyper's server, which sends trailers only to
+    // a client that asks for them (TE: trailers): the gateway asks.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        actix_web::rt::System::new().block_on(tollgate::demo::upstream::serve(listener))
+    });
+    let s = Stack::start("usage-demo", RULES, |c, _| {
+        c.extra = format!(
+            "[[routes]]\nid = \"llm\"\npath_prefix = \"/v1/chat\"\n\
+             upstream = \"http://127.0.0.1:{port}\"\nusage_header = \"x-usage\"\nreserve = 10\n\
+             [check]\nlisten = \"127.0.0.1:0\"\n"
+        );
+    });
+    let (addr, check) = (s.gw.addr, s.gw.check.unwrap());
+    let res = raw_http(
+        addr,
+        "GET /v1/chat HTTP/1.1\r\nHost: api\r\nX-Api-Key: acme\r\n",
+    );
+    assert_eq!(res.status, 200, "{}", res.body);
+    assert_eq!(res.header("content-type"), Some("text/event-stream"));
+    // The last event says what the answer used, as the trailer does.
+    let used: u64 = res
+        .body
+        .rsplit("\"total_tokens\": ")
+        .next()
+        .and_then(|rest| rest.split('}').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no usage event: {}", res.body));
+    assert!((50..=500).contains(&used), "{used}");
+    settles_at(check, 1000 - used);
+}

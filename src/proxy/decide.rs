@@ -141,6 +141,8 @@ pub(super) async fn charge_now(
     // reported as a refusal would be, with the wait until the next
     // request could pass.
     let mut shown = verdict;
+    // A charge is about budgets: concurrency slots are not its to show.
+    shown.limits.retain(|l| !l.limit.is_slots());
     shown.allowed = shown.limits.iter().all(|l| l.decision.retry_after_ms == 0);
     Decided {
         refused: false,

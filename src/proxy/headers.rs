@@ -109,8 +109,14 @@ impl RateLimitHeaders {
                 [("q", l.limit.size()), ("w", l.limit.window_seconds())],
             );
         }
+        // Admitted, the binding limit is the one with the fewest left;
+        // a concurrency limit's free slots say nothing of what is left
+        // over time, so it binds only a rule of slots alone.
         let binding = if verdict.allowed {
-            verdict.limits.iter().min_by_key(|l| l.decision.remaining)
+            verdict
+                .limits
+                .iter()
+                .min_by_key(|l| (l.limit.is_slots(), l.decision.remaining))
         } else {
             verdict
                 .limits
@@ -325,6 +331,44 @@ mod tests {
         assert_eq!(get(&h, &X_RATELIMIT_LIMIT).as_deref(), Some("1000"));
         assert_eq!(get(&h, &X_RATELIMIT_REMAINING).as_deref(), Some("3"));
         assert_eq!(get(&h, &RETRY_AFTER), None);
+    }
+
+    #[test]
+    fn free_slots_bind_only_a_refusal_and_show_as_limits_at_once() {
+        let mut admitted = group(true);
+        let slots = GroupLimit::Slots {
+            slots: NonZeroU32::new(4).unwrap(),
+        };
+        let part = admitted.limits[0];
+        admitted.limits.push(LimitVerdict {
+            limit: slots,
+            index: 2,
+            decision: Decision {
+                allowed: true,
+                remaining: 1,
+                retry_after_ms: 0,
+            },
+            ..part
+        });
+        let h = RateLimitHeaders::for_group("search", &admitted, false);
+        let policy = get(&h, &RATELIMIT_POLICY).unwrap();
+        assert!(policy.ends_with(", \"search.2\";q=4;w=0"), "{policy}");
+        assert_eq!(get(&h, &RATELIMIT).as_deref(), Some("\"search.1\";r=3;t=0"));
+        let mut full = admitted;
+        full.allowed = false;
+        for l in &mut full.limits {
+            l.decision.allowed = false;
+            l.decision.retry_after_ms = 0;
+        }
+        let last = full.limits.len() - 1;
+        full.limits[last].decision = Decision {
+            allowed: false,
+            remaining: 0,
+            retry_after_ms: 1000,
+        };
+        let h = RateLimitHeaders::for_group("search", &full, false);
+        assert_eq!(get(&h, &RATELIMIT).as_deref(), Some("\"search.2\";r=0;t=1"));
+        assert_eq!(get(&h, &RETRY_AFTER).as_deref(), Some("1"));
     }
 
     #[test]

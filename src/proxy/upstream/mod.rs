@@ -327,7 +327,8 @@ impl Forwarder {
     /// The upstream request for `req`: same method; the route's base path
     /// followed by the normalised path and the query as sent; the
     /// upstream's `Host`, the end-to-end headers, the limited `X-Api-Key`
-    /// and `X-Forwarded-*`; the body read at the client read pace.
+    /// and `X-Forwarded-*`, and `TE: trailers` on a route that settles
+    /// usage; the body read at the client read pace.
     fn upstream_request(
         &self,
         req: Request<Incoming>,
@@ -347,6 +348,13 @@ impl Forwarder {
             authority.as_ref().map(|a| a.as_str()),
         );
         parts.headers.insert(hy::HOST, upstream.host.clone());
+        // A route that settles usage reads the answer's trailers: it says
+        // so, or servers that honour TE (hyper's, for one) send none.
+        if target.route.spec.usage.is_some() {
+            parts
+                .headers
+                .insert(hy::TE, hy::HeaderValue::from_static("trailers"));
+        }
         let (body, upload) = RequestBody::new(payload, self.client.read, self.clock.clone());
         (Request::from_parts(parts, body), upload)
     }

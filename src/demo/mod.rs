@@ -1,44 +1,17 @@
-//! The built-in demo upstream used by `tollgate demo`.
+//! `tollgate demo`: one gateway in front of a built-in upstream.
 //!
-//! Owns a tiny HTTP service that answers every request with a JSON echo of
-//! what it received, so a try-out needs nothing but the binary. It is not
+//! Owns the demo's configuration, its rules file when none is on disk,
+//! and the run: the upstream ([`upstream`]: an echo, and an LLM-like
+//! streaming endpoint that reports usage), the gateway, and the banner of
+//! `curl` lines to try, so a try-out needs nothing but the binary. Not
 //! used on the production path.
 
 use std::net::TcpListener;
 
-use actix_web::dev::Server;
-use actix_web::{App, HttpRequest, HttpResponse, HttpServer, web};
-use serde_json::json;
-
-/// Starts the echo upstream on `listener` with one worker.
-///
-/// # Errors
-/// When the listener cannot be used.
-pub fn upstream(listener: TcpListener) -> std::io::Result<Server> {
-    Ok(
-        HttpServer::new(|| App::new().default_service(web::to(echo)))
-            .workers(1)
-            .disable_signals()
-            .listen(listener)?
-            .run(),
-    )
-}
-
-/// Echoes method, path, query, tenant and body size.
-async fn echo(req: HttpRequest, body: web::Bytes) -> HttpResponse {
-    HttpResponse::Ok().json(json!({
-        "upstream": "tollgate demo",
-        "method": req.method().as_str(),
-        "path": req.path(),
-        "query": req.query_string(),
-        "tenant": req.headers().get("x-api-key").and_then(|v| v.to_str().ok()),
-        "forwarded_for": req.headers().get("x-forwarded-for").and_then(|v| v.to_str().ok()),
-        "body_bytes": body.len(),
-    }))
-}
+pub mod upstream;
 
 /// The demo's configuration, compiled in so `tollgate demo` works anywhere.
-pub const DEMO_CONFIG: &str = include_str!("../config/demo.toml");
+pub const DEMO_CONFIG: &str = include_str!("../../config/demo.toml");
 /// The rules file made when the configured one is not on disk: no rule,
 /// so every tenant gets the default rule, and a commented example to
 /// append to. The rules are read at run time only: editing them never
@@ -160,9 +133,7 @@ pub async fn run(mut config: crate::config::Config) -> anyhow::Result<()> {
         .context("the demo config has no routes")?;
     let upstream_listener = TcpListener::bind(&upstream_addr)
         .with_context(|| format!("cannot start the demo upstream on {upstream_addr}"))?;
-    let echo = upstream(upstream_listener)?;
-    let echo_handle = echo.handle();
-    actix_web::rt::spawn(echo);
+    let served = actix_web::rt::spawn(upstream::serve(upstream_listener));
 
     let listeners = crate::app::Listeners::bind(&config)?;
     let gw = listeners.proxy_addr()?;
@@ -177,7 +148,8 @@ pub async fn run(mut config: crate::config::Config) -> anyhow::Result<()> {
     );
     let check_line = listeners.check_addr().map_or_else(String::new, |a| {
         format!(
-            "  curl -s -X POST -d '{{\"tenant\":\"shop-a\",\"route\":\"create-order\"}}' http://{a}/v1/check   # the decision alone\n"
+            "  curl -s -X POST -d '{{\"tenant\":\"shop-a\",\"route\":\"create-order\"}}' http://{a}/v1/check   # the decision alone\n\
+             \x20 curl -s -X POST -d '{{\"tenant\":\"shop-a\",\"route\":\"chat\",\"cost\":0}}' http://{a}/v1/charge   # what is left of the token budget\n"
         )
     });
     println!(
@@ -185,7 +157,7 @@ pub async fn run(mut config: crate::config::Config) -> anyhow::Result<()> {
          =============\n\
          gateway  http://{gw}\n\
          admin    http://{admin}\n\
-         upstream http://{upstream_addr} (built-in echo)\n\
+         upstream http://{upstream_addr} (built-in: an echo, and an LLM-like stream at /v1/chat)\n\
          rls      {rls}\n\
          check    {check}\n\
          buckets  {redis_line}\n\
@@ -197,6 +169,9 @@ pub async fn run(mut config: crate::config::Config) -> anyhow::Result<()> {
          \x20 curl -i -H 'X-Api-Key: {{bad}}' http://{gw}/orders/42  # 400: malformed key\n\
          \x20 curl -si -H 'X-Api-Key: shop-c' http://{gw}/search | grep -i ratelimit  # a burst limit and a daily quota\n\
          {check_line}\
+         \x20 # An LLM-like API: shop-a's budget of 2,000 tokens drains by what each answer used, and refills at 50/s\n\
+         \x20 for i in $(seq 12); do curl -s -o /dev/null -w '%{{http_code}} ' -H 'X-Api-Key: shop-a' http://{gw}/v1/chat; done; echo\n\
+         \x20 for i in 1 2 3; do curl -s -o /dev/null -w '%{{http_code}} ' -H 'X-Api-Key: shop-a' http://{gw}/v1/chat & done; wait; echo  # two at once\n\
          \x20 curl -s http://{admin}/ready\n\
          \x20 curl -s http://{admin}/metrics | grep tollgate_requests_total\n\n\
          Edit the rules file and the change applies within seconds. Ctrl-C stops.\n",
@@ -208,7 +183,7 @@ pub async fn run(mut config: crate::config::Config) -> anyhow::Result<()> {
     );
 
     let result = crate::app::run(config, listeners, crate::app::shutdown_signal()).await;
-    echo_handle.stop(true).await;
+    served.abort();
     result
 }
 
