@@ -3,8 +3,10 @@
 //! `tests/fixtures/usage_upstream.py`): the reservation up front, usage
 //! from the answer's head or from the trailers of a chunked event stream,
 //! refunds, a reservation header, answers that report nothing or break
-//! off, a budget that goes into debt, and Redis failing between the
-//! reservation and the settlement.
+//! off, a budget that goes into debt, Redis failing between the
+//! reservation and the settlement, a client speaking HTTP/2, a gateway
+//! killed mid-answer, and hyper's server (the demo's upstream), which
+//! sends trailers only when asked.
 
 #![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
 
@@ -220,4 +222,55 @@ fn the_demo_chat_answer_is_settled_from_the_trailer_hyper_sends_when_asked() {
         .unwrap_or_else(|| panic!("no usage event: {}", res.body));
     assert!((50..=500).contains(&used), "{used}");
     settles_at(check, 1000 - used);
+}
+
+#[test]
+fn a_client_speaking_http2_is_settled_from_the_upstreams_trailers_too() {
+    let up = UsageUpstream::start();
+    let s = stack("usage-h2", &up);
+    let toml = s.config.toml().replacen(
+        "shutdown_timeout_seconds = 1\n",
+        "shutdown_timeout_seconds = 1\nh2c = true\n",
+        1,
+    );
+    let gw = common::Gateway::start_toml(&toml);
+    let check = gw.check.unwrap();
+    // curl over cleartext HTTP/2; the stream reports 40 in its trailers.
+    let (seen, body) = common::curl(
+        &["--http2-prior-knowledge", "-H", "X-Reserve: 5"],
+        &gw.url("/llm/stream?used=40"),
+    );
+    assert_eq!(seen, "2 200", "{body}");
+    assert!(body.contains("data: token 4"), "{body}");
+    settles_at(check, 960);
+}
+
+#[test]
+fn a_gateway_killed_mid_answer_costs_only_what_it_reserved() {
+    let up = UsageUpstream::start();
+    let s = stack("usage-kill", &up);
+    let check = s.gw.check.unwrap();
+    let toml = s
+        .config
+        .toml()
+        .replace(
+            "listen = \"127.0.0.1:0\"\nadmin_listen",
+            "listen = \"127.0.0.1:{proxy}\"\nadmin_listen",
+        )
+        .replace(
+            "admin_listen = \"127.0.0.1:0\"",
+            "admin_listen = \"127.0.0.1:{admin}\"",
+        );
+    let mut doomed = common::GatewayProcess::start("doomed", &s.dir, &toml);
+    let doomed_addr: SocketAddr = ([127, 0, 0, 1], doomed.proxy).into();
+    // Five events a second apart, reporting 300 at the end: the gateway
+    // dies after the reservation, before the trailers.
+    let streaming = std::thread::spawn(move || cut_short(doomed_addr, "stream?used=300&ms=1000"));
+    settles_at(check, 990);
+    doomed.kill();
+    let answer = streaming.join().unwrap();
+    assert!(!answer.contains("data: token 4"), "cut off: {answer}");
+    // Nothing settles later: the 10 reserved are what it cost.
+    std::thread::sleep(Duration::from_secs(5));
+    assert_eq!(left(check), 990);
 }
