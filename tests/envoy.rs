@@ -53,7 +53,15 @@ impl Envoy {
             "envoy",
             Duration::from_secs(20),
             |listen, dir| {
+                // Envoy binds with SO_REUSEPORT by default: two Envoys
+                // handed the same free port would share it, and a test
+                // would talk to another's. Without it, the second fails
+                // to start and is tried again on another port.
                 let config = shipped
+                    .replace(
+                        "    filter_chains:\n",
+                        "    enable_reuse_port: false\n    filter_chains:\n",
+                    )
                     .replace("port_value: 8000 }", &format!("port_value: {listen} }}"))
                     .replace("port_value: 9000 }", &format!("port_value: {api_port} }}"))
                     .replace(

@@ -4,7 +4,8 @@
 //! from the answer's head or from the trailers of a chunked event stream,
 //! refunds, a reservation header, answers that report nothing or break
 //! off, a budget that goes into debt, Redis failing between the
-//! reservation and the settlement, a client speaking HTTP/2, a gateway
+//! reservation and the settlement, a client that leaves mid-stream, a
+//! client speaking HTTP/2, a gateway
 //! killed mid-answer, and hyper's server (the demo's upstream), which
 //! sends trailers only when asked.
 
@@ -64,14 +65,19 @@ fn cut_short(addr: SocketAddr, what: &str) -> String {
 
 /// The answer to a charge of nothing for acme: what it has left.
 fn charge_nothing(check: SocketAddr) -> serde_json::Value {
-    let body = r#"{"tenant": "acme", "route": "llm", "cost": 0}"#;
+    charge_nothing_on(check, "llm")
+}
+
+/// The answer to a charge of nothing for acme on `route`.
+fn charge_nothing_on(check: SocketAddr, route: &str) -> serde_json::Value {
+    let body = format!(r#"{{"tenant": "acme", "route": "{route}", "cost": 0}}"#);
     let res = raw_http_with_body(
         check,
         &format!(
             "POST /v1/charge HTTP/1.1\r\nHost: c\r\nContent-Length: {}\r\n",
             body.len()
         ),
-        body,
+        &body,
     );
     res.json()
 }
@@ -273,4 +279,48 @@ fn a_gateway_killed_mid_answer_costs_only_what_it_reserved() {
     // Nothing settles later: the 10 reserved are what it cost.
     std::thread::sleep(Duration::from_secs(5));
     assert_eq!(left(check), 990);
+}
+
+#[test]
+fn a_client_that_leaves_mid_stream_keeps_the_reservation_charged() {
+    let up = UsageUpstream::start();
+    // A route of its own, so that its expired series is this test's.
+    let rules = RULES.replace("route = \"llm\"", "route = \"gone\"");
+    let port = up.port;
+    let s = Stack::start("usage-abort", &rules, |c, _| {
+        c.extra = format!(
+            "[[routes]]\nid = \"gone\"\npath_prefix = \"/llm\"\n\
+             upstream = \"http://127.0.0.1:{port}\"\nusage_header = \"x-usage\"\nreserve = 10\n\
+             [check]\nlisten = \"127.0.0.1:0\"\n"
+        );
+    });
+    let (addr, check) = (s.gw.addr, s.gw.check.unwrap());
+    // Five events 300 ms apart, 300 reported at the end; the client reads
+    // the first event and goes.
+    let mut stream = TcpStream::connect(addr).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    write!(
+        stream,
+        "GET /llm/stream?used=300&ms=300 HTTP/1.1\r\nHost: api\r\nX-Api-Key: acme\r\n\r\n"
+    )
+    .unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0; 4096];
+    while !String::from_utf8_lossy(&seen).contains("data: token 0") {
+        let n = stream.read(&mut buf).unwrap();
+        assert!(n > 0, "the stream ended early");
+        seen.extend_from_slice(&buf[..n]);
+    }
+    drop(stream);
+    // The answer would have ended 1.5 s in: the reservation stands, and
+    // it is counted as expired.
+    let series = "tollgate_usage_tokens_total{route=\"gone\",kind=\"expired\"} 10\n";
+    let counted = wait_until(Duration::from_secs(5), || {
+        common::metrics_text(&s.gw).contains(series)
+    });
+    assert!(counted, "the reservation expired unsettled");
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(charge_nothing_on(check, "gone")["remaining"], 990);
 }

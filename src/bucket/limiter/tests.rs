@@ -577,3 +577,42 @@ async fn without_redis_slots_are_held_locally_at_one_nth_and_given_back() {
     let again = check_group(&s, &rule).await;
     assert_eq!((again.allowed, again.source), (true, DecisionSource::Local));
 }
+
+#[actix_web::test]
+async fn a_tenant_wide_concurrency_limit_counts_every_route_together() {
+    tokio::time::pause();
+    let s = setup();
+    let mut wide = limit(1, 1);
+    wide.bucket = false;
+    let at_once = crate::rules::LimitKind::Concurrent {
+        slots: NonZeroU32::MIN,
+    };
+    let rule = crate::rules::InForce {
+        tenant_wide: Some((wide, Some(Arc::from([at_once])))),
+        ..with_quota(limit(1000, 1000), 1000)
+    };
+    let on = |route: &'static str| {
+        let rule = rule.clone();
+        let limiter = s.limiter.clone();
+        async move {
+            let (tenant, route) = (
+                TenantId::parse("t").unwrap(),
+                RouteId::parse(route).unwrap(),
+            );
+            limiter
+                .check_group(&tenant, &route, &rule, 1.0, NonZeroU32::MIN, None)
+                .await
+        }
+    };
+    let held = on("a").await;
+    assert!(held.allowed && held.held.is_some(), "{held:?}");
+    let other = on("b").await;
+    assert!(
+        !other.allowed,
+        "one request of the tenant at once: {other:?}"
+    );
+    assert!(other.limits.last().is_some_and(|l| l.tenant_wide));
+    drop(held);
+    settle().await;
+    assert!(on("b").await.allowed);
+}
