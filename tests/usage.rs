@@ -48,19 +48,26 @@ fn get(addr: SocketAddr, what: &str, extra: &str) -> RawResponse {
 /// `GET /llm/<what>` as acme, read as it comes until the connection ends
 /// (an answer cut short is no valid HTTP for `raw_http`).
 fn cut_short(addr: SocketAddr, what: &str) -> String {
+    let mut stream = send(addr, what, "Connection: close\r\n");
+    let mut raw = Vec::new();
+    // The gateway ends the connection with an error, or closes it.
+    let _ = stream.read_to_end(&mut raw);
+    String::from_utf8_lossy(&raw).into_owned()
+}
+
+/// A connection on which `GET /llm/<what>` was sent as acme, with
+/// `extra` header lines; reads time out after 10 s.
+fn send(addr: SocketAddr, what: &str, extra: &str) -> TcpStream {
     let mut stream = TcpStream::connect(addr).unwrap();
     stream
         .set_read_timeout(Some(Duration::from_secs(10)))
         .unwrap();
     write!(
         stream,
-        "GET /llm/{what} HTTP/1.1\r\nHost: api\r\nX-Api-Key: acme\r\nConnection: close\r\n\r\n"
+        "GET /llm/{what} HTTP/1.1\r\nHost: api\r\nX-Api-Key: acme\r\n{extra}\r\n"
     )
     .unwrap();
-    let mut raw = Vec::new();
-    // The gateway ends the connection with an error, or closes it.
-    let _ = stream.read_to_end(&mut raw);
-    String::from_utf8_lossy(&raw).into_owned()
+    stream
 }
 
 /// The answer to a charge of nothing for acme: what it has left.
@@ -256,18 +263,7 @@ fn a_gateway_killed_mid_answer_costs_only_what_it_reserved() {
     let up = UsageUpstream::start();
     let s = stack("usage-kill", &up);
     let check = s.gw.check.unwrap();
-    let toml = s
-        .config
-        .toml()
-        .replace(
-            "listen = \"127.0.0.1:0\"\nadmin_listen",
-            "listen = \"127.0.0.1:{proxy}\"\nadmin_listen",
-        )
-        .replace(
-            "admin_listen = \"127.0.0.1:0\"",
-            "admin_listen = \"127.0.0.1:{admin}\"",
-        );
-    let mut doomed = common::GatewayProcess::start("doomed", &s.dir, &toml);
+    let mut doomed = common::GatewayProcess::start("doomed", &s.dir, &s.config.toml());
     let doomed_addr: SocketAddr = ([127, 0, 0, 1], doomed.proxy).into();
     // Five events a second apart, reporting 300 at the end: the gateway
     // dies after the reservation, before the trailers.
@@ -297,15 +293,7 @@ fn a_client_that_leaves_mid_stream_keeps_the_reservation_charged() {
     let (addr, check) = (s.gw.addr, s.gw.check.unwrap());
     // Five events 300 ms apart, 300 reported at the end; the client reads
     // the first event and goes.
-    let mut stream = TcpStream::connect(addr).unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    write!(
-        stream,
-        "GET /llm/stream?used=300&ms=300 HTTP/1.1\r\nHost: api\r\nX-Api-Key: acme\r\n\r\n"
-    )
-    .unwrap();
+    let mut stream = send(addr, "stream?used=300&ms=300", "");
     let mut seen = Vec::new();
     let mut buf = [0; 4096];
     while !String::from_utf8_lossy(&seen).contains("data: token 0") {
