@@ -30,17 +30,16 @@
 -- always allowed.
 --
 -- Concurrency slots: a group's key may be a set of slots instead of a
--- bucket (ARGV[3i-2] the slots, ARGV[3i-1] "c"): a sorted set whose
--- members are the holders of a slot, each scored with the time its hold
--- ends (ms by Redis's clock); a member whose time has passed is dropped
--- when the key is next read. A group holding slots names its holder and
--- the hold's lease after its count: "1*n@<lease_ms>:<holder>" (the holder
--- in hex). A take admits only when every slot key has a free slot and
--- the holder holds none of them (a holder id used twice at once is
--- refused, never shared), and then holds one slot per key (one, whatever
--- the cost) for lease_ms; a charge leaves slots alone; the ask
--- "r*n@..." gives the holder's slots back, and "n*n@..." holds them for
--- another lease_ms (allowed 0 for a slot already lost). A slot key
+-- bucket (ARGV[3i-2] the slots, ARGV[3i-1] "c<lease_ms>:<holder>", the
+-- holder in hex): a sorted set whose members are the holders of a slot,
+-- each scored with the time its hold ends (ms by Redis's clock); a member
+-- whose time has passed is dropped when the key is next read. A take
+-- admits only when every slot key has a free slot and its holder holds
+-- none of them (a holder id used twice at once is refused, never
+-- shared), and then holds one slot per key (one, whatever the cost) for
+-- lease_ms; a charge leaves slots alone; the ask "r*n" gives the holders'
+-- slots back, and "n*n" holds them for another lease_ms (allowed 0 for a
+-- slot already lost). A slot key
 -- expires when no hold can remain (twice the lease after the last write).
 -- For a slot key, remaining is the free slots and retry_after_ms, when
 -- none is free, a fixed 1000: a slot frees when a request ends, which no
@@ -115,8 +114,6 @@ local reply = {}
 local n = 0
 -- Decides a group of keys (see the loop); made once a call meets one.
 local group
--- The latest group's slot holder and lease (ms), when it names them.
-local holder, lease_ms
 -- The last key of the latest group: a '-' ask after it belongs to no group.
 local group_end = 0
 
@@ -143,20 +140,12 @@ for i = 1, #KEYS do
       end
     else
       -- A group's first ask, or a lone charge (a group of one).
-      local head, count, tail = string.match(ask, '^([^*]+)%*(%d+)(.*)$')
+      local head, count = string.match(ask, '^([^*]+)%*(%d+)$')
       if not head then
-        head, count, tail = ask, 1, ''
+        head, count = ask, 1
       end
       count = tonumber(count)
       local gw, gm, gk, glease, gop
-      holder, lease_ms = nil, nil
-      if tail ~= '' then
-        local l, h = string.match(tail, '^@(%d+):(%x+)$')
-        holder, lease_ms = h, tonumber(l)
-        if not h or lease_ms < 1 then
-          count = nil
-        end
-      end
       if count and count >= 1 and i + count - 1 <= #KEYS then
         gw, gm, gk = string.match(head, '^(%d+):(%d+):(%d+)$')
         glease = gk ~= nil
@@ -265,19 +254,21 @@ for i = 1, #KEYS do
           if not capacity or capacity < 1 then
             return nil
           end
-          if ARGV[at - 1] == 'c' then
+          local lease, holder = string.match(ARGV[at - 1], '^c(%d+):(%x+)$')
+          if lease then
             -- Slots: drop the holds whose lease ran out, count the rest.
             local key = KEYS[j]
-            if type(redis.pcall('ZREMRANGEBYSCORE', key, '-inf', now_ms)) ~= 'number' then
+            lease = tonumber(lease)
+            if lease < 1 or type(redis.pcall('ZREMRANGEBYSCORE', key, '-inf', now_ms)) ~= 'number' then
               return nil
             end
             local used = redis.pcall('ZCARD', key)
             if type(used) ~= 'number' then
               return nil
             end
-            local held = holder and redis.pcall('ZSCORE', key, holder)
+            local held = redis.pcall('ZSCORE', key, holder)
             return {capacity = capacity, slots = true, tokens = capacity - used,
-              held = type(held) == 'string'}
+              holder = holder, lease = lease, held = type(held) == 'string'}
           end
           local rate = tonumber(ARGV[at - 1])
           local s = {capacity = capacity, rate = rate}
@@ -316,12 +307,12 @@ for i = 1, #KEYS do
           return not set.err
         end
 
-        -- Holds a slot of key j for the group's holder, for its lease;
+        -- Holds a slot of key j (state s) for its holder, for its lease;
         -- false when the write failed.
-        local function hold(j)
+        local function hold(j, s)
           local key = KEYS[j]
-          return type(redis.pcall('ZADD', key, now_ms + lease_ms, holder)) == 'number'
-            and type(redis.pcall('PEXPIRE', key, 2 * lease_ms)) == 'number'
+          return type(redis.pcall('ZADD', key, now_ms + s.lease, s.holder)) == 'number'
+            and type(redis.pcall('PEXPIRE', key, 2 * s.lease)) == 'number'
         end
 
         -- Answers every key of the group from first on, whose states are
@@ -376,12 +367,12 @@ for i = 1, #KEYS do
             left[j], kept[j] = s.tokens, true
             if s.slots and op == 'r' then
               if s.held then
-                written = type(redis.pcall('ZREM', KEYS[j], holder)) == 'number' and written
+                written = type(redis.pcall('ZREM', KEYS[j], s.holder)) == 'number' and written
                 left[j] = s.tokens + 1
               end
             elseif s.slots then
               kept[j] = s.held
-              if s.held and not hold(j) then
+              if s.held and not hold(j, s) then
                 written = false
               end
             end
@@ -401,7 +392,7 @@ for i = 1, #KEYS do
           local full = false
           for j = first, first + count - 1 do
             local s = limit_state(j)
-            if not s or (s.slots and not holder and op ~= 'c') then
+            if not s then
               for _ = first, first + count - 1 do
                 undecided(lease)
               end
@@ -442,7 +433,7 @@ for i = 1, #KEYS do
               left[j] = s.tokens
               if granted > 0 then
                 left[j] = s.tokens - 1
-                if not hold(j) then
+                if not hold(j, s) then
                   written = false
                 end
               end

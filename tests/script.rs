@@ -659,8 +659,14 @@ async fn a_charge_counts_on_every_limit_of_a_group_and_a_refund_stops_at_zero() 
     assert!(decide_group(&b, &group).await.iter().all(|d| d.allowed));
 }
 
-/// A bucket of `capacity` (1 token a second) and `slots` concurrency slots.
-fn bucket_and_slots(capacity: u32, slots: u32) -> Vec<(String, GroupLimit)> {
+/// A bucket of `capacity` (1 token a second) and `slots` concurrency
+/// slots, held by holder `id` for `lease_ms`.
+fn bucket_and_slots(
+    capacity: u32,
+    slots: u32,
+    id: u64,
+    lease_ms: u32,
+) -> Vec<(String, GroupLimit)> {
     vec![
         (
             "rl2:{s}:r".to_owned(),
@@ -670,22 +676,22 @@ fn bucket_and_slots(capacity: u32, slots: u32) -> Vec<(String, GroupLimit)> {
             "rl2:{s}:r#1c".to_owned(),
             GroupLimit::Slots {
                 slots: NonZeroU32::new(slots).unwrap(),
+                holder: Holder { id, lease_ms },
             },
         ),
     ]
-}
-
-/// Holder `id`, whose holds last `lease_ms`.
-fn holder(id: u128, lease_ms: u32) -> Holder {
-    Holder { id, lease_ms }
 }
 
 #[actix_web::test]
 async fn slots_admit_as_many_holders_as_there_are_and_come_back_when_released() {
     let (redis, b) = redis_and_bucket();
     let mut conn = redis.conn().await;
-    let group = bucket_and_slots(10, 2);
-    let take = |id| b.take_group(&group, Ask::single(3).held_by(holder(id, 60_000)));
+    let group = |id| bucket_and_slots(10, 2, id, 60_000);
+    let take = |id| {
+        let group = group(id);
+        let b = b.clone();
+        async move { b.take_group(&group, Ask::single(3)).await }
+    };
     for (id, free) in [(1, 1), (2, 0)] {
         let d = take(id).await.unwrap().decisions;
         assert!(d.iter().all(|d| d.allowed), "{d:?}");
@@ -702,10 +708,9 @@ async fn slots_admit_as_many_holders_as_there_are_and_come_back_when_released() 
     let ttl: i64 = conn.pttl("rl2:{s}:r#1c").await.unwrap();
     assert!(ttl > 60_000 && ttl <= 120_000, "{ttl}");
     // Releasing touches the slots only; a second release changes nothing.
-    let slots_only = &group[1..];
     for _ in 0..2 {
         let d = b
-            .take_group(slots_only, Ask::release(holder(1, 60_000)))
+            .take_group(&group(1)[1..], Ask::release())
             .await
             .unwrap()
             .decisions;
@@ -717,7 +722,7 @@ async fn slots_admit_as_many_holders_as_there_are_and_come_back_when_released() 
     assert!(take(3).await.unwrap().decisions[1].allowed);
     // A charge leaves slots alone.
     let d = b
-        .take_group(&group, Ask::charge(2))
+        .take_group(&group(4), Ask::charge(2))
         .await
         .unwrap()
         .decisions;
@@ -729,12 +734,11 @@ async fn slots_admit_as_many_holders_as_there_are_and_come_back_when_released() 
 #[actix_web::test]
 async fn an_unrenewed_hold_ends_with_its_lease_and_a_renewed_one_does_not() {
     let (_redis, b) = redis_and_bucket();
-    let group = bucket_and_slots(100, 2);
-    let slots_only = &group[1..];
     let lease = 300;
+    let group = |id| bucket_and_slots(100, 2, id, lease);
     for id in [10, 11] {
         let d = b
-            .take_group(&group, Ask::single(1).held_by(holder(id, lease)))
+            .take_group(&group(id), Ask::single(1))
             .await
             .unwrap()
             .decisions;
@@ -744,14 +748,14 @@ async fn an_unrenewed_hold_ends_with_its_lease_and_a_renewed_one_does_not() {
     for _ in 0..6 {
         tokio::time::sleep(Duration::from_millis(100)).await;
         let d = b
-            .take_group(slots_only, Ask::renew(holder(10, lease)))
+            .take_group(&group(10)[1..], Ask::renew())
             .await
             .unwrap()
             .decisions;
         assert!(d[0].allowed, "a renewed hold is kept: {d:?}");
     }
     let lost = b
-        .take_group(slots_only, Ask::renew(holder(11, lease)))
+        .take_group(&group(11)[1..], Ask::renew())
         .await
         .unwrap()
         .decisions;
@@ -761,21 +765,11 @@ async fn an_unrenewed_hold_ends_with_its_lease_and_a_renewed_one_does_not() {
     );
     assert_eq!(lost[0].remaining, 1);
     // Its slot is free for another; then the limit is full again.
-    let take = |id| b.take_group(&group, Ask::single(1).held_by(holder(id, lease)));
+    let take = |id| {
+        let group = group(id);
+        let b = b.clone();
+        async move { b.take_group(&group, Ask::single(1)).await }
+    };
     assert!(take(12).await.unwrap().decisions[1].allowed);
     assert!(!take(13).await.unwrap().decisions[1].allowed);
-}
-
-#[actix_web::test]
-async fn a_slot_group_without_a_holder_is_not_decided_and_takes_nothing() {
-    let (redis, b) = redis_and_bucket();
-    let mut conn = redis.conn().await;
-    let group = bucket_and_slots(5, 1);
-    let outcome = b.take_group(&group, Ask::single(1)).await;
-    assert!(
-        matches!(outcome, Err(RedisCallError::Refused)),
-        "{outcome:?}"
-    );
-    let exists: bool = conn.exists("rl2:{s}:r").await.unwrap();
-    assert!(!exists, "nothing written");
 }

@@ -88,11 +88,15 @@ pub enum GroupLimit {
         window: Window,
     },
     /// At most `slots` requests in flight at once: a take holds one slot
-    /// (whatever the cost) for the ask's [`Holder`] until it is released
-    /// or its lease runs out unrenewed; a charge leaves it alone.
+    /// (whatever the cost) for `holder` until it is released or its
+    /// lease runs out unrenewed; a charge leaves it alone. The holder
+    /// rides here, not in the [`Ask`], so that an ask stays small: it is
+    /// copied on every decision, slots or not.
     Slots {
         /// Requests in flight at most.
         slots: NonZeroU32,
+        /// Who holds (or gives back, or renews) a slot.
+        holder: Holder,
     },
 }
 
@@ -110,11 +114,12 @@ impl GroupLimit {
                     window,
                 }
             }
-            Self::Slots { slots } if share > 0.0 && share < 1.0 => {
+            Self::Slots { slots, holder } if share > 0.0 && share < 1.0 => {
                 // Saturating float-to-int cast of a finite, non-negative value.
                 let scaled = (f64::from(slots.get()) * share).floor() as u32;
                 Self::Slots {
                     slots: NonZeroU32::new(scaled).unwrap_or(NonZeroU32::MIN),
+                    holder,
                 }
             }
             whole @ (Self::Quota { .. } | Self::Slots { .. }) => whole,
@@ -130,8 +135,9 @@ impl GroupLimit {
                 quota: NonZeroU32::new(quota.get() / n.get()).unwrap_or(NonZeroU32::MIN),
                 window,
             },
-            Self::Slots { slots } => Self::Slots {
+            Self::Slots { slots, holder } => Self::Slots {
                 slots: NonZeroU32::new(slots.get() / n.get()).unwrap_or(NonZeroU32::MIN),
+                holder,
             },
         }
     }
@@ -142,7 +148,7 @@ impl GroupLimit {
         match self {
             Self::Bucket(spec) => u64::from(spec.capacity.get()),
             Self::Quota { quota, .. } => u64::from(quota.get()),
-            Self::Slots { slots } => u64::from(slots.get()),
+            Self::Slots { slots, .. } => u64::from(slots.get()),
         }
     }
 
@@ -159,6 +165,23 @@ impl GroupLimit {
     /// Whether it is a concurrency limit.
     pub fn is_slots(&self) -> bool {
         matches!(self, Self::Slots { .. })
+    }
+
+    /// The same limit, its slots (if it is a concurrency limit) held by
+    /// `holder`.
+    pub fn held_by(self, holder: Holder) -> Self {
+        match self {
+            Self::Slots { slots, .. } => Self::Slots { slots, holder },
+            other => other,
+        }
+    }
+
+    /// Who holds its slots, for a concurrency limit.
+    pub fn holder(&self) -> Option<Holder> {
+        match self {
+            Self::Slots { holder, .. } => Some(*holder),
+            _ => None,
+        }
     }
 }
 
@@ -210,10 +233,11 @@ pub enum AskKind {
 
 /// Who holds a request's concurrency slots, and how long a hold lasts
 /// unless renewed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct Holder {
-    /// Unique across the cluster: this process's random id and a count.
-    pub id: u128,
+    /// Unique among the holds alive in the cluster: a count mixed with
+    /// this process's random seed, or a hash of the request's own name.
+    pub id: u64,
     /// Milliseconds a slot is held after it was taken or last renewed.
     pub lease_ms: u32,
 }
@@ -230,8 +254,6 @@ pub struct Ask {
     pub need: u32,
     /// Whether it may be refused.
     pub kind: AskKind,
-    /// Who holds the concurrency slots it takes, releases or renews.
-    pub holder: Option<Holder>,
 }
 
 impl Ask {
@@ -248,31 +270,24 @@ impl Ask {
             min,
             need,
             kind: AskKind::Take,
-            holder: None,
         }
     }
 
-    /// This ask taking concurrency slots for `holder`.
-    pub fn held_by(self, holder: Holder) -> Self {
-        Self {
-            holder: Some(holder),
-            ..self
-        }
-    }
-
-    /// `holder`'s slots given back.
-    pub fn release(holder: Holder) -> Self {
+    /// The slots of a group's concurrency limits given back by their
+    /// holders.
+    pub fn release() -> Self {
         Self {
             kind: AskKind::Release,
-            ..Self::single(0).held_by(holder)
+            ..Self::single(0)
         }
     }
 
-    /// `holder`'s slots kept for another lease.
-    pub fn renew(holder: Holder) -> Self {
+    /// The slots of a group's concurrency limits kept by their holders
+    /// for another lease.
+    pub fn renew() -> Self {
         Self {
             kind: AskKind::Renew,
-            ..Self::single(0).held_by(holder)
+            ..Self::single(0)
         }
     }
 
@@ -289,7 +304,6 @@ impl Ask {
             } else {
                 AskKind::Charge
             },
-            holder: None,
         }
     }
 

@@ -64,7 +64,7 @@ const SLOT_WAIT_MS: u64 = 1000;
 #[derive(Debug, Clone, Default)]
 struct Seats {
     /// Holder id → end of its hold.
-    holds: Vec<(u128, u64)>,
+    holds: Vec<(u64, u64)>,
 }
 
 impl Seats {
@@ -75,8 +75,7 @@ impl Seats {
     }
 
     /// Where `holder`'s hold is, if it has one.
-    fn of(&self, holder: Option<Holder>) -> Option<usize> {
-        let holder = holder?;
+    fn of(&self, holder: Holder) -> Option<usize> {
         self.holds.iter().position(|(id, _)| *id == holder.id)
     }
 }
@@ -194,7 +193,7 @@ impl LocalBuckets {
                         .unwrap_or(0);
                     f64::from(quota.get()) - used as f64
                 }
-                GroupLimit::Slots { slots } => {
+                GroupLimit::Slots { slots, .. } => {
                     let used = self.slots.get(key, |s| s.live(now)).unwrap_or(0);
                     f64::from(slots.get()) - used as f64
                 }
@@ -202,11 +201,12 @@ impl LocalBuckets {
             .collect();
         // Slots are not counted in tokens: each admits or not. A holder
         // already holding one is refused: one slot per holder.
-        let holds = |key: &str| self.slots.get(key, |s| s.of(ask.holder)).flatten();
-        let full = group
-            .iter()
-            .zip(&held)
-            .any(|((key, limit), free)| limit.is_slots() && (*free < 1.0 || holds(key).is_some()));
+        let holds = |key: &str, h: Holder| self.slots.get(key, |s| s.of(h)).flatten();
+        let full = group.iter().zip(&held).any(|((key, limit), free)| {
+            limit
+                .holder()
+                .is_some_and(|h| *free < 1.0 || holds(key, h).is_some())
+        });
         let counted = || group.iter().zip(&held).filter(|((_, l), _)| !l.is_slots());
         let size = counted()
             .map(|((_, limit), _)| limit.size())
@@ -233,8 +233,9 @@ impl LocalBuckets {
             .zip(held)
             .map(|((key, limit), tokens)| {
                 let left = match limit {
-                    GroupLimit::Slots { .. } if granted > 0 => {
-                        tokens - self.hold(key, ask.holder, now) as f64
+                    GroupLimit::Slots { holder, .. } if granted > 0 => {
+                        self.hold(key, *holder, now);
+                        tokens - 1.0
                     }
                     GroupLimit::Slots { .. } => tokens,
                     _ => tokens - granted as f64,
@@ -329,48 +330,45 @@ impl LocalBuckets {
             .collect()
     }
 
-    /// Holds a slot of `key` for `holder` (for its lease); 1 when a slot
-    /// was taken (a take without a holder holds none), else 0.
-    fn hold(&self, key: &str, holder: Option<Holder>, now: u64) -> u64 {
-        let Some(h) = holder else { return 0 };
-        let ends = now + u64::from(h.lease_ms);
+    /// Holds a slot of `key` for `holder`, for its lease.
+    fn hold(&self, key: &str, holder: Holder, now: u64) {
+        let ends = now + u64::from(holder.lease_ms);
         self.slots.with(key, now, Seats::default, |seats| {
-            seats.holds.push((h.id, ends));
+            seats.holds.push((holder.id, ends));
         });
-        1
     }
 
     /// Gives back (a release) or holds for another lease (a renewal) the
-    /// ask's holder's slots in `group`, as the script does; buckets and
-    /// quotas stay as they are. A renewal is allowed where the holder
-    /// still holds its slot.
+    /// slots of `group`'s concurrency limits, each by its holder, as the
+    /// script does; buckets and quotas stay as they are. A renewal is
+    /// allowed where the holder still holds its slot.
     pub fn hold_group(&self, group: &[(String, GroupLimit)], ask: Ask) -> Vec<Decision> {
         let now = self.clock.now_ms();
         let release = ask.kind == AskKind::Release;
         group
             .iter()
             .map(|(key, limit)| {
-                if !limit.is_slots() {
+                let Some(holder) = limit.holder() else {
                     return Decision {
                         allowed: true,
                         remaining: limit.size(),
                         retry_after_ms: 0,
                     };
-                }
+                };
                 let kept = self
                     .slots
                     .get(key, |seats| {
                         seats.live(now);
-                        match (seats.of(ask.holder), ask.holder) {
-                            (Some(at), _) if release => {
+                        match seats.of(holder) {
+                            Some(at) if release => {
                                 seats.holds.swap_remove(at);
                                 true
                             }
-                            (Some(at), Some(h)) => {
-                                seats.holds[at].1 = now + u64::from(h.lease_ms);
+                            Some(at) => {
+                                seats.holds[at].1 = now + u64::from(holder.lease_ms);
                                 true
                             }
-                            _ => release,
+                            None => release,
                         }
                     })
                     .unwrap_or(release);

@@ -205,8 +205,12 @@ impl RedisBucket {
                             GroupLimit::Quota { quota, window } => {
                                 invocation.arg(quota.get()).arg(window.script_code());
                             }
-                            GroupLimit::Slots { slots } => {
-                                invocation.arg(slots.get()).arg("c");
+                            GroupLimit::Slots { slots, holder } => {
+                                invocation.arg(slots.get()).arg(format!(
+                                    "c{}:{:x}",
+                                    holder.lease_ms.max(1),
+                                    holder.id
+                                ));
                             }
                         }
                         if i > 0 {
@@ -264,8 +268,7 @@ impl RedisBucket {
 /// keys when given: a plain take as its cost (a bare number for a lone
 /// key, the common case), a lease as `want:min:need`, a charge as
 /// `c<n>`, a refund as `c-<n>`, a release as `r` and a renewal as `n`; a
-/// group's with `*<keys>` after it, and `@<lease_ms>:<holder>` after that
-/// when it names a slot holder.
+/// group's with `*<keys>` after it.
 fn arg_ask(invocation: &mut redis::ScriptInvocation<'_>, ask: Ask, keys: Option<usize>) {
     let head = match ask.kind {
         AskKind::Take if ask.is_lease() => format!("{}:{}:{}", ask.want, ask.min, ask.need),
@@ -281,14 +284,9 @@ fn arg_ask(invocation: &mut redis::ScriptInvocation<'_>, ask: Ask, keys: Option<
         AskKind::Release => "r".to_owned(),
         AskKind::Renew => "n".to_owned(),
     };
-    match (keys, ask.holder) {
-        (Some(keys), Some(holder)) => invocation.arg(format!(
-            "{head}*{keys}@{}:{:x}",
-            holder.lease_ms.max(1),
-            holder.id
-        )),
-        (Some(keys), None) => invocation.arg(format!("{head}*{keys}")),
-        (None, _) => invocation.arg(head),
+    match keys {
+        Some(keys) => invocation.arg(format!("{head}*{keys}")),
+        None => invocation.arg(head),
     };
 }
 

@@ -65,7 +65,7 @@ pub(super) async fn decide(
     route: &RouteId,
     in_force: &InForce,
     cost: NonZeroU32,
-    holder: Option<u128>,
+    holder: Option<u64>,
 ) -> Decided {
     let state = &*worker.state;
     let share = state

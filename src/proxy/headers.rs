@@ -338,6 +338,7 @@ mod tests {
         let mut admitted = group(true);
         let slots = GroupLimit::Slots {
             slots: NonZeroU32::new(4).unwrap(),
+            holder: crate::bucket::decision::Holder::default(),
         };
         let part = admitted.limits[0];
         admitted.limits.push(LimitVerdict {

@@ -15,7 +15,7 @@
 
 use std::num::NonZeroU32;
 
-use super::super::decision::{Ask, BucketSpec, Decision, Grant, GroupGrant, GroupLimit};
+use super::super::decision::{Ask, BucketSpec, Decision, Grant, GroupGrant, GroupLimit, Holder};
 use super::super::lease::Plan;
 use super::super::shard;
 use super::super::store::SharedStore;
@@ -164,9 +164,13 @@ pub(super) fn limits_in_force(
                     BucketKey::further(tenant, scope, index, &window.script_code()),
                     GroupLimit::Quota { quota, window },
                 ),
+                // Held by no one yet: a take names its holder.
                 LimitKind::Concurrent { slots } => (
                     BucketKey::further(tenant, scope, index, "c"),
-                    GroupLimit::Slots { slots },
+                    GroupLimit::Slots {
+                        slots,
+                        holder: Holder::default(),
+                    },
                 ),
             };
             let key = if index == 0 {
@@ -260,13 +264,13 @@ impl<S: SharedStore> Limiter<S> {
         in_force: &InForce,
         share: f64,
         cost: NonZeroU32,
-        holder: Option<u128>,
+        holder: Option<u64>,
     ) -> GroupVerdict {
         let core = &self.core;
         let started = core.clock.now_micros();
-        let (group, parts) = limits_in_force(tenant, route, in_force, share);
+        let (mut group, parts) = limits_in_force(tenant, route, in_force, share);
         if group.iter().any(|(_, limit)| limit.is_slots()) {
-            let (decisions, source, held) = self.take_slots(&group, cost, holder).await;
+            let (decisions, source, held) = self.take_slots(&mut group, cost, holder).await;
             let verdict = core.group_verdict(&group, decisions, parts, source, started);
             return GroupVerdict { held, ..verdict };
         }

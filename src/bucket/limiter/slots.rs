@@ -28,9 +28,9 @@ use crate::redis_client::RedisCallError;
 use crate::rules::InForce;
 use crate::telemetry::DecisionSource;
 
-/// Hands out holder ids: this process's random half and a count.
+/// Hands out holder ids: a count, mixed with this process's random seed.
 pub(super) struct Holders {
-    /// Random per process, so no two gateways share ids.
+    /// Random per process, so that two gateways' ids differ.
     instance: u64,
     /// The next count.
     next: AtomicU64,
@@ -49,18 +49,26 @@ impl Holders {
     }
 
     /// Holder `id`, named by the request (see [`holder_id`]).
-    pub(super) fn named(&self, id: u128) -> Holder {
+    pub(super) fn named(&self, id: u64) -> Holder {
         Holder {
             id,
             lease_ms: self.lease_ms,
         }
     }
 
-    /// A holder no other request of the cluster has.
+    /// A holder no other hold alive in the cluster has: a count mixed
+    /// by a bijection (splitmix64's finaliser) with this process's seed,
+    /// so that one process never repeats an id and two processes' ids
+    /// meet only by 64-bit chance.
     pub(super) fn next(&self) -> Holder {
         let count = self.next.fetch_add(1, Ordering::Relaxed);
+        let mut z = self
+            .instance
+            .wrapping_add(count.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
         Holder {
-            id: u128::from(self.instance) << 64 | u128::from(count),
+            id: z ^ (z >> 31),
             lease_ms: self.lease_ms,
         }
     }
@@ -101,17 +109,20 @@ impl PartialEq for SlotHold {
     }
 }
 
-/// Holds `holder`'s slots of `group` (the request's concurrency limits,
-/// just taken at `place`) until the guard is dropped, renewing them every
-/// third of the lease.
+/// Holds the slots of `group` (the request's concurrency limits, each
+/// naming its holder, just taken at `place`) until the guard is dropped,
+/// renewing them every third of the lease.
 pub(super) fn hold<S: SharedStore>(
     core: Arc<LimiterCore>,
     place: Place<S>,
     group: Vec<(String, GroupLimit)>,
-    holder: Holder,
 ) -> SlotHold {
     let (guard, mut dropped) = oneshot::channel::<()>();
-    let every = Duration::from_millis(u64::from(holder.lease_ms / 3).max(1));
+    let lease_ms = group
+        .iter()
+        .find_map(|(_, l)| l.holder())
+        .map_or(1, |h| h.lease_ms);
+    let every = Duration::from_millis(u64::from(lease_ms / 3).max(1));
     core.metrics.slots_held(true);
     actix_web::rt::spawn(async move {
         // Some(true): detached; Some(false): dropped; None: lost.
@@ -119,7 +130,7 @@ pub(super) fn hold<S: SharedStore>(
             tokio::select! {
                 end = &mut dropped => break Some(end.is_ok()),
                 () = tokio::time::sleep(every) => {
-                    match ask(&core, &place, &group, Ask::renew(holder)).await {
+                    match ask(&core, &place, &group, Ask::renew()).await {
                         Ok(grant) if grant.decisions.iter().any(|d| !d.allowed) => break None,
                         Ok(_) => {}
                         Err(e) => tracing::debug!(error = %e, "A slot renewal got no answer; trying again."),
@@ -144,7 +155,7 @@ pub(super) fn hold<S: SharedStore>(
                 }
             }
         }
-        if let Err(e) = ask(&core, &place, &group, Ask::release(holder)).await {
+        if let Err(e) = ask(&core, &place, &group, Ask::release()).await {
             tracing::debug!(error = %e, "A slot release got no answer; its lease ends it.");
         }
         core.metrics.slots_held(false);
@@ -173,16 +184,20 @@ impl<S: SharedStore> Limiter<S> {
     /// the local limiter at 1/N. The guard comes back when admitted.
     pub(super) async fn take_slots(
         &self,
-        group: &[(String, GroupLimit)],
+        group: &mut [(String, GroupLimit)],
         cost: NonZeroU32,
-        holder: Option<u128>,
+        holder: Option<u64>,
     ) -> (Vec<Decision>, DecisionSource, Option<SlotHold>) {
         let core = &self.core;
         let holder = match holder {
             Some(id) => core.holders.named(id),
             None => core.holders.next(),
         };
-        let ask = Ask::single(cost.get()).held_by(holder);
+        for (_, limit) in group.iter_mut() {
+            *limit = limit.held_by(holder);
+        }
+        let group = &*group;
+        let ask = Ask::single(cost.get());
         let first = group.first().map_or("", |(key, _)| key.as_str());
         let shared = match (&self.redis, &core.breaker) {
             (Some(redis), Some(topology)) if topology.allows(first) => {
@@ -214,7 +229,7 @@ impl<S: SharedStore> Limiter<S> {
         };
         let held = decisions.iter().all(|d| d.allowed).then(|| {
             let slots = group.iter().filter(|(_, l)| l.is_slots()).cloned();
-            hold(self.core.clone(), place, slots.collect(), holder)
+            hold(self.core.clone(), place, slots.collect())
         });
         (decisions, source, held)
     }
@@ -222,18 +237,15 @@ impl<S: SharedStore> Limiter<S> {
 
 /// The holder id of a request that names itself (Envoy's `x-request-id`,
 /// a check caller's `request_id`) for `tenant`: the same on every gateway
-/// and every build (FNV-1a, twice over, so 128 bits), so that the call
-/// that ends a request releases the slot the call that began it took.
-pub fn holder_id(tenant: &TenantId, request: &str) -> u128 {
-    let fnv = |seed: u64| {
-        let mut hash = seed;
-        for byte in tenant.as_str().bytes().chain([0]).chain(request.bytes()) {
-            hash ^= u64::from(byte);
-            hash = hash.wrapping_mul(0x0100_0000_01b3);
-        }
-        hash
-    };
-    u128::from(fnv(0xcbf2_9ce4_8422_2325)) << 64 | u128::from(fnv(0x84222325cbf29ce4))
+/// and every build (FNV-1a), so that the call that ends a request
+/// releases the slot the call that began it took.
+pub fn holder_id(tenant: &TenantId, request: &str) -> u64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in tenant.as_str().bytes().chain([0]).chain(request.bytes()) {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    hash
 }
 
 impl<S: SharedStore> Limiter<S> {
@@ -246,7 +258,7 @@ impl<S: SharedStore> Limiter<S> {
         tenant: &TenantId,
         route: &RouteId,
         in_force: &InForce,
-        id: u128,
+        id: u64,
     ) -> bool {
         let (group, _) = limits_in_force(tenant, route, in_force, 1.0);
         let slots: Vec<(String, GroupLimit)> =
@@ -254,7 +266,12 @@ impl<S: SharedStore> Limiter<S> {
         if slots.is_empty() {
             return false;
         }
-        let ask = Ask::release(self.core.holders.named(id));
+        let holder = self.core.holders.named(id);
+        let slots: Vec<(String, GroupLimit)> = slots
+            .into_iter()
+            .map(|(key, limit)| (key, limit.held_by(holder)))
+            .collect();
+        let ask = Ask::release();
         self.core.local.take_group(&slots, ask);
         if let Some(redis) = &self.redis
             && let Err(e) = redis.take_group(&slots, ask).await

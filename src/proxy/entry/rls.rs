@@ -421,6 +421,6 @@ fn per_unit(limit: GroupLimit) -> (u32, Unit) {
             }
         },
         // Requests at once: no unit of time says it.
-        GroupLimit::Slots { slots } => (slots.get(), Unit::Unknown),
+        GroupLimit::Slots { slots, .. } => (slots.get(), Unit::Unknown),
     }
 }
