@@ -13,7 +13,7 @@ use std::num::NonZeroU32;
 use super::headers::RateLimitHeaders;
 use super::{ProxyState, Worker};
 use crate::bucket::limiter::holder_id;
-use crate::bucket::{Limiter, SlotHold};
+use crate::bucket::{GroupVerdict, Limiter, SlotHold};
 use crate::key::{RouteId, TenantId};
 use crate::rules::InForce;
 use crate::rules::model::Mode;
@@ -137,18 +137,25 @@ pub(super) async fn charge_now(
         };
         configured.metrics.usage(kind, amount.unsigned_abs());
     }
-    // Never refused; but a limit left with nothing (or in debt) is
-    // reported as a refusal would be, with the wait until the next
-    // request could pass.
-    let mut shown = verdict;
-    // A charge is about budgets: concurrency slots are not its to show.
-    shown.limits.retain(|l| !l.limit.is_slots());
-    shown.allowed = shown.limits.iter().all(|l| l.decision.retry_after_ms == 0);
+    after_the_fact(route, verdict)
+}
+
+/// What a call after a request (a charge, a release) answers on `route`
+/// from its `verdict`: never refused, but a budget left with nothing (or
+/// in debt) is reported as a refusal would be, with the wait until the
+/// next request could pass. Such a call is about budgets: concurrency
+/// slots are not its to show.
+fn after_the_fact(route: &RouteId, mut verdict: GroupVerdict) -> Decided {
+    verdict.limits.retain(|l| !l.limit.is_slots());
+    verdict.allowed = verdict
+        .limits
+        .iter()
+        .all(|l| l.decision.retry_after_ms == 0);
     Decided {
         refused: false,
         shadowed: false,
-        source: shown.source,
-        headers: RateLimitHeaders::for_group(route.as_str(), &shown, false),
+        source: verdict.source,
+        headers: RateLimitHeaders::for_group(route.as_str(), &verdict, false),
         held: None,
     }
 }
@@ -172,16 +179,24 @@ pub(super) async fn decide_now(
 }
 
 /// Gives back the concurrency slots that the request named `request`
-/// holds for `tenant` on `route`; whether the limits in force hold any.
+/// holds for `tenant` on `route`, and reads what its budgets hold, in one
+/// call; the answer says whether the limits in force hold any slots.
 pub(super) async fn release_now(
     worker: &Worker,
     tenant: &TenantId,
     route: &RouteId,
     request: &str,
-) -> bool {
-    let in_force = in_force_now(&worker.state, tenant, route);
-    worker
+) -> (Decided, bool) {
+    let state = &worker.state;
+    let in_force = in_force_now(state, tenant, route);
+    let share = state
+        .shares
+        .snapshot()
+        .share_for(tenant.as_str(), route.as_str());
+    let verdict = worker
         .limiter
-        .release_slots(tenant, route, &in_force, holder_id(tenant, request))
-        .await
+        .release_slots(tenant, route, &in_force, share, holder_id(tenant, request))
+        .await;
+    let slotted = verdict.limits.iter().any(|l| l.limit.is_slots());
+    (after_the_fact(route, verdict), slotted)
 }

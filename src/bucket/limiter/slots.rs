@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use tokio::sync::oneshot;
 
-use super::group::limits_in_force;
+use super::group::{GroupVerdict, limits_in_force};
 use super::{Limiter, LimiterCore};
 use crate::bucket::decision::{Ask, Decision, GroupGrant, GroupLimit, Holder};
 use crate::bucket::store::SharedStore;
@@ -250,34 +250,45 @@ pub fn holder_id(tenant: &TenantId, request: &str) -> u64 {
 
 impl<S: SharedStore> Limiter<S> {
     /// Gives back the slots that holder `id` holds of the concurrency
-    /// limits in force for `tenant` on `route`, in Redis and in the local
-    /// limiter both (where it was taken is not known here; where it was
-    /// not, nothing changes). Whether the tenant's limits hold any.
+    /// limits in force for `tenant` on `route`, in one call that also
+    /// reads what the other limits (this region's `share` of each) hold:
+    /// the verdict of a request's end, as a charge of nothing would read
+    /// it. The slots go back in Redis and in the local limiter both
+    /// (where they were taken is not known here; where they were not,
+    /// nothing changes); the verdict is Redis's when it answers.
     pub async fn release_slots(
         &self,
         tenant: &TenantId,
         route: &RouteId,
         in_force: &InForce,
+        share: f64,
         id: u64,
-    ) -> bool {
-        let (group, _) = limits_in_force(tenant, route, in_force, 1.0);
-        let slots: Vec<(String, GroupLimit)> =
-            group.into_iter().filter(|(_, l)| l.is_slots()).collect();
-        if slots.is_empty() {
-            return false;
+    ) -> GroupVerdict {
+        let core = &self.core;
+        let started = core.clock.now_micros();
+        let (mut group, parts) = limits_in_force(tenant, route, in_force, share);
+        let holder = core.holders.named(id);
+        for (_, limit) in &mut group {
+            *limit = limit.held_by(holder);
         }
-        let holder = self.core.holders.named(id);
-        let slots: Vec<(String, GroupLimit)> = slots
-            .into_iter()
-            .map(|(key, limit)| (key, limit.held_by(holder)))
-            .collect();
         let ask = Ask::release();
-        self.core.local.take_group(&slots, ask);
-        if let Some(redis) = &self.redis
-            && let Err(e) = redis.take_group(&slots, ask).await
-        {
-            tracing::debug!(error = %e, "A slot release got no answer; its lease ends it.");
-        }
-        true
+        let local = core.local.take_group(&group, ask).decisions;
+        let shared = match &self.redis {
+            Some(redis) => match redis.take_group(&group, ask).await {
+                Ok(grant) if grant.decisions.len() == group.len() => Some(grant.decisions),
+                outcome => {
+                    if let Err(e) = outcome {
+                        tracing::debug!(error = %e, "A slot release got no answer; its lease ends it.");
+                    }
+                    None
+                }
+            },
+            None => None,
+        };
+        let (decisions, source) = match shared {
+            Some(decisions) => (decisions, DecisionSource::Redis),
+            None => (local, DecisionSource::Local),
+        };
+        core.group_verdict(&group, decisions, parts, source, started)
     }
 }

@@ -337,7 +337,7 @@ async fn release(req: Request<Incoming>, client: &Client, worker: &Worker) -> Re
     if asked.cost.is_some() {
         return invalid(StatusCode::BAD_REQUEST, "a release takes no cost");
     }
-    let released = release_now(worker, &asked.tenant, &asked.route.spec.id, request).await;
+    let (_, released) = release_now(worker, &asked.tenant, &asked.route.spec.id, request).await;
     json_response(StatusCode::OK, &serde_json::json!({ "released": released }))
 }
 

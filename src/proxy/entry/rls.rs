@@ -112,15 +112,16 @@ fn refused_keys(worker: &Worker, asks: &[Ask<'_>]) -> RateLimitResponse {
 }
 
 /// What one descriptor asks for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 enum Asked {
-    /// A decision: these tokens taken, or refused.
-    Take(NonZeroU32),
+    /// A decision: these tokens taken, or refused; a concurrency slot
+    /// held for the request it names (`rls.request_id_key`), if any.
+    Take(NonZeroU32, Option<String>),
     /// A charge: these tokens taken whatever the limits hold (negative:
     /// given back).
     Charge(i64),
-    /// The named request's concurrency slots given back.
-    Release,
+    /// The concurrency slots of the request it names given back.
+    Release(String),
 }
 
 /// One descriptor, checked.
@@ -131,9 +132,6 @@ struct Ask<'a> {
     route: &'a Route,
     /// What it asks for.
     asked: Asked,
-    /// The request it is about, when the descriptor names it
-    /// (`rls.request_id_key`): a take holds its concurrency slots for it.
-    request: Option<String>,
 }
 
 /// Every descriptor of `request` as a decision to take.
@@ -227,17 +225,16 @@ fn ask<'a>(
                 settings.release_key
             ));
         }
-        if request.is_none() {
+        let Some(request) = request else {
             return Err(format!(
                 "a release names its request (an entry {})",
                 quoted(&settings.request_id_key)
             ));
-        }
+        };
         return Ok(Ask {
             tenant,
             route,
-            asked: Asked::Release,
-            request,
+            asked: Asked::Release(request),
         });
     }
     if charged {
@@ -257,7 +254,6 @@ fn ask<'a>(
             } else {
                 amount
             }),
-            request,
         });
     }
     if descriptor.is_negative_hits {
@@ -278,8 +274,7 @@ fn ask<'a>(
     Ok(Ask {
         tenant,
         route,
-        asked: Asked::Take(NonZeroU32::new(cost).unwrap_or(NonZeroU32::MIN)),
-        request,
+        asked: Asked::Take(NonZeroU32::new(cost).unwrap_or(NonZeroU32::MIN), request),
     })
 }
 
@@ -290,17 +285,12 @@ async fn answer(worker: &Worker, asks: &[Ask<'_>]) -> RateLimitResponse {
     let mut decisions =
         futures_util::future::join_all(asks.iter().zip(&tenants).map(|(a, tenant)| async move {
             let route = &a.route.spec.id;
-            let request = a.request.as_deref();
-            match a.asked {
-                Asked::Take(cost) => decide_now(worker, tenant, route, cost, request).await,
-                Asked::Charge(amount) => charge_now(state, limiter, tenant, route, amount).await,
-                Asked::Release => {
-                    if let Some(request) = request {
-                        release_now(worker, tenant, route, request).await;
-                    }
-                    // What is left, as a charge of nothing reads it.
-                    charge_now(state, limiter, tenant, route, 0).await
+            match &a.asked {
+                Asked::Take(cost, request) => {
+                    decide_now(worker, tenant, route, *cost, request.as_deref()).await
                 }
+                Asked::Charge(amount) => charge_now(state, limiter, tenant, route, *amount).await,
+                Asked::Release(request) => release_now(worker, tenant, route, request).await.0,
             }
         }))
         .await;
@@ -321,7 +311,7 @@ async fn answer(worker: &Worker, asks: &[Ask<'_>]) -> RateLimitResponse {
         .iter()
         .zip(&tenants)
         .zip(&decisions)
-        .filter(|((a, _), _)| matches!(a.asked, Asked::Take(_)))
+        .filter(|((a, _), _)| matches!(a.asked, Asked::Take(..)))
     {
         requests.count(
             Entry::Rls,
