@@ -36,7 +36,7 @@ use hyper::header::{CACHE_CONTROL, HeaderName, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode};
 use serde::Deserialize;
 
-use super::identify_counted;
+use super::{identify_counted, request_id};
 use crate::key::TenantId;
 use crate::proxy::Worker;
 use crate::proxy::body::{ProxyBody, SmallBodyError, read_small};
@@ -199,9 +199,6 @@ struct CheckRequest {
     request_id: Option<String>,
 }
 
-/// Longest `request_id`.
-const MAX_REQUEST_ID: usize = 256;
-
 /// A question of `POST /v1/check`, `/v1/charge` or `/v1/release`,
 /// checked.
 struct Question<'a> {
@@ -256,11 +253,8 @@ async fn question<'a>(
         .routes
         .named(&asked.route)
         .map_err(|message| invalid(StatusCode::BAD_REQUEST, &format!("route: {message}")))?;
-    if let Some(id) = &asked.request_id
-        && (id.is_empty() || id.len() > MAX_REQUEST_ID)
-    {
-        let message = format!("request_id must be 1 to {MAX_REQUEST_ID} bytes long");
-        return Err(invalid(StatusCode::BAD_REQUEST, &message));
+    if let Some(id) = &asked.request_id {
+        request_id("request_id", id).map_err(|m| invalid(StatusCode::BAD_REQUEST, &m))?;
     }
     Ok(Question {
         tenant,

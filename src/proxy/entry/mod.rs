@@ -3,7 +3,8 @@
 //! service ([`rls`], over gRPC: [`grpc`]) and the HTTP check ([`check`]);
 //! each connection's requests are its listening socket's
 //! [`Entry`](crate::telemetry::Entry). Identifying the tenant (step 2 of
-//! each) is here, once.
+//! each) is here, once, and so is checking the name a gateway gives a
+//! request whose concurrency slot it will release later ([`request_id`]).
 
 mod check;
 mod grpc;
@@ -57,6 +58,23 @@ fn identify_counted(
 /// Reads and validates the tenant: exactly one `X-Api-Key` header holding
 /// one key, and no other spelling of the header name (`X_Api_Key`, which
 /// CGI-style servers read as the same header).
+/// Longest request id (Envoy's `x-request-id` is a 36-byte UUID).
+const MAX_REQUEST_ID: usize = 256;
+
+/// A request id as a gateway names it (RLS's `rls.request_id_key`
+/// entry, the check's `request_id`): 1 to [`MAX_REQUEST_ID`] bytes.
+///
+/// # Errors
+/// What is wrong, naming the field `field`.
+fn request_id<'a>(field: &str, id: &'a str) -> Result<&'a str, String> {
+    if id.is_empty() || id.len() > MAX_REQUEST_ID {
+        return Err(format!(
+            "{field:?} must be 1 to {MAX_REQUEST_ID} bytes long"
+        ));
+    }
+    Ok(id)
+}
+
 fn identify(headers: &HeaderMap) -> Result<TenantId, ProxyError> {
     if headers.keys().any(|name| is_key_alias(name.as_str())) {
         return Err(ProxyError::SeveralKeys);

@@ -37,6 +37,7 @@ use hyper::body::Incoming;
 use hyper::{Request, Response};
 
 use super::grpc::{self, Code, Status};
+use super::request_id;
 use crate::bucket::GroupLimit;
 use crate::config::RlsSettings;
 use crate::key::{RouteId, TenantId};
@@ -54,10 +55,6 @@ const SHOULD_RATE_LIMIT: &str = "/envoy.service.ratelimit.v3.RateLimitService/Sh
 
 /// Most descriptors one request may carry.
 pub(super) const MAX_DESCRIPTORS: usize = 64;
-
-/// Longest request id a descriptor may name (Envoy's `x-request-id` is a
-/// 36-byte UUID).
-const MAX_REQUEST_ID: usize = 256;
 
 /// Answers one call on the RLS listener.
 pub(super) async fn handle(
@@ -178,46 +175,31 @@ fn ask<'a>(
     descriptor: &RateLimitDescriptor,
     default_cost: u32,
 ) -> Result<Ask<'a>, String> {
-    let value = |key: &str| {
+    // An entry that may be absent, but never twice.
+    let optional = |key: &str| {
         let mut found = descriptor.entries.iter().filter(|e| e.key == key);
         match (found.next(), found.next()) {
-            (Some(entry), None) => Ok(entry.value.as_str()),
-            (None, _) => Err(format!("no entry {}", quoted(key))),
-            (Some(_), Some(_)) => Err(format!("more than one entry {}", quoted(key))),
+            (entry, None) => Ok(entry.map(|e| e.value.as_str())),
+            (_, Some(_)) => Err(format!("more than one entry {}", quoted(key))),
         }
     };
-    let tenant = TenantId::parse(value(&settings.tenant_key)?).ok();
+    let required = |key: &str| optional(key)?.ok_or_else(|| format!("no entry {}", quoted(key)));
+    let tenant = TenantId::parse(required(&settings.tenant_key)?).ok();
     let route = worker
         .state
         .routes
-        .named(value(&settings.route_key)?)
+        .named(required(&settings.route_key)?)
         .map_err(|e| format!("{:?}: {e}", settings.route_key))?;
     // An entry that may be absent, else must be "true".
-    let flag = |key: &str| match value(key) {
-        Ok("true") => Ok(true),
-        Ok(other) => Err(format!("{key:?} must be \"true\", found {}", quoted(other))),
-        Err(_) if descriptor.entries.iter().all(|e| e.key != key) => Ok(false),
-        Err(e) => Err(e),
+    let flag = |key: &str| match optional(key)? {
+        None => Ok(false),
+        Some("true") => Ok(true),
+        Some(other) => Err(format!("{key:?} must be \"true\", found {}", quoted(other))),
     };
     let charged = flag(&settings.charge_key)?;
-    let request = match value(&settings.request_id_key) {
-        Ok(id) if id.is_empty() || id.len() > MAX_REQUEST_ID => {
-            return Err(format!(
-                "{:?} must be 1 to {MAX_REQUEST_ID} bytes long",
-                settings.request_id_key
-            ));
-        }
-        Ok(id) => Some(id.to_owned()),
-        Err(_)
-            if descriptor
-                .entries
-                .iter()
-                .all(|e| e.key != settings.request_id_key) =>
-        {
-            None
-        }
-        Err(e) => return Err(e),
-    };
+    let request = optional(&settings.request_id_key)?
+        .map(|id| request_id(&settings.request_id_key, id).map(str::to_owned))
+        .transpose()?;
     if flag(&settings.release_key)? {
         if charged || descriptor.is_negative_hits {
             return Err(format!(
