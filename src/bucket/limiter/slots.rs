@@ -109,6 +109,16 @@ impl PartialEq for SlotHold {
     }
 }
 
+/// How a hold's renewals ended.
+enum Ended {
+    /// Its guard was dropped: the request ended; give the slots back.
+    Dropped,
+    /// Its guard was detached: the slots end with their lease.
+    Detached,
+    /// A renewal found a slot gone (its lease ran out first).
+    Lost,
+}
+
 /// Holds the slots of `group` (the request's concurrency limits, each
 /// naming its holder, just taken at `place`) until the guard is dropped,
 /// renewing them every third of the lease.
@@ -125,37 +135,36 @@ pub(super) fn hold<S: SharedStore>(
     let every = Duration::from_millis(u64::from(lease_ms / 3).max(1));
     core.metrics.slots_held(true);
     actix_web::rt::spawn(async move {
-        // Some(true): detached; Some(false): dropped; None: lost.
-        let ended = loop {
+        // A detached guard sends (); a dropped one sends nothing.
+        let end = |sent: Result<(), _>| {
+            if sent.is_ok() {
+                Ended::Detached
+            } else {
+                Ended::Dropped
+            }
+        };
+        let mut ended = loop {
             tokio::select! {
-                end = &mut dropped => break Some(end.is_ok()),
+                sent = &mut dropped => break end(sent),
                 () = tokio::time::sleep(every) => {
                     match ask(&core, &place, &group, Ask::renew()).await {
-                        Ok(grant) if grant.decisions.iter().any(|d| !d.allowed) => break None,
+                        Ok(grant) if grant.decisions.iter().any(|d| !d.allowed) => break Ended::Lost,
                         Ok(_) => {}
                         Err(e) => tracing::debug!(error = %e, "A slot renewal got no answer; trying again."),
                     }
                 }
             }
         };
-        match ended {
-            Some(false) => {}
-            Some(true) => {
-                core.metrics.slots_held(false);
-                return;
-            }
-            None => {
-                core.metrics.slot_lost();
-                tracing::debug!("A concurrency slot's lease ran out before its request ended.");
-                // Its other slots (route and tenant-wide) are still held:
-                // they go back with the request, unless it is detached.
-                if dropped.await.is_ok() {
-                    core.metrics.slots_held(false);
-                    return;
-                }
-            }
+        if let Ended::Lost = ended {
+            core.metrics.slot_lost();
+            tracing::debug!("A concurrency slot's lease ran out before its request ended.");
+            // Its other slots (route and tenant-wide) are still held:
+            // they go back with the request, unless it is detached.
+            ended = end((&mut dropped).await);
         }
-        if let Err(e) = ask(&core, &place, &group, Ask::release()).await {
+        if let Ended::Dropped = ended
+            && let Err(e) = ask(&core, &place, &group, Ask::release()).await
+        {
             tracing::debug!(error = %e, "A slot release got no answer; its lease ends it.");
         }
         core.metrics.slots_held(false);
