@@ -616,3 +616,37 @@ async fn a_tenant_wide_concurrency_limit_counts_every_route_together() {
     settle().await;
     assert!(on("b").await.allowed);
 }
+
+#[actix_web::test]
+async fn a_hold_whose_renewals_fail_past_its_lease_is_lost_and_its_slot_taken_by_another() {
+    tokio::time::pause();
+    let s = setup();
+    let rule = with_slots(limit(1000, 1000), 2);
+    let holds = [check_group(&s, &rule).await, check_group(&s, &rule).await];
+    assert!(holds.iter().all(|v| v.allowed));
+    // Redis unreachable for every renewal of the next 11 s (past the 10 s
+    // lease): the holds end in Redis while their requests run.
+    for _ in 0..6 {
+        s.store.fail_next(Fault::Dropped);
+    }
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    let newcomer = check_group(&s, &rule).await;
+    assert_eq!(
+        (newcomer.allowed, newcomer.source),
+        (true, DecisionSource::Redis),
+        "a lost slot is free for another: {newcomer:?}"
+    );
+    // The old holds' next renewal (at 13.3 s) finds them lost: from then
+    // on only the newcomer's renews, once every 3.3 s.
+    let renewals = || {
+        s.store
+            .calls()
+            .iter()
+            .filter(|(_, ask)| ask.kind == crate::bucket::decision::AskKind::Renew)
+            .count()
+    };
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let before = renewals();
+    tokio::time::sleep(Duration::from_millis(3_400)).await;
+    assert_eq!(renewals() - before, 1, "only the newcomer renews");
+}
