@@ -501,6 +501,15 @@ fn with_slots(limit: Limit, slots: u32) -> crate::rules::InForce {
     }
 }
 
+/// How many slot renewals `store` was asked for.
+fn renewals(store: &FakeStore) -> usize {
+    store
+        .calls()
+        .iter()
+        .filter(|(_, ask)| ask.kind == crate::bucket::decision::AskKind::Renew)
+        .count()
+}
+
 /// Lets spawned tasks (slot renewals and releases) run.
 async fn settle() {
     tokio::time::sleep(Duration::from_millis(1)).await;
@@ -523,14 +532,11 @@ async fn slots_are_held_and_renewed_while_their_guard_lives_and_given_back_after
     // A minute is six leases: the holds are renewed, not lost.
     tokio::time::sleep(Duration::from_secs(60)).await;
     assert!(!check_group(&s, &rule).await.allowed);
-    let renewals = |s: &Setup| {
-        s.store
-            .calls()
-            .iter()
-            .filter(|(_, ask)| ask.kind == crate::bucket::decision::AskKind::Renew)
-            .count()
-    };
-    assert!(renewals(&s) >= 2 * 17, "{} renewals", renewals(&s));
+    assert!(
+        renewals(&s.store) >= 2 * 17,
+        "{} renewals",
+        renewals(&s.store)
+    );
     // A clone keeps them; the last one gives them back.
     let copy = first.clone();
     drop(first);
@@ -543,11 +549,11 @@ async fn slots_are_held_and_renewed_while_their_guard_lives_and_given_back_after
     // Detached, a hold is no longer renewed: it ends with its lease.
     again.held.unwrap().keep_until_lease_ends();
     settle().await;
-    let before = renewals(&s);
+    let before = renewals(&s.store);
     assert!(!check_group(&s, &rule).await.allowed);
     tokio::time::sleep(Duration::from_secs(11)).await;
     // One renewal every 3.3 s: 3 or 4 in 11 s, as the phase falls.
-    let renewed = renewals(&s) - before;
+    let renewed = renewals(&s.store) - before;
     assert!(
         (3..=4).contains(&renewed),
         "only the second hold renews: {renewed}"
@@ -638,15 +644,8 @@ async fn a_hold_whose_renewals_fail_past_its_lease_is_lost_and_its_slot_taken_by
     );
     // The old holds' next renewal (at 13.3 s) finds them lost: from then
     // on only the newcomer's renews, once every 3.3 s.
-    let renewals = || {
-        s.store
-            .calls()
-            .iter()
-            .filter(|(_, ask)| ask.kind == crate::bucket::decision::AskKind::Renew)
-            .count()
-    };
     tokio::time::sleep(Duration::from_secs(4)).await;
-    let before = renewals();
+    let before = renewals(&s.store);
     tokio::time::sleep(Duration::from_millis(3_400)).await;
-    assert_eq!(renewals() - before, 1, "only the newcomer renews");
+    assert_eq!(renewals(&s.store) - before, 1, "only the newcomer renews");
 }
