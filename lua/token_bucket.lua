@@ -4,9 +4,13 @@
 -- KEYS[i]        bucket i, e.g. rl2:{tenant}:route: a string holding one
 --                number, the bucket's theoretical arrival time (TAT): the
 --                time at which it is full again, in microseconds since the
---                Unix epoch by Redis's clock (possibly fractional). A
---                bucket holds capacity - (TAT - now) × rate tokens; a
---                missing key is a full bucket.
+--                Unix epoch by Redis's clock, written as a whole number
+--                (rounded to the nearest microsecond: formatting a whole
+--                number costs Redis far less than a fraction's %.17g; a
+--                fractional value is still read). A bucket holds
+--                capacity - (TAT - now) × rate tokens, snapped to a whole
+--                count when within half a microsecond of refill of one;
+--                a missing key is a full bucket.
 -- ARGV[3i-2]     capacity of bucket i: size in tokens (number >= 1)
 -- ARGV[3i-1]     refill rate of bucket i in tokens per second (number > 0)
 -- ARGV[3i]       the ask (optional, default 1): a plain ask is the
@@ -100,7 +104,7 @@
 
 -- Milliseconds until n tokens exist in a bucket holding tokens and
 -- refilling at rate per second, rounded up; 0 when they do.
-local floor, ceil = math.floor, math.ceil
+local floor, ceil, format = math.floor, math.ceil, string.format
 local function wait(n, tokens, rate)
   if tokens >= n then
     return 0
@@ -117,9 +121,10 @@ local group
 -- The last key of the latest group: a '-' ask after it belongs to no group.
 local group_end = 0
 
--- The rule of the previous key: its argument strings, their values, and
--- whether they are usable (a capacity of at least 1, a positive rate).
-local rule_capacity, rule_rate, capacity, rate, expire_ms, rule_ok
+-- The rule of the previous key: its argument strings, their values,
+-- whether they are usable (a capacity of at least 1, a positive rate), and
+-- the tokens within which a count snaps to a whole one.
+local rule_capacity, rule_rate, capacity, rate, expire_ms, rule_ok, snap
 
 for i = 1, #KEYS do
   local at = i * 3
@@ -189,8 +194,8 @@ for i = 1, #KEYS do
             return capacity
           end
           local tokens = capacity - (tat - now) * rate / 1000000
-          local whole = floor(tokens + 0.5)
-          if tokens - whole < 1e-9 and whole - tokens < 1e-9 then
+          local whole, snap = floor(tokens + 0.5), 1e-9 + rate * 5e-7
+          if tokens - whole < snap and whole - tokens < snap then
             return whole
           end
           return tokens
@@ -299,8 +304,9 @@ for i = 1, #KEYS do
           local set
           if s.rate then
             local debt = tokens < 0 and -tokens or 0
-            set = redis.pcall('SET', KEYS[j], now + (s.capacity - tokens) * 1000000 / s.rate,
-              'PX', string.format('%d', ceil(1000 * (2 * s.capacity + debt) / s.rate)))
+            set = redis.pcall('SET', KEYS[j],
+              format('%d', floor(now + (s.capacity - tokens) * 1000000 / s.rate + 0.5)),
+              'PX', format('%d', ceil(1000 * (2 * s.capacity + debt) / s.rate)))
           else
             set = redis.pcall('SET', KEYS[j], s.capacity - tokens, 'PXAT', s.ends)
           end
@@ -480,7 +486,8 @@ for i = 1, #KEYS do
       capacity, rate = tonumber(rule_capacity), tonumber(rule_rate)
       rule_ok = capacity and rate and capacity >= 1 and rate > 0
       if rule_ok then
-        expire_ms = string.format('%d', ceil(2000 * capacity / rate))
+        expire_ms = format('%d', ceil(2000 * capacity / rate))
+        snap = 1e-9 + rate * 5e-7
       end
     end
     -- The group path's bucket_tokens, inline: this path runs per key.
@@ -498,7 +505,7 @@ for i = 1, #KEYS do
         tokens = capacity - (tat - now) * rate / 1000000
         -- Whole token counts survive the trip through the TAT despite rounding.
         local whole = floor(tokens + 0.5)
-        if tokens - whole < 1e-9 and whole - tokens < 1e-9 then
+        if tokens - whole < snap and whole - tokens < snap then
           tokens = whole
         end
       end
@@ -512,7 +519,8 @@ for i = 1, #KEYS do
           if granted > want then granted = want end
         end
         local left = tokens - granted
-        if not redis.pcall('SET', KEYS[i], now + (capacity - left) * 1000000 / rate, 'PX', expire_ms).err then
+        local tat = format('%d', floor(now + (capacity - left) * 1000000 / rate + 0.5))
+        if not redis.pcall('SET', KEYS[i], tat, 'PX', expire_ms).err then
           allowed, tokens = 1, left
         end
       end

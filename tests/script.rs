@@ -312,6 +312,40 @@ async fn whole_and_fractional_rates_are_read_alike() {
 }
 
 #[actix_web::test]
+async fn a_rate_that_does_not_divide_a_second_stores_whole_microseconds_and_keeps_whole_counts() {
+    let (redis, b) = redis_and_bucket();
+    let mut conn = redis.conn().await;
+    // 3 tokens/s: one token is 333,333.3 µs, which a whole-microsecond
+    // TAT rounds; the counts must still come out whole, take after take.
+    let (key, three) = ("rl2:{third}:r", spec(1000, 3));
+    for taken in 1..=40u64 {
+        let d = decide(&b, key, &three, 1).await;
+        assert!(d.allowed, "take {taken}: {d:?}");
+        assert!(
+            (1000 - taken..=1000 - taken + 1).contains(&d.remaining),
+            "take {taken}: {d:?}"
+        );
+        let stored: String = conn.get(key).await.unwrap();
+        assert!(
+            stored.bytes().all(|b| b.is_ascii_digit()),
+            "a whole number of µs, got {stored}"
+        );
+    }
+    // Emptied, then one token's refill later (the TAT set back by hand),
+    // one request passes and leaves none.
+    let _: () = conn.del(key).await.unwrap();
+    let emptied = decide(&b, key, &three, 1000).await;
+    assert!(emptied.allowed && emptied.remaining == 0, "{emptied:?}");
+    let tat: f64 = conn.get::<_, String>(key).await.unwrap().parse().unwrap();
+    let _: () = conn
+        .set(key, format!("{}", (tat - 1_000_000.0 / 3.0).round()))
+        .await
+        .unwrap();
+    let one = decide(&b, key, &three, 1).await;
+    assert!(one.allowed && one.remaining == 0, "{one:?}");
+}
+
+#[actix_web::test]
 async fn a_timed_out_call_is_not_replayed() {
     let redis = RedisServer::start();
     let b = bucket(&redis, Duration::from_millis(100));
