@@ -125,12 +125,16 @@ struct Heartbeat {
 
 impl Heartbeat {
     fn beat(&mut self, ctx: &mut Context<Self>) {
-        let mut invocation = HEARTBEAT.key(&self.key);
-        invocation.arg(&self.id).arg(millis(self.ttl));
+        let mut eval = redis::cmd("EVALSHA");
+        eval.arg(HEARTBEAT.get_hash())
+            .arg(1)
+            .arg(&self.key)
+            .arg(&self.id)
+            .arg(millis(self.ttl));
         let (conn, timeout, key) = (self.conn.clone(), self.timeout, self.key.clone());
         ctx.spawn(
             async move {
-                conn.invoke::<u32>(Route::Key(&key), &invocation, timeout)
+                conn.invoke::<u32>(Route::Key(&key), &HEARTBEAT, &eval, timeout)
                     .await
             }
             .into_actor(self)

@@ -15,7 +15,7 @@ use super::checks::regions;
 use crate::admin::{self, AdminState};
 use crate::breaker;
 use crate::bucket::{
-    BucketClient, HotKeys, Limiter, LimiterCore, LocalBuckets, RedisBucket, WarmWorkers,
+    Coalesced, HotKeys, Limiter, LimiterCore, LocalBuckets, RedisBucket, WarmWorkers,
 };
 use crate::clock::{SharedClock, SystemClock};
 use crate::cluster::{LiveInstances, Membership};
@@ -319,7 +319,7 @@ pub(super) fn proxy(
                 let (bucket, warm) = (bucket.clone(), warm.clone());
                 actix_web::rt::spawn(async move { bucket.warm_up(control_timeout, &warm).await });
             }
-            BucketClient::start(bucket, metrics.clone(), cluster, max_keys_per_call)
+            Coalesced::start(bucket, metrics.clone(), cluster, max_keys_per_call)
         });
         Worker::new(
             state.clone(),

@@ -1,38 +1,44 @@
-//! Coalesced Redis calls: one worker's bucket-client actor.
+//! Coalesced Redis calls: one worker's queue of decisions.
 //!
 //! Owns how one proxy worker's decisions reach Redis. Every decision that
-//! needs Redis becomes a [`Take`] message to this worker's [`BucketClient`],
-//! an actor started on the worker's own arbiter, so its messages never
-//! cross threads. When no call is in flight the decision goes out at once,
-//! alone: no added wait at low load. Decisions arriving while a call is in
-//! flight queue up and ride the next call together, up to
+//! needs Redis takes a ticket in this worker's [`Coalesced`] client, a
+//! queue kept on the worker's own thread (no message crosses threads, no
+//! channel, no lock). When no call is in flight the decision goes out at
+//! once, alone: no added wait at low load. Decisions arriving while a call
+//! is in flight queue up and ride the next call together, up to
 //! `redis.max_keys_per_call` keys in one script call with one reading of
 //! Redis's clock. On a Redis Cluster a call holds the keys of one hash
 //! slot (every bucket of a tenant shares its slot through the `{tenant}`
 //! hash tag; sub-bucket keys have their own): each slot has at most one
 //! call in flight and its own queue.
 //!
-//! The limits of a request with several ([`TakeGroup`]) queue and ride
+//! The limits of a request with several (`take_group`) queue and ride
 //! like single decisions, every key of the request in the same call (a
 //! group is never split; all its keys share the tenant's slot); each key
 //! counts against the cap.
 //!
-//! Each call is bounded by `redis.timeout_ms` and reported (by the store)
-//! to the breaker of the primary it went to, once, success or failure;
-//! when it fails every decision in it hears
+//! A decision costs no allocation, channel or timer of its own once the
+//! worker is warm: tickets, key buffers and batches are reused, a decision
+//! waits on its ticket (the call's task wakes it), and only a call has a
+//! task and a timer. Each call is bounded by `redis.timeout_ms` and
+//! reported (by the store) to the breaker of the primary it went to, once,
+//! success or failure; when it fails every decision in it hears
 //! [`RedisCallError::CallFailed`] and is decided locally. A decision waits
-//! at most two timeouts in all (the call in flight ahead of it, then its
-//! own), whatever befalls the client; one that gives up while still queued
-//! is decided locally and never sent, so it spends no tokens nobody uses.
+//! less than two timeouts in all: one that has waited a timeout by the
+//! time its call would go out (the calls ahead of it were slow) is decided
+//! locally instead and never sent, and so is one whose request is gone, so
+//! neither spends tokens nobody uses.
 
+use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
+use std::pin::Pin;
+use std::rc::Rc;
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
-use actix::fut::{ActorFutureExt, WrapFuture};
-use actix::{Actor, Addr, AsyncContext, Context, Handler, Message};
 use futures_util::future::join_all;
 use redis::cluster_routing::Slot;
-use tokio::sync::oneshot;
+use tokio::time::Instant;
 
 use super::decision::{Ask, BucketSpec, Grant, GroupGrant, GroupLimit};
 use super::redis::RedisBucket;
@@ -42,7 +48,7 @@ use crate::telemetry::{Metrics, RedisErrorKind};
 
 /// Which calls may share a script call: every key on a single server, the
 /// keys of one hash slot on a Cluster.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy)]
 enum Group {
     /// One Redis server: one group.
     Server,
@@ -50,107 +56,186 @@ enum Group {
     Slot(Slot),
 }
 
-/// The answer to one decision.
-type Reply = oneshot::Sender<Result<Grant, RedisCallError>>;
-
-/// Take tokens from one bucket, as `ask` says, and answer on `reply`.
-#[derive(Message)]
-#[rtype(result = "()")]
-pub struct Take {
-    /// The bucket's key.
-    pub key: String,
-    /// The bucket in force.
-    pub spec: BucketSpec,
-    /// What to take.
-    pub ask: Ask,
-    /// Where the grant goes; a decision that gave up has dropped the
-    /// other end, and is then not sent.
-    pub reply: Reply,
-}
-
-/// The answer to one group decision.
-type GroupReply = oneshot::Sender<Result<GroupGrant, RedisCallError>>;
-
-/// Take the same count from every limit of one request, as `ask` says,
-/// or nothing from any, and answer on `reply`.
-#[derive(Message)]
-#[rtype(result = "()")]
-pub struct TakeGroup {
-    /// Each limit's key, and the limit in force.
-    pub limits: Vec<(String, GroupLimit)>,
-    /// What to take.
-    pub ask: Ask,
-    /// Where the grant goes.
-    pub reply: GroupReply,
-}
-
-/// A decision waiting for a call.
+/// A decision waiting for a call, owning what the call needs of it.
 enum Job {
-    /// One bucket.
-    One(Take),
-    /// Every limit of one request.
-    Group(TakeGroup),
+    /// One bucket: its key, the bucket in force, what to take.
+    One(String, BucketSpec, Ask),
+    /// Every limit of one request (each limit's key, and the limit in
+    /// force), and what to take from each.
+    Group(Vec<(String, GroupLimit)>, Ask),
 }
 
 impl Job {
-    /// Whether the decision gave up waiting (no one to answer).
-    fn abandoned(&self) -> bool {
-        match self {
-            Self::One(take) => take.reply.is_closed(),
-            Self::Group(take) => take.reply.is_closed(),
-        }
-    }
-
     /// The keys it puts in a call.
     fn keys(&self) -> usize {
         match self {
-            Self::One(_) => 1,
-            Self::Group(take) => take.limits.len(),
+            Self::One(..) => 1,
+            Self::Group(limits, _) => limits.len(),
         }
     }
 
     /// What the store is asked for it.
     fn item(&self) -> Item<'_> {
         match self {
-            Self::One(take) => Item::One(&take.key, take.spec, take.ask),
-            Self::Group(take) => Item::Group(&take.limits, take.ask),
-        }
-    }
-
-    /// Tells the decision what the call answered (a decision that gave
-    /// up has no one to tell).
-    fn answer(self, result: Result<Answer, RedisCallError>) {
-        match self {
-            Self::One(take) => {
-                let _ = take.reply.send(result.and_then(Answer::one));
-            }
-            Self::Group(take) => {
-                let _ = take.reply.send(result.and_then(Answer::group));
-            }
+            Self::One(key, spec, ask) => Item::One(key, *spec, *ask),
+            Self::Group(limits, ask) => Item::Group(limits, *ask),
         }
     }
 
     /// The key that places it on a Cluster (a group's keys share a slot).
     fn first_key(&self) -> &str {
         match self {
-            Self::One(take) => &take.key,
-            Self::Group(take) => take.limits.first().map_or("", |(key, _)| key),
+            Self::One(key, ..) => key,
+            Self::Group(limits, _) => limits.first().map_or("", |(key, _)| key),
         }
     }
+}
+
+/// One decision's place in the client.
+#[derive(Default)]
+struct Ticket {
+    /// Its job, until its call goes out.
+    job: Option<Job>,
+    /// When it queued.
+    queued_at: Option<Instant>,
+    /// What its call answered, until the decision reads it.
+    answer: Option<Result<Answer, RedisCallError>>,
+    /// Who to wake when the answer comes.
+    waker: Option<Waker>,
+    /// Whether the decision stopped waiting (its request is gone).
+    gone: bool,
 }
 
 /// The decisions of one group, and whether its call is in flight.
 #[derive(Default)]
 struct Queue {
-    /// Decisions not sent yet, oldest first.
-    waiting: VecDeque<Job>,
+    /// Tickets not sent yet, oldest first.
+    waiting: VecDeque<usize>,
     /// Whether a call of this group is in flight.
     busy: bool,
 }
 
-/// One proxy worker's client of the shared buckets, over `B` (Redis in
-/// production).
-pub struct BucketClient<B: BatchStore = RedisBucket> {
+/// Everything the client keeps between calls.
+#[derive(Default)]
+struct State {
+    /// Each group with decisions waiting or a call in flight.
+    queues: Queues,
+    /// The tickets and the buffers kept for reuse.
+    pool: Pool,
+}
+
+/// The queue of each group: one for a single server, found without
+/// hashing; one per slot with work on a Cluster.
+#[derive(Default)]
+struct Queues {
+    /// The single server's.
+    server: Queue,
+    /// Each slot's with decisions waiting or a call in flight.
+    slots: HashMap<Slot, Queue>,
+}
+
+impl Queues {
+    /// `group`'s queue, made when it has none.
+    fn entry(&mut self, group: Group) -> &mut Queue {
+        match group {
+            Group::Server => &mut self.server,
+            Group::Slot(slot) => self.slots.entry(slot).or_default(),
+        }
+    }
+
+    /// `group`'s queue, if it has one.
+    fn get_mut(&mut self, group: Group) -> Option<&mut Queue> {
+        match group {
+            Group::Server => Some(&mut self.server),
+            Group::Slot(slot) => self.slots.get_mut(&slot),
+        }
+    }
+
+    /// Forgets `group`'s queue, which holds nothing.
+    fn forget(&mut self, group: Group) {
+        if let Group::Slot(slot) = group {
+            self.slots.remove(&slot);
+        }
+    }
+}
+
+/// Tickets, and the buffers of finished jobs and calls kept for the next.
+#[derive(Default)]
+struct Pool {
+    /// Every ticket, in use or free.
+    tickets: Vec<Ticket>,
+    /// Tickets free for the next decisions.
+    free: Vec<usize>,
+    /// Key buffers of finished jobs.
+    spare_keys: Vec<String>,
+    /// Limit lists of finished group jobs.
+    spare_limits: Vec<Vec<(String, GroupLimit)>>,
+    /// Batches of finished calls.
+    spare_batches: Vec<Vec<(usize, Job)>>,
+}
+
+impl Pool {
+    /// A ticket for `job`.
+    fn issue(&mut self, job: Job) -> usize {
+        let ticket = Ticket {
+            job: Some(job),
+            queued_at: Some(Instant::now()),
+            ..Ticket::default()
+        };
+        match self.free.pop() {
+            Some(id) => {
+                self.tickets[id] = ticket;
+                id
+            }
+            None => {
+                self.tickets.push(ticket);
+                self.tickets.len() - 1
+            }
+        }
+    }
+
+    /// Tickets in use.
+    fn in_use(&self) -> usize {
+        self.tickets.len() - self.free.len()
+    }
+
+    /// Frees ticket `id`, keeping its job's buffers.
+    fn release(&mut self, id: usize) {
+        let ticket = std::mem::take(&mut self.tickets[id]);
+        if let Some(job) = ticket.job {
+            self.recycle(job);
+        }
+        self.free.push(id);
+    }
+
+    /// Keeps `job`'s buffers for the next jobs.
+    fn recycle(&mut self, job: Job) {
+        match job {
+            Job::One(mut key, ..) => {
+                key.clear();
+                self.spare_keys.push(key);
+            }
+            Job::Group(limits, _) => self.spare_limits.push(limits),
+        }
+    }
+
+    /// Answers ticket `id` with `answer` and wakes its decision, or frees
+    /// the ticket when its decision is gone.
+    fn answer(&mut self, id: usize, answer: Result<Answer, RedisCallError>) {
+        let ticket = &mut self.tickets[id];
+        if ticket.gone {
+            self.release(id);
+            return;
+        }
+        ticket.answer = Some(answer);
+        if let Some(waker) = ticket.waker.take() {
+            waker.wake();
+        }
+    }
+}
+
+/// What one worker's client keeps.
+struct Inner<B> {
     /// This worker's script client.
     redis: B,
     /// Error counts and keys per call.
@@ -159,115 +244,173 @@ pub struct BucketClient<B: BatchStore = RedisBucket> {
     cluster: bool,
     /// Most keys in one call.
     max_keys: usize,
-    /// Each group with decisions waiting or a call in flight.
-    queues: HashMap<Group, Queue>,
+    /// The bound on one call.
+    timeout: Duration,
+    /// The queues and tickets.
+    state: RefCell<State>,
 }
 
-impl<B: BatchStore> BucketClient<B> {
-    /// Starts a client on the current arbiter (call it on the worker that
-    /// will use it) and returns the store the worker's limiter uses.
-    pub fn start(redis: B, metrics: Metrics, cluster: bool, max_keys: usize) -> Coalesced<B> {
-        let timeout = redis.timeout();
-        let addr = Self {
-            redis,
-            metrics: metrics.clone(),
-            cluster,
-            max_keys: max_keys.max(1),
-            queues: HashMap::new(),
+/// Decisions one client may hold waiting or in flight before more are
+/// turned away (and decided locally): a worker's requests in flight, with
+/// room to spare.
+const MAX_WAITING: usize = 4096;
+
+/// One proxy worker's client of the shared buckets, over `B` (Redis in
+/// production): the store its limiter uses. Clones share the queue; it
+/// lives on the worker's thread.
+pub struct Coalesced<B: BatchStore = RedisBucket> {
+    /// The worker's queue.
+    inner: Rc<Inner<B>>,
+}
+
+impl<B: BatchStore> Clone for Coalesced<B> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
         }
-        .start();
-        Coalesced {
-            addr,
-            timeout,
-            metrics,
+    }
+}
+
+impl<B: BatchStore> Coalesced<B> {
+    /// A client over `redis`, for the worker whose thread uses it (its
+    /// calls run as tasks there).
+    pub fn start(redis: B, metrics: Metrics, cluster: bool, max_keys: usize) -> Self {
+        Self {
+            inner: Rc::new(Inner {
+                timeout: redis.timeout(),
+                redis,
+                metrics,
+                cluster,
+                max_keys: max_keys.max(1),
+                state: RefCell::new(State::default()),
+            }),
         }
     }
 
+    /// Queues the job `make` builds (from the spare buffers it is given)
+    /// and sends its group's next call if none is in flight; the ticket
+    /// to wait on.
+    fn enqueue(&self, make: impl FnOnce(&mut Pool) -> Job) -> Result<usize, RedisCallError> {
+        let mut state = self.inner.state.borrow_mut();
+        if state.pool.in_use() >= MAX_WAITING {
+            drop(state);
+            self.inner.metrics.redis_error(RedisErrorKind::QueueFull);
+            return Err(RedisCallError::CallFailed(RedisErrorKind::QueueFull));
+        }
+        let job = make(&mut state.pool);
+        let group = if self.inner.cluster {
+            Group::Slot(Slot::for_key(job.first_key().as_bytes()))
+        } else {
+            Group::Server
+        };
+        let id = state.pool.issue(job);
+        state.queues.entry(group).waiting.push_back(id);
+        drop(state);
+        self.dispatch(group);
+        Ok(id)
+    }
+
     /// Sends `group`'s next call, unless one is in flight: its oldest
-    /// decisions still waiting for an answer, up to the cap. A group with
-    /// nothing left to do is forgotten.
-    fn dispatch(&mut self, ctx: &mut Context<Self>, group: Group) {
-        let Some(queue) = self.queues.get_mut(&group) else {
+    /// decisions still waiting, up to the cap. Decisions that are gone are
+    /// freed, and those that have waited a timeout are decided locally,
+    /// neither sent. A group with nothing left to do is forgotten.
+    fn dispatch(&self, group: Group) {
+        let inner = &*self.inner;
+        let mut guard = inner.state.borrow_mut();
+        let state = &mut *guard;
+        let Some(queue) = state.queues.get_mut(group) else {
             return;
         };
         if queue.busy {
             return;
         }
-        let mut batch = Vec::with_capacity(self.max_keys.min(queue.waiting.len()));
+        let pool = &mut state.pool;
+        let now = Instant::now();
+        let mut batch = pool.spare_batches.pop().unwrap_or_default();
         let mut keys = 0;
-        while let Some(job) = queue.waiting.front() {
-            if job.abandoned() {
+        while let Some(&id) = queue.waiting.front() {
+            let ticket = &mut pool.tickets[id];
+            if ticket.gone {
                 queue.waiting.pop_front();
+                pool.release(id);
                 continue;
             }
+            if ticket
+                .queued_at
+                .is_some_and(|at| now.duration_since(at) >= inner.timeout)
+            {
+                queue.waiting.pop_front();
+                pool.answer(id, Err(RedisCallError::CallFailed(RedisErrorKind::Timeout)));
+                continue;
+            }
+            let job_keys = ticket.job.as_ref().map_or(0, Job::keys);
             // A request's limits are never split; one larger than the cap
             // goes alone.
-            if keys > 0 && keys + job.keys() > self.max_keys {
+            if keys > 0 && keys + job_keys > inner.max_keys {
                 break;
             }
-            keys += job.keys();
-            batch.extend(queue.waiting.pop_front());
-            if keys >= self.max_keys {
+            queue.waiting.pop_front();
+            keys += job_keys;
+            if let Some(job) = ticket.job.take() {
+                batch.push((id, job));
+            }
+            if keys >= inner.max_keys {
                 break;
             }
         }
         if batch.is_empty() {
-            self.queues.remove(&group);
+            pool.spare_batches.push(batch);
+            state.queues.forget(group);
             return;
         }
         queue.busy = true;
-        self.send(ctx, group, batch, keys);
+        drop(guard);
+        inner.metrics.redis_keys_per_call(keys);
+        let client = self.clone();
+        tokio::task::spawn_local(async move {
+            let answers = {
+                let items: Vec<Item<'_>> = batch.iter().map(|(_, job)| job.item()).collect();
+                answers_for(&client.inner.redis, &client.inner.metrics, &items, keys).await
+            };
+            client.settle(group, batch, answers);
+        });
     }
 
-    /// One script call for `batch` (of `keys` keys); its answers go to
-    /// their decisions.
-    fn send(&mut self, ctx: &mut Context<Self>, group: Group, batch: Vec<Job>, keys: usize) {
-        let (redis, metrics) = (self.redis.clone(), self.metrics.clone());
-        self.metrics.redis_keys_per_call(keys);
-        let call = async move {
-            let answers = answers_for(&redis, &metrics, &batch, keys).await;
-            (answers, batch)
-        };
-        ctx.spawn(
-            call.into_actor(self)
-                .map(move |(answers, batch), client, ctx| {
-                    for (job, answer) in batch.into_iter().zip(answers) {
-                        job.answer(answer);
-                    }
-                    if let Some(queue) = client.queues.get_mut(&group) {
-                        queue.busy = false;
-                    }
-                    client.dispatch(ctx, group);
-                }),
-        );
-    }
-
-    /// Queues `job` in its group and sends the group's next call if none is
-    /// in flight.
-    fn enqueue(&mut self, ctx: &mut Context<Self>, job: Job) {
-        let group = if self.cluster {
-            Group::Slot(Slot::for_key(job.first_key().as_bytes()))
-        } else {
-            Group::Server
-        };
-        self.queues.entry(group).or_default().waiting.push_back(job);
-        self.dispatch(ctx, group);
+    /// Gives each decision of a finished call its answer, and sends the
+    /// group's next call.
+    fn settle(
+        &self,
+        group: Group,
+        mut batch: Vec<(usize, Job)>,
+        answers: Vec<Result<Answer, RedisCallError>>,
+    ) {
+        let mut state = self.inner.state.borrow_mut();
+        let pool = &mut state.pool;
+        for ((id, job), answer) in batch.drain(..).zip(answers) {
+            pool.recycle(job);
+            pool.answer(id, answer);
+        }
+        pool.spare_batches.push(batch);
+        if let Some(queue) = state.queues.get_mut(group) {
+            queue.busy = false;
+        }
+        drop(state);
+        self.dispatch(group);
     }
 }
 
-/// The answer to each job of `batch` (of `keys` keys), failures counted
-/// in `metrics`: from one call for the whole batch or, when Redis refuses
-/// that call for what it carried (a script error), from one call per job,
+/// The answer to each of `items` (of `keys` keys), failures counted in
+/// `metrics`: from one call for the whole batch or, when Redis refuses
+/// that call for what it carried (a script error), from one call per item,
 /// so that one decision's fault fails that decision alone. (A script that
 /// failed after writing some keys leaves them charged: the repeat charges
 /// them again, which admits fewer, never more.)
 async fn answers_for<B: BatchStore>(
     redis: &B,
     metrics: &Metrics,
-    batch: &[Job],
+    items: &[Item<'_>],
     keys: usize,
 ) -> Vec<Result<Answer, RedisCallError>> {
-    let items: Vec<Item<'_>> = batch.iter().map(Job::item).collect();
     let counted = |result: Result<Answer, RedisCallError>| {
         match &result {
             Ok(Answer::Refused) => metrics.redis_error(RedisErrorKind::Refused),
@@ -276,7 +419,7 @@ async fn answers_for<B: BatchStore>(
         }
         result
     };
-    match redis.take_batch(&items).await {
+    match redis.take_batch(items).await {
         Ok(answers) => {
             let mut answers = answers.into_iter();
             items
@@ -304,72 +447,74 @@ async fn answers_for<B: BatchStore>(
     }
 }
 
-/// Messages one client may hold before senders are turned away (and
-/// decide locally): a worker's requests in flight, with room to spare
-/// (actix's default is 16).
-const MAILBOX: usize = 4096;
+/// A decision waiting on its ticket; dropping it gives the ticket up.
+struct Waiting<'a, B: BatchStore> {
+    /// The client holding the ticket.
+    client: &'a Coalesced<B>,
+    /// The ticket.
+    id: usize,
+    /// Whether the answer was read (the ticket is free).
+    done: bool,
+}
 
-impl<B: BatchStore> Actor for BucketClient<B> {
-    type Context = Context<Self>;
+impl<B: BatchStore> Future for Waiting<'_, B> {
+    type Output = Result<Answer, RedisCallError>;
 
-    fn started(&mut self, ctx: &mut Context<Self>) {
-        ctx.set_mailbox_capacity(MAILBOX);
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let (client, id) = (self.client, self.id);
+        let mut state = client.inner.state.borrow_mut();
+        let pool = &mut state.pool;
+        let ticket = &mut pool.tickets[id];
+        if let Some(answer) = ticket.answer.take() {
+            pool.release(id);
+            drop(state);
+            self.done = true;
+            return Poll::Ready(answer);
+        }
+        match &ticket.waker {
+            Some(waker) if waker.will_wake(cx.waker()) => {}
+            _ => ticket.waker = Some(cx.waker().clone()),
+        }
+        Poll::Pending
     }
 }
 
-impl<B: BatchStore> Handler<Take> for BucketClient<B> {
-    type Result = ();
-
-    fn handle(&mut self, take: Take, ctx: &mut Context<Self>) {
-        self.enqueue(ctx, Job::One(take));
-    }
-}
-
-impl<B: BatchStore> Handler<TakeGroup> for BucketClient<B> {
-    type Result = ();
-
-    fn handle(&mut self, take: TakeGroup, ctx: &mut Context<Self>) {
-        self.enqueue(ctx, Job::Group(take));
-    }
-}
-
-/// The shared store as a worker's limiter sees it: its [`BucketClient`].
-pub struct Coalesced<B: BatchStore = RedisBucket> {
-    /// The worker's bucket client.
-    addr: Addr<BucketClient<B>>,
-    /// The bound on one call; a decision waits at most twice this.
-    timeout: Duration,
-    /// Counts decisions turned away by a full queue.
-    metrics: Metrics,
-}
-
-impl<B: BatchStore> Clone for Coalesced<B> {
-    fn clone(&self) -> Self {
-        Self {
-            addr: self.addr.clone(),
-            timeout: self.timeout,
-            metrics: self.metrics.clone(),
+impl<B: BatchStore> Drop for Waiting<'_, B> {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        let mut state = self.client.inner.state.borrow_mut();
+        let pool = &mut state.pool;
+        let ticket = &mut pool.tickets[self.id];
+        ticket.waker = None;
+        if ticket.answer.is_some() {
+            pool.release(self.id);
+        } else {
+            // Freed when its call ends, or skipped when its turn comes.
+            ticket.gone = true;
         }
     }
 }
 
 impl<B: BatchStore> SharedStore for Coalesced<B> {
     fn timeout(&self) -> Duration {
-        self.timeout
+        self.inner.timeout
     }
 
     async fn take(&self, key: &str, spec: &BucketSpec, ask: Ask) -> Result<Grant, RedisCallError> {
-        let (reply, answer) = oneshot::channel();
-        let take = Take {
-            key: key.to_owned(),
-            spec: *spec,
-            ask,
-            reply,
-        };
-        if self.addr.try_send(take).is_err() {
-            return Err(self.queue_full());
+        let id = self.enqueue(|pool| {
+            let mut buffer = pool.spare_keys.pop().unwrap_or_default();
+            buffer.push_str(key);
+            Job::One(buffer, *spec, ask)
+        })?;
+        let answer = Waiting {
+            client: self,
+            id,
+            done: false,
         }
-        answered(answer, 2 * self.timeout).await
+        .await;
+        answer.and_then(Answer::one)
     }
 
     async fn take_group(
@@ -377,36 +522,24 @@ impl<B: BatchStore> SharedStore for Coalesced<B> {
         group: &[(String, GroupLimit)],
         ask: Ask,
     ) -> Result<GroupGrant, RedisCallError> {
-        let (reply, answer) = oneshot::channel();
-        let take = TakeGroup {
-            limits: group.to_vec(),
-            ask,
-            reply,
-        };
-        if self.addr.try_send(take).is_err() {
-            return Err(self.queue_full());
+        let id = self.enqueue(|pool| {
+            let mut limits = pool.spare_limits.pop().unwrap_or_default();
+            limits.truncate(group.len());
+            for (mine, (key, limit)) in limits.iter_mut().zip(group) {
+                mine.0.clone_from(key);
+                mine.1 = *limit;
+            }
+            let kept = limits.len();
+            limits.extend_from_slice(&group[kept..]);
+            Job::Group(limits, ask)
+        })?;
+        let answer = Waiting {
+            client: self,
+            id,
+            done: false,
         }
-        answered(answer, 2 * self.timeout).await
-    }
-}
-
-impl<B: BatchStore> Coalesced<B> {
-    /// Counts a decision the full queue turned away; its error.
-    fn queue_full(&self) -> RedisCallError {
-        self.metrics.redis_error(RedisErrorKind::QueueFull);
-        RedisCallError::CallFailed(RedisErrorKind::QueueFull)
-    }
-}
-
-/// What the bucket client answered on `answer`, waiting at most `limit`.
-async fn answered<T>(
-    answer: oneshot::Receiver<Result<T, RedisCallError>>,
-    limit: Duration,
-) -> Result<T, RedisCallError> {
-    match tokio::time::timeout(limit, answer).await {
-        Ok(Ok(result)) => result,
-        Ok(Err(_)) => Err(RedisCallError::CallFailed(RedisErrorKind::Connection)),
-        Err(_) => Err(RedisCallError::CallFailed(RedisErrorKind::Timeout)),
+        .await;
+        answer.and_then(Answer::group)
     }
 }
 
@@ -432,7 +565,7 @@ mod tests {
     ) -> (FakeStore, Arc<BreakerGate>, Coalesced<FakeStore>) {
         let gate = Arc::new(BreakerGate::new());
         let store = FakeStore::new(TokioClock::shared(), TIMEOUT, gate.clone());
-        let client = BucketClient::start(store.clone(), Metrics::new(), cluster, max_keys);
+        let client = Coalesced::start(store.clone(), Metrics::new(), cluster, max_keys);
         (store, gate, client)
     }
 
@@ -625,17 +758,16 @@ mod tests {
     }
 
     #[actix_web::test]
-    async fn a_decision_waits_two_timeouts_at_most_and_one_that_gave_up_is_never_sent() {
+    async fn a_decision_waits_less_than_two_timeouts_and_one_late_to_go_out_is_never_sent() {
         tokio::time::pause();
         let (store, _, client) = setup(1, false);
         let started = tokio::time::Instant::now();
-        // One key per call, each call 49 ms: the first ends at 49 ms, t0's
-        // at 98 ms, t1's would at 147 ms; t1 and t2 give up at 100 ms, t2
-        // while still queued.
-        let (first, riders) = behind_a_slow_call(&store, &client, 49, 3).await;
-        for _ in 0..2 {
-            store.fail_next(Fault::Slow(Duration::from_millis(49)));
-        }
+        // One key per call, each call 45 ms: the first ends at about 45 ms,
+        // when t0 (queued as long, under the timeout) goes out; its call
+        // ends at about 90 ms, when t1 and t2 have waited a timeout: they
+        // are decided locally then, and never sent.
+        let (first, riders) = behind_a_slow_call(&store, &client, 45, 3).await;
+        store.fail_next(Fault::Slow(Duration::from_millis(45)));
         first.await.unwrap().unwrap();
         let answers: Vec<_> = join_all(riders)
             .await
@@ -652,11 +784,36 @@ mod tests {
                 "{gave_up:?}"
             );
         }
-        assert!(started.elapsed() <= 2 * TIMEOUT + Duration::from_millis(1));
-        // Once t1's call ends, t2, which gave up while queued, is dropped.
+        assert!(started.elapsed() < 2 * TIMEOUT);
         tokio::time::sleep(Duration::from_millis(60)).await;
         let sent: Vec<_> = store.batches().concat();
-        assert_eq!(sent, ["rl2:{first}:r", "rl2:{t0}:r", "rl2:{t1}:r"]);
+        assert_eq!(sent, ["rl2:{first}:r", "rl2:{t0}:r"]);
+    }
+
+    #[actix_web::test]
+    async fn a_decision_whose_request_is_gone_is_never_sent_and_its_ticket_is_reused() {
+        tokio::time::pause();
+        let (store, _, client) = setup(16, false);
+        let (first, mut riders) = behind_a_slow_call(&store, &client, 5, 2).await;
+        // Both riders queue behind the first call; then t0's request goes.
+        for _ in 0..3 {
+            tokio::task::yield_now().await;
+        }
+        riders.remove(0).abort();
+        first.await.unwrap().unwrap();
+        for rider in riders {
+            assert!(rider.await.unwrap().unwrap().decision.allowed);
+        }
+        assert_eq!(store.batches().concat(), ["rl2:{first}:r", "rl2:{t1}:r"]);
+        let state = client.inner.state.borrow();
+        assert_eq!(state.pool.in_use(), 0, "every ticket is free again");
+        assert!(
+            state.pool.tickets.len() <= 3,
+            "{}",
+            state.pool.tickets.len()
+        );
+        let server = &state.queues.server;
+        assert!(server.waiting.is_empty() && !server.busy);
     }
 
     #[actix_web::test]

@@ -13,7 +13,7 @@ use std::sync::LazyLock;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use redis::Script;
+use redis::{Cmd, Script};
 
 use super::decision::{Ask, AskKind, BucketSpec, Decision, Grant, GroupGrant, GroupLimit};
 use super::store::{Answer, Item};
@@ -138,17 +138,13 @@ impl RedisBucket {
             .and_then(Answer::group)
     }
 
-    /// Runs one script invocation on the primary serving `key` under the
-    /// timeout, timing it.
-    async fn call(
-        &self,
-        key: &str,
-        invocation: &redis::ScriptInvocation<'_>,
-    ) -> Result<Vec<i64>, RedisCallError> {
+    /// Runs `eval`, a call of the token bucket script, on the primary
+    /// serving `key` under the timeout, timing it.
+    async fn call(&self, key: &str, eval: &Cmd) -> Result<Vec<i64>, RedisCallError> {
         let started = self.clock.now_micros();
         let reply = self
             .conn
-            .invoke(Route::Key(key), invocation, self.timeout)
+            .invoke(Route::Key(key), &TOKEN_BUCKET, eval, self.timeout)
             .await?;
         let elapsed = self.clock.now_micros().saturating_sub(started);
         self.metrics.redis_call(elapsed as f64 / 1e6);
@@ -186,47 +182,12 @@ impl RedisBucket {
     /// [`RedisCallError`] on timeout, connection or server failure, or a
     /// reply of the wrong shape; then no answer is known.
     pub async fn take_batch(&self, batch: &[Item<'_>]) -> Result<Vec<Answer>, RedisCallError> {
-        let mut invocation = TOKEN_BUCKET.prepare_invoke();
-        for item in batch {
-            match *item {
-                Item::One(key, spec, ask) => {
-                    invocation.key(key).arg(spec.capacity.get());
-                    arg_rate(&mut invocation, spec.refill_per_second);
-                    arg_ask(&mut invocation, ask, None);
-                }
-                Item::Group(group, ask) => {
-                    for (i, (key, limit)) in group.iter().enumerate() {
-                        invocation.key(key.as_str());
-                        match limit {
-                            GroupLimit::Bucket(spec) => {
-                                invocation.arg(spec.capacity.get());
-                                arg_rate(&mut invocation, spec.refill_per_second);
-                            }
-                            GroupLimit::Quota { quota, window } => {
-                                invocation.arg(quota.get()).arg(window.script_code());
-                            }
-                            GroupLimit::Slots { slots, holder } => {
-                                invocation.arg(slots.get()).arg(format!(
-                                    "c{}:{:x}",
-                                    holder.lease_ms.max(1),
-                                    holder.id
-                                ));
-                            }
-                        }
-                        if i > 0 {
-                            invocation.arg("-");
-                        } else {
-                            arg_ask(&mut invocation, ask, Some(group.len()));
-                        }
-                    }
-                }
-            }
-        }
+        let eval = eval_cmd(batch);
         let first = batch.first().map_or("", |item| match *item {
             Item::One(key, ..) => key,
             Item::Group(group, _) => group.first().map_or("", |(key, _)| key.as_str()),
         });
-        let reply = self.call(first, &invocation).await?;
+        let reply = self.call(first, &eval).await?;
         let mut rest = reply.as_slice();
         let mut answers = Vec::with_capacity(batch.len());
         for item in batch {
@@ -264,17 +225,79 @@ impl RedisBucket {
     }
 }
 
+/// The `EVALSHA` call of the token bucket script deciding `batch`: every
+/// key first, then each key's three arguments, written straight into the
+/// command's one buffer.
+fn eval_cmd(batch: &[Item<'_>]) -> Cmd {
+    let keys: usize = batch
+        .iter()
+        .map(|item| match item {
+            Item::One(..) => 1,
+            Item::Group(group, _) => group.len(),
+        })
+        .sum();
+    let mut eval = Cmd::with_capacity(3 + 4 * keys, 64 + 48 * keys);
+    eval.arg("EVALSHA").arg(TOKEN_BUCKET.get_hash()).arg(keys);
+    for item in batch {
+        match *item {
+            Item::One(key, ..) => {
+                eval.arg(key);
+            }
+            Item::Group(group, _) => {
+                for (key, _) in group {
+                    eval.arg(key.as_str());
+                }
+            }
+        }
+    }
+    for item in batch {
+        match *item {
+            Item::One(_, spec, ask) => {
+                eval.arg(spec.capacity.get());
+                arg_rate(&mut eval, spec.refill_per_second);
+                arg_ask(&mut eval, ask, None);
+            }
+            Item::Group(group, ask) => {
+                for (i, (_, limit)) in group.iter().enumerate() {
+                    match limit {
+                        GroupLimit::Bucket(spec) => {
+                            eval.arg(spec.capacity.get());
+                            arg_rate(&mut eval, spec.refill_per_second);
+                        }
+                        GroupLimit::Quota { quota, window } => {
+                            eval.arg(quota.get()).arg(window.script_code());
+                        }
+                        GroupLimit::Slots { slots, holder } => {
+                            eval.arg(slots.get()).arg(format!(
+                                "c{}:{:x}",
+                                holder.lease_ms.max(1),
+                                holder.id
+                            ));
+                        }
+                    }
+                    if i > 0 {
+                        eval.arg("-");
+                    } else {
+                        arg_ask(&mut eval, ask, Some(group.len()));
+                    }
+                }
+            }
+        }
+    }
+    eval
+}
+
 /// Writes `ask` as the script reads it, as the head of a group of `keys`
 /// keys when given: a plain take as its cost (a bare number for a lone
 /// key, the common case), a lease as `want:min:need`, a charge as
 /// `c<n>`, a refund as `c-<n>`, a release as `r` and a renewal as `n`; a
 /// group's with `*<keys>` after it.
-fn arg_ask(invocation: &mut redis::ScriptInvocation<'_>, ask: Ask, keys: Option<usize>) {
+fn arg_ask(eval: &mut Cmd, ask: Ask, keys: Option<usize>) {
     let head = match ask.kind {
         AskKind::Take if ask.is_lease() => format!("{}:{}:{}", ask.want, ask.min, ask.need),
         AskKind::Take => match keys {
             None => {
-                invocation.arg(ask.need);
+                eval.arg(ask.need);
                 return;
             }
             Some(_) => ask.need.to_string(),
@@ -285,8 +308,8 @@ fn arg_ask(invocation: &mut redis::ScriptInvocation<'_>, ask: Ask, keys: Option<
         AskKind::Renew => "n".to_owned(),
     };
     match keys {
-        Some(keys) => invocation.arg(format!("{head}*{keys}")),
-        None => invocation.arg(head),
+        Some(keys) => eval.arg(format!("{head}*{keys}")),
+        None => eval.arg(head),
     };
 }
 
@@ -300,12 +323,12 @@ fn width(ask: Ask) -> usize {
 /// case: a rule's own rate, or an even share of it) as an integer, whose
 /// digits cost far less to write than a float's shortest form; any other
 /// in full precision.
-fn arg_rate(invocation: &mut redis::ScriptInvocation<'_>, rate: f64) {
+fn arg_rate(eval: &mut Cmd, rate: f64) {
     // Whole numbers below 2^53 are exact in both forms.
     if rate.fract() == 0.0 && (1.0..9_007_199_254_740_992.0).contains(&rate) {
-        invocation.arg(rate as u64);
+        eval.arg(rate as u64);
     } else {
-        invocation.arg(rate);
+        eval.arg(rate);
     }
 }
 

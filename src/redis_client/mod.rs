@@ -38,7 +38,7 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{Cmd, ErrorKind, FromRedisValue, RedisResult, ScriptInvocation, ServerErrorKind};
+use redis::{Cmd, ErrorKind, FromRedisValue, RedisResult, Script, ServerErrorKind};
 
 pub use error::RedisCallError;
 pub use node::{NodeAddr, SetupError};
@@ -204,18 +204,27 @@ pub struct RedisConn {
 }
 
 impl RedisConn {
-    /// Runs a script invocation on `route`'s primary, bounded by `timeout`.
+    /// Runs `eval`, an `EVALSHA` of `script`, on `route`'s primary,
+    /// bounded by `timeout`; a `NOSCRIPT` reply loads `script` there and
+    /// repeats the call once.
     ///
     /// # Errors
     /// [`RedisCallError`] on timeout, connection or server failure.
     pub async fn invoke<T: FromRedisValue>(
         &self,
         route: Route<'_>,
-        invocation: &ScriptInvocation<'_>,
+        script: &Script,
+        eval: &Cmd,
         timeout: Duration,
     ) -> Result<T, RedisCallError> {
         self.call(route, timeout, |mut c| async move {
-            invocation.invoke_async(&mut c).await
+            match eval.query_async(&mut c).await {
+                Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                    script.load_async(&mut c).await?;
+                    eval.query_async(&mut c).await
+                }
+                result => result,
+            }
         })
         .await
     }
