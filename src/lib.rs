@@ -11,13 +11,13 @@
 //!   rules::RulesHandle ── rule   bucket::Limiter (per worker, shared core)
 //!   region::shares ────── share    ├─ bucket::lease     hot keys: leases, over-limit cache
 //!                                  ├─ breaker gate      per primary (breaker actor drives it)
-//!                                  ├─ bucket::coalesce  the worker's bucket-client actor:
+//!                                  ├─ bucket::coalesce  the worker's decision queue:
 //!                                  │    decisions share EVALSHA lua/token_bucket.lua calls
 //!                                  │    (bucket::redis over redis_client: one server,
 //!                                  │    Sentinel or Cluster; TLS, ACL)
 //!                                  └─ bucket::local     1/N fallback (N: cluster heartbeat)
 //!   actors: RuleCache, share splitter, breaker prober, membership, rebalancer,
-//!           topology watcher, one bucket client per worker
+//!           topology watcher
 //!   admin listener: /live /ready /metrics /admin/rules /admin/shares
 //!   PostgreSQL: db (pool, migrations, LISTEN feeds, leader lock, rule and
 //!               share stores) under RuleCache, splitter, rebalancer, admin

@@ -245,7 +245,7 @@ pub(super) type Sockets = Vec<(TcpListener, Entry)>;
 
 /// The proxy workers over `sockets`: per worker, its own upstream pool and
 /// Redis connection, warmed (connected, script loaded) before the gateway
-/// says it is ready, and its bucket client (an actor on that worker),
+/// says it is ready, and its bucket client (a queue on that worker),
 /// which coalesces the worker's decisions into shared script calls.
 ///
 /// # Errors

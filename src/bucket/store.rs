@@ -5,8 +5,8 @@
 //! outcome reported to the breaker by the store; and [`BatchStore`], what
 //! the coalescer needs below it: several takes in one call, each call's
 //! outcome reported to the breaker of the primary it went to. In production
-//! the limiter's store is [`super::Coalesced`] (this worker's bucket-client
-//! actor) over [`RedisBucket`]; tests use an in-memory fake
+//! the limiter's store is [`super::Coalesced`] (this worker's decision
+//! queue) over [`RedisBucket`]; tests use an in-memory fake
 //! (`store::fake`, test builds only) that follows the script's arithmetic
 //! on an injected clock and can be slow, time out, drop a connection
 //! mid-call or answer `NOSCRIPT`, so the limiter's order, single-flight

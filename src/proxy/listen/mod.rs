@@ -1,9 +1,9 @@
 //! The proxy listener: worker threads, client connections and shutdown.
 //!
 //! Owns serving. Each worker is an actix arbiter (one thread running one
-//! single-threaded runtime), so that the worker's bucket-client actor, its
+//! single-threaded runtime), so that the worker's decision queue, its
 //! upstream connections and its client connections share a thread and
-//! their messages never cross one. Every worker accepts from each listening
+//! nothing they pass each other crosses one. Every worker accepts from each listening
 //! socket (the proxy's, and Envoy's rate limit service and the HTTP check
 //! when served: each connection is its socket's [`Entry`]) and serves each
 //! connection as HTTP/1.1 (hyper), or
