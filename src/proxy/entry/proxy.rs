@@ -45,22 +45,28 @@ pub(super) async fn handle(
     worker: &Worker,
 ) -> Response<ProxyBody> {
     let state = &*worker.state;
-    let Some(log) = state.access.as_ref().filter(|log| log.sampled()) else {
-        return phases(req, client, worker, None).await;
-    };
-    let started = state.clock.now_micros();
-    let method = req.method().clone();
-    let mut note = AccessNote::default();
-    let response = phases(req, client, worker, Some(&mut note)).await;
-    let duration = state.clock.now_micros().saturating_sub(started);
-    log.write(
-        &note,
-        &method,
-        response.status(),
-        duration,
-        &state.routes,
-        &state.requests,
-    );
+    // One call of `phases` whether or not the line is written: each call
+    // site would hold a future of its own in this one's.
+    let mut sampled = state
+        .access
+        .as_ref()
+        .filter(|log| log.sampled())
+        .map(|log| {
+            let started = state.clock.now_micros();
+            (log, started, req.method().clone(), AccessNote::default())
+        });
+    let response = phases(req, client, worker, sampled.as_mut().map(|(.., note)| note)).await;
+    if let Some((log, started, method, note)) = sampled {
+        let duration = state.clock.now_micros().saturating_sub(started);
+        log.write(
+            &note,
+            &method,
+            response.status(),
+            duration,
+            &state.routes,
+            &state.requests,
+        );
+    }
     response
 }
 

@@ -4,7 +4,7 @@
 //! uploading client.
 
 use std::error::Error as StdError;
-use std::pin::pin;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -38,17 +38,19 @@ impl Dialer {
     /// Runs `exchange` under `upstream.timeout_ms`, not counting the time
     /// `upload` spent waiting on its client; a failed upload is the
     /// client's fault whatever hyper reports.
+    ///
+    /// The exchange is pinned by the caller, so that its future is stored
+    /// once, in the caller's.
     pub(super) async fn bounded<T>(
         &self,
-        exchange: impl Future<Output = Result<T, ProxyError>>,
+        mut exchange: Pin<&mut impl Future<Output = Result<T, ProxyError>>>,
         upload: &Upload,
     ) -> Result<T, ProxyError> {
         let started = self.clock.now_ms();
         let limit = millis(self.timeout);
-        let mut exchange = pin!(exchange);
         let mut wait = self.timeout;
         loop {
-            match tokio::time::timeout(wait, &mut exchange).await {
+            match tokio::time::timeout(wait, exchange.as_mut()).await {
                 Ok(result) => {
                     return result.map_err(|e| match upload.fault() {
                         Some(ClientFault::Slow) => ProxyError::ClientTimeout,

@@ -20,7 +20,7 @@ mod response;
 
 pub(super) use response::ResponseBody;
 
-use std::pin::Pin;
+use std::pin::{Pin, pin};
 use std::rc::Rc;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -256,7 +256,7 @@ impl Forwarder {
         let (request, upload) = self.upstream_request(req, client, target, &upstream);
         let dialer = Rc::clone(&self.dialer);
         let exchange = Detachable::new(async move {
-            let exchange = async {
+            let exchange = pin!(async {
                 let permit = Arc::clone(&dialer.connections)
                     .acquire_owned()
                     .await
@@ -271,7 +271,7 @@ impl Forwarder {
                     },
                     response,
                 ))
-            };
+            });
             dialer.bounded(exchange, &upload).await
         });
         let (lease, response) = exchange.await?;
