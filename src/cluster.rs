@@ -24,7 +24,7 @@ use actix::{
 use redis::Script;
 
 use crate::clock::millis;
-use crate::redis_client::{RedisConn, Route};
+use crate::redis_client::{RedisConn, Route, evalsha};
 use crate::telemetry::Metrics;
 
 /// The heartbeat script, compiled into the binary.
@@ -125,12 +125,8 @@ struct Heartbeat {
 
 impl Heartbeat {
     fn beat(&mut self, ctx: &mut Context<Self>) {
-        let mut eval = redis::cmd("EVALSHA");
-        eval.arg(HEARTBEAT.get_hash())
-            .arg(1)
-            .arg(&self.key)
-            .arg(&self.id)
-            .arg(millis(self.ttl));
+        let mut eval = evalsha(&HEARTBEAT, 1, 2);
+        eval.arg(&self.key).arg(&self.id).arg(millis(self.ttl));
         let (conn, timeout, key) = (self.conn.clone(), self.timeout, self.key.clone());
         ctx.spawn(
             async move {

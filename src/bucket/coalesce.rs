@@ -66,27 +66,11 @@ enum Job {
 }
 
 impl Job {
-    /// The keys it puts in a call.
-    fn keys(&self) -> usize {
-        match self {
-            Self::One(..) => 1,
-            Self::Group(limits, _) => limits.len(),
-        }
-    }
-
     /// What the store is asked for it.
     fn item(&self) -> Item<'_> {
         match self {
             Self::One(key, spec, ask) => Item::One(key, *spec, *ask),
             Self::Group(limits, ask) => Item::Group(limits, *ask),
-        }
-    }
-
-    /// The key that places it on a Cluster (a group's keys share a slot).
-    fn first_key(&self) -> &str {
-        match self {
-            Self::One(key, ..) => key,
-            Self::Group(limits, _) => limits.first().map_or("", |(key, _)| key),
         }
     }
 }
@@ -244,8 +228,6 @@ struct Inner<B> {
     cluster: bool,
     /// Most keys in one call.
     max_keys: usize,
-    /// The bound on one call.
-    timeout: Duration,
     /// The queues and tickets.
     state: RefCell<State>,
 }
@@ -277,7 +259,6 @@ impl<B: BatchStore> Coalesced<B> {
     pub fn start(redis: B, metrics: Metrics, cluster: bool, max_keys: usize) -> Self {
         Self {
             inner: Rc::new(Inner {
-                timeout: redis.timeout(),
                 redis,
                 metrics,
                 cluster,
@@ -287,9 +268,21 @@ impl<B: BatchStore> Coalesced<B> {
         }
     }
 
-    /// Queues the job `make` builds (from the spare buffers it is given)
-    /// and sends its group's next call if none is in flight; the ticket
-    /// to wait on.
+    /// Queues the job `make` builds (from the spare buffers it is given),
+    /// sends its group's next call if none is in flight, and waits for
+    /// the job's answer.
+    async fn ask(&self, make: impl FnOnce(&mut Pool) -> Job) -> Result<Answer, RedisCallError> {
+        let id = self.enqueue(make)?;
+        Waiting {
+            client: self,
+            id,
+            done: false,
+        }
+        .await
+    }
+
+    /// Queues the job `make` builds and sends its group's next call if
+    /// none is in flight; the ticket to wait on.
     fn enqueue(&self, make: impl FnOnce(&mut Pool) -> Job) -> Result<usize, RedisCallError> {
         let mut state = self.inner.state.borrow_mut();
         if state.pool.in_use() >= MAX_WAITING {
@@ -299,7 +292,7 @@ impl<B: BatchStore> Coalesced<B> {
         }
         let job = make(&mut state.pool);
         let group = if self.inner.cluster {
-            Group::Slot(Slot::for_key(job.first_key().as_bytes()))
+            Group::Slot(Slot::for_key(job.item().first_key().as_bytes()))
         } else {
             Group::Server
         };
@@ -325,7 +318,7 @@ impl<B: BatchStore> Coalesced<B> {
             return;
         }
         let pool = &mut state.pool;
-        let now = Instant::now();
+        let (now, timeout) = (Instant::now(), inner.redis.timeout());
         let mut batch = pool.spare_batches.pop().unwrap_or_default();
         let mut keys = 0;
         while let Some(&id) = queue.waiting.front() {
@@ -337,13 +330,13 @@ impl<B: BatchStore> Coalesced<B> {
             }
             if ticket
                 .queued_at
-                .is_some_and(|at| now.duration_since(at) >= inner.timeout)
+                .is_some_and(|at| now.duration_since(at) >= timeout)
             {
                 queue.waiting.pop_front();
                 pool.answer(id, Err(RedisCallError::CallFailed(RedisErrorKind::Timeout)));
                 continue;
             }
-            let job_keys = ticket.job.as_ref().map_or(0, Job::keys);
+            let job_keys = ticket.job.as_ref().map_or(0, |job| job.item().key_count());
             // A request's limits are never split; one larger than the cap
             // goes alone.
             if keys > 0 && keys + job_keys > inner.max_keys {
@@ -499,22 +492,17 @@ impl<B: BatchStore> Drop for Waiting<'_, B> {
 
 impl<B: BatchStore> SharedStore for Coalesced<B> {
     fn timeout(&self) -> Duration {
-        self.inner.timeout
+        self.inner.redis.timeout()
     }
 
     async fn take(&self, key: &str, spec: &BucketSpec, ask: Ask) -> Result<Grant, RedisCallError> {
-        let id = self.enqueue(|pool| {
+        self.ask(|pool| {
             let mut buffer = pool.spare_keys.pop().unwrap_or_default();
             buffer.push_str(key);
             Job::One(buffer, *spec, ask)
-        })?;
-        let answer = Waiting {
-            client: self,
-            id,
-            done: false,
-        }
-        .await;
-        answer.and_then(Answer::one)
+        })
+        .await
+        .and_then(Answer::one)
     }
 
     async fn take_group(
@@ -522,7 +510,7 @@ impl<B: BatchStore> SharedStore for Coalesced<B> {
         group: &[(String, GroupLimit)],
         ask: Ask,
     ) -> Result<GroupGrant, RedisCallError> {
-        let id = self.enqueue(|pool| {
+        self.ask(|pool| {
             let mut limits = pool.spare_limits.pop().unwrap_or_default();
             limits.truncate(group.len());
             for (mine, (key, limit)) in limits.iter_mut().zip(group) {
@@ -532,14 +520,9 @@ impl<B: BatchStore> SharedStore for Coalesced<B> {
             let kept = limits.len();
             limits.extend_from_slice(&group[kept..]);
             Job::Group(limits, ask)
-        })?;
-        let answer = Waiting {
-            client: self,
-            id,
-            done: false,
-        }
-        .await;
-        answer.and_then(Answer::group)
+        })
+        .await
+        .and_then(Answer::group)
     }
 }
 

@@ -18,7 +18,7 @@ use redis::{Cmd, Script};
 use super::decision::{Ask, AskKind, BucketSpec, Decision, Grant, GroupGrant, GroupLimit};
 use super::store::{Answer, Item};
 use crate::clock::SharedClock;
-use crate::redis_client::{RedisCallError, RedisConn, Route};
+use crate::redis_client::{RedisCallError, RedisConn, Route, evalsha};
 use crate::telemetry::Metrics;
 
 /// The token bucket script's source, compiled into the binary.
@@ -183,10 +183,7 @@ impl RedisBucket {
     /// reply of the wrong shape; then no answer is known.
     pub async fn take_batch(&self, batch: &[Item<'_>]) -> Result<Vec<Answer>, RedisCallError> {
         let eval = eval_cmd(batch);
-        let first = batch.first().map_or("", |item| match *item {
-            Item::One(key, ..) => key,
-            Item::Group(group, _) => group.first().map_or("", |(key, _)| key.as_str()),
-        });
+        let first = batch.first().map_or("", Item::first_key);
         let reply = self.call(first, &eval).await?;
         let mut rest = reply.as_slice();
         let mut answers = Vec::with_capacity(batch.len());
@@ -229,26 +226,10 @@ impl RedisBucket {
 /// key first, then each key's three arguments, written straight into the
 /// command's one buffer.
 fn eval_cmd(batch: &[Item<'_>]) -> Cmd {
-    let keys: usize = batch
-        .iter()
-        .map(|item| match item {
-            Item::One(..) => 1,
-            Item::Group(group, _) => group.len(),
-        })
-        .sum();
-    let mut eval = Cmd::with_capacity(3 + 4 * keys, 64 + 48 * keys);
-    eval.arg("EVALSHA").arg(TOKEN_BUCKET.get_hash()).arg(keys);
-    for item in batch {
-        match *item {
-            Item::One(key, ..) => {
-                eval.arg(key);
-            }
-            Item::Group(group, _) => {
-                for (key, _) in group {
-                    eval.arg(key.as_str());
-                }
-            }
-        }
+    let keys = batch.iter().map(Item::key_count).sum();
+    let mut eval = evalsha(&TOKEN_BUCKET, keys, 3 * keys);
+    for key in batch.iter().flat_map(Item::keys) {
+        eval.arg(key);
     }
     for item in batch {
         match *item {

@@ -61,6 +61,31 @@ pub enum Item<'a> {
     Group(&'a [(String, GroupLimit)], Ask),
 }
 
+impl<'a> Item<'a> {
+    /// Its keys, in the order the store is asked them.
+    pub fn keys(&self) -> impl Iterator<Item = &'a str> {
+        let (one, group) = match *self {
+            Self::One(key, ..) => (Some(key), &[][..]),
+            Self::Group(group, _) => (None, group),
+        };
+        one.into_iter()
+            .chain(group.iter().map(|(key, _)| key.as_str()))
+    }
+
+    /// How many keys it puts in a call.
+    pub fn key_count(&self) -> usize {
+        match self {
+            Self::One(..) => 1,
+            Self::Group(group, _) => group.len(),
+        }
+    }
+
+    /// The key that places it on a Cluster (a group's keys share a slot).
+    pub fn first_key(&self) -> &'a str {
+        self.keys().next().unwrap_or("")
+    }
+}
+
 /// What a batched call answered for one [`Item`].
 #[derive(Debug, Clone, PartialEq)]
 pub enum Answer {

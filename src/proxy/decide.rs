@@ -68,10 +68,7 @@ pub(super) async fn decide(
     holder: Option<u64>,
 ) -> Decided {
     let state = &*worker.state;
-    let share = state
-        .shares
-        .snapshot()
-        .share_for(tenant.as_str(), route.as_str());
+    let share = share_now(state, tenant, route);
     if in_force.is_single() {
         let verdict = worker
             .limiter
@@ -111,6 +108,14 @@ fn in_force_now(state: &ProxyState, tenant: &TenantId, route: &RouteId) -> InFor
         .in_force(tenant.as_str(), route.as_str())
 }
 
+/// This region's share now of `tenant`'s limits on `route`.
+fn share_now(state: &ProxyState, tenant: &TenantId, route: &RouteId) -> f64 {
+    state
+        .shares
+        .snapshot()
+        .share_for(tenant.as_str(), route.as_str())
+}
+
 /// Charges `amount` (gives it back when negative) for `tenant` on `route`
 /// under the rules in force now, whatever the limits hold: usage reported
 /// after the fact. Never refused; the headers report what is left.
@@ -122,10 +127,7 @@ pub(super) async fn charge_now(
     amount: i64,
 ) -> Decided {
     let in_force = in_force_now(state, tenant, route);
-    let share = state
-        .shares
-        .snapshot()
-        .share_for(tenant.as_str(), route.as_str());
+    let share = share_now(state, tenant, route);
     let verdict = limiter
         .charge(tenant, route, &in_force, share, amount)
         .await;
@@ -189,10 +191,7 @@ pub(super) async fn release_now(
 ) -> (Decided, bool) {
     let state = &worker.state;
     let in_force = in_force_now(state, tenant, route);
-    let share = state
-        .shares
-        .snapshot()
-        .share_for(tenant.as_str(), route.as_str());
+    let share = share_now(state, tenant, route);
     let verdict = worker
         .limiter
         .release_slots(tenant, route, &in_force, share, holder_id(tenant, request))

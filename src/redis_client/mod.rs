@@ -203,6 +203,14 @@ pub struct RedisConn {
     reports: bool,
 }
 
+/// An `EVALSHA` of `script` with its `keys` keys still to be written, and
+/// room for them and `args` arguments more; [`RedisConn::invoke`] sends it.
+pub fn evalsha(script: &Script, keys: usize, args: usize) -> Cmd {
+    let mut eval = Cmd::with_capacity(3 + keys + args, 64 + 32 * (keys + args));
+    eval.arg("EVALSHA").arg(script.get_hash()).arg(keys);
+    eval
+}
+
 impl RedisConn {
     /// Runs `eval`, an `EVALSHA` of `script`, on `route`'s primary,
     /// bounded by `timeout`; a `NOSCRIPT` reply loads `script` there and

@@ -55,9 +55,6 @@ fn identify_counted(
     })
 }
 
-/// Reads and validates the tenant: exactly one `X-Api-Key` header holding
-/// one key, and no other spelling of the header name (`X_Api_Key`, which
-/// CGI-style servers read as the same header).
 /// Longest request id (Envoy's `x-request-id` is a 36-byte UUID).
 const MAX_REQUEST_ID: usize = 256;
 
@@ -75,6 +72,9 @@ fn request_id<'a>(field: &str, id: &'a str) -> Result<&'a str, String> {
     Ok(id)
 }
 
+/// Reads and validates the tenant: exactly one `X-Api-Key` header holding
+/// one key, and no other spelling of the header name (`X_Api_Key`, which
+/// CGI-style servers read as the same header).
 fn identify(headers: &HeaderMap) -> Result<TenantId, ProxyError> {
     if headers.keys().any(|name| is_key_alias(name.as_str())) {
         return Err(ProxyError::SeveralKeys);
