@@ -3,12 +3,14 @@
 //! connection, each sending its next request when the last is answered.
 //!
 //! ```text
-//! cargo bench --bench entry_load -- <rls|check|proxy> ADDR CONNECTIONS SECONDS TENANTS
+//! cargo bench --bench entry_load -- <rls|check|proxy> ADDR CLIENTS SECONDS TENANTS [STREAMS]
 //! ```
 //!
 //! - `rls`: `ShouldRateLimit` with one descriptor (`api_key`, `route`
-//!   = `bench`), a gRPC client generated from Envoy's protos, one HTTP/2
-//!   connection per client;
+//!   = `bench`), a gRPC client generated from Envoy's protos; every
+//!   STREAMS clients (default 1) share one HTTP/2 connection, each client
+//!   a stream of its own at a time, as Envoy multiplexes its calls over
+//!   one connection per worker;
 //! - `check`: `GET /v1/auth` with `X-Api-Key` and `X-Tollgate-Route:
 //!   bench`, HTTP/1.1 keep-alive;
 //! - `proxy`: `GET /` with `X-Api-Key` through the proxy, HTTP/1.1
@@ -32,6 +34,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::R
 use hyper::body::Incoming;
 use hyper::client::conn::http1;
 use hyper_util::rt::TokioIo;
+use tonic::transport::{Channel, Endpoint};
 
 /// What one client saw.
 #[derive(Default)]
@@ -57,10 +60,14 @@ fn tenant(client: usize, i: usize, clients: usize, tenants: usize) -> String {
     format!("t{}", (client + i * clients) % tenants)
 }
 
-async fn rls(addr: String, client: usize, clients: usize, tenants: usize, until: Instant) -> Tally {
-    let mut c = RateLimitServiceClient::connect(format!("http://{addr}"))
-        .await
-        .unwrap();
+async fn rls(
+    channel: Channel,
+    client: usize,
+    clients: usize,
+    tenants: usize,
+    until: Instant,
+) -> Tally {
+    let mut c = RateLimitServiceClient::new(channel);
     let mut tally = Tally::default();
     let mut i = 0;
     while Instant::now() < until {
@@ -153,11 +160,22 @@ fn main() {
         .skip(1)
         .filter(|a| a != "--bench")
         .collect();
-    let [target, addr, clients, seconds, tenants] = args.as_slice() else {
-        eprintln!("usage: entry_load <rls|check|proxy> ADDR CONNECTIONS SECONDS TENANTS");
-        std::process::exit(2);
+    let (target, addr, clients, seconds, tenants, streams) = match args.as_slice() {
+        [target, addr, clients, seconds, tenants] => (target, addr, clients, seconds, tenants, "1"),
+        [target, addr, clients, seconds, tenants, streams] => {
+            (target, addr, clients, seconds, tenants, streams.as_str())
+        }
+        _ => {
+            eprintln!("usage: entry_load <rls|check|proxy> ADDR CLIENTS SECONDS TENANTS [STREAMS]");
+            std::process::exit(2);
+        }
     };
     let clients: usize = clients.parse().unwrap();
+    let streams: usize = streams.parse::<usize>().unwrap().max(1);
+    assert!(
+        streams == 1 || target == "rls",
+        "only rls shares a connection between clients (HTTP/2)"
+    );
     let tenants: usize = tenants.parse().unwrap();
     let seconds: u64 = seconds.parse().unwrap();
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -166,13 +184,23 @@ fn main() {
         .build()
         .unwrap();
     let tallies = runtime.block_on(async {
+        let mut channels = Vec::new();
+        if target == "rls" {
+            for _ in 0..clients.div_ceil(streams) {
+                let endpoint = Endpoint::from_shared(format!("http://{addr}")).unwrap();
+                channels.push(endpoint.connect().await.unwrap());
+            }
+        }
         let started = Instant::now();
         let until = started + Duration::from_secs(seconds);
         let tasks: Vec<_> = (0..clients)
             .map(|client| {
                 let addr = addr.clone();
                 match target.as_str() {
-                    "rls" => tokio::spawn(rls(addr, client, clients, tenants, until)),
+                    "rls" => {
+                        let channel = channels[client / streams].clone();
+                        tokio::spawn(rls(channel, client, clients, tenants, until))
+                    }
                     "check" => tokio::spawn(http(addr, true, client, clients, tenants, until)),
                     "proxy" => tokio::spawn(http(addr, false, client, clients, tenants, until)),
                     other => panic!("unknown target {other}"),
@@ -199,7 +227,7 @@ fn main() {
     };
     let requests = micros.len();
     println!(
-        "{{\"target\":\"{target}\",\"connections\":{clients},\"tenants\":{tenants},\"requests\":{requests},\
+        "{{\"target\":\"{target}\",\"clients\":{clients},\"streams_per_connection\":{streams},\"tenants\":{tenants},\"requests\":{requests},\
          \"allowed\":{},\"errors\":{},\"per_second\":{:.0},\"p50_us\":{},\"p99_us\":{}}}",
         tallies.iter().map(|t| t.allowed).sum::<u64>(),
         tallies.iter().map(|t| t.errors).sum::<u64>(),
