@@ -204,9 +204,10 @@ pub struct RedisConn {
 }
 
 /// An `EVALSHA` of `script` with its `keys` keys still to be written, and
-/// room for them and `args` arguments more; [`RedisConn::invoke`] sends it.
+/// room for them and `args` arguments more (about 16 bytes each: a key
+/// `rl:{tenant}:route` or a number); [`RedisConn::invoke`] sends it.
 pub fn evalsha(script: &Script, keys: usize, args: usize) -> Cmd {
-    let mut eval = Cmd::with_capacity(3 + keys + args, 64 + 32 * (keys + args));
+    let mut eval = Cmd::with_capacity(3 + keys + args, 64 + 16 * (keys + args));
     eval.arg("EVALSHA").arg(script.get_hash()).arg(keys);
     eval
 }
