@@ -125,18 +125,32 @@ local group_end = 0
 -- whether they are usable (a capacity of at least 1, a positive rate), and
 -- the tokens within which a count snaps to a whole one.
 local rule_capacity, rule_rate, capacity, rate, expire_ms, rule_ok, snap
+-- The previous single key's ask, and its counts: a run of keys with the
+-- same ask (most often '1') converts it once.
+local last_ask, last_want, last_min, last_need, last_lease
 
 for i = 1, #KEYS do
   local at = i * 3
   local ask = ARGV[at] or '1'
-  local want = tonumber(ask)
-  local min, need, lease = want, want, false
-  local single = want ~= nil
+  local want, min, need, lease, single
+  if ask == last_ask then
+    want, min, need, lease, single = last_want, last_min, last_need, last_lease, true
+  else
+    want = tonumber(ask)
+    min, need, lease = want, want, false
+    single = want ~= nil
+    if not single then
+      local w, m, k = string.match(ask, '^(%d+):(%d+):(%d+)$')
+      if k then
+        want, min, need, lease, single = tonumber(w), tonumber(m), tonumber(k), true, true
+      end
+    end
+    if single then
+      last_ask, last_want, last_min, last_need, last_lease = ask, want, min, need, lease
+    end
+  end
   if not single then
-    local w, m, k = string.match(ask, '^(%d+):(%d+):(%d+)$')
-    if k then
-      want, min, need, lease, single = tonumber(w), tonumber(m), tonumber(k), true, true
-    elseif ask == '-' then
+    if ask == '-' then
       -- A later key of a group, decided with the group's first key; one
       -- after the group's end belongs to no group and fails.
       if i > group_end then

@@ -181,6 +181,44 @@ async fn plain_asks_and_leases_share_a_call_and_read_back_in_order() {
     );
 }
 
+/// Keys in a row with the same ask (the script converts a repeated ask
+/// once) are each decided on their own bucket state.
+#[actix_web::test]
+async fn repeated_asks_in_one_call_each_take_their_own_tokens() {
+    let (_redis, b) = redis_and_bucket();
+    let lease = Ask::lease(4, 2, 1);
+    let grants = b
+        .take_many(&[
+            ("rl2:{q}:a", spec(2, 1), Ask::single(1)),
+            ("rl2:{q}:a", spec(2, 1), Ask::single(1)),
+            ("rl2:{q}:a", spec(2, 1), Ask::single(1)),
+            ("rl2:{q}:b", spec(5, 1), lease),
+            ("rl2:{q}:b", spec(5, 1), lease),
+            ("rl2:{q}:b", spec(5, 1), lease),
+            ("rl2:{q}:c", spec(5, 1), Ask::single(1)),
+        ])
+        .await
+        .unwrap();
+    let seen: Vec<_> = grants
+        .iter()
+        .map(|g| (g.decision.allowed, g.decision.remaining, g.granted))
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            (true, 1, 1),
+            (true, 0, 1),
+            (false, 0, 0),
+            // A lease takes want, then only the request's own need once
+            // fewer than min are left, then nothing.
+            (true, 1, 4),
+            (true, 0, 1),
+            (false, 0, 0),
+            (true, 4, 1),
+        ]
+    );
+}
+
 /// Answers of format 1 (`tests/fixtures/token_bucket_v1.lua`) and of this
 /// script to the same sequence of asks, on twin buckets: allowed, remaining
 /// and granted are equal. The waits are equal up to what Redis's clock
