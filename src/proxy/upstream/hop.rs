@@ -225,6 +225,20 @@ mod tests {
     }
 
     #[test]
+    fn connection_tokens_are_names_in_any_case_over_every_line() {
+        let mut from = HeaderMap::new();
+        from.append(hy::CONNECTION, HeaderValue::from_static("Keep-Alive, X-Secret"));
+        from.append(hy::CONNECTION, HeaderValue::from_static(" x-other ,bad token!,"));
+        from.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        from.insert("x-secret", HeaderValue::from_static("1"));
+        from.insert("x-other", HeaderValue::from_static("2"));
+        from.insert(hy::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+        strip_hop_by_hop(&mut from);
+        let names: Vec<_> = from.keys().map(|k| k.as_str().to_owned()).collect();
+        assert_eq!(names, vec!["content-type"]);
+    }
+
+    #[test]
     fn the_upstream_gets_exactly_the_limited_key_whatever_connection_lists() {
         let to = forwarded(
             &[
