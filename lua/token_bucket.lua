@@ -84,7 +84,14 @@
 --                   another lease could be granted
 -- For a plain ask those two say nothing new (granted is the cost when
 -- allowed, else 0; block_ms is retry_after_ms), so they are not sent: a
--- reply's integers are most of what a caller spends parsing it.
+-- reply's integers are most of what a caller spends parsing it, and each
+-- costs Redis about as much as one of the script's arguments.
+--
+-- A plain ask written "+cost" (as the gateway writes it) gets the compact
+-- reply instead: a grant that leaves at least cost tokens (retry_after_ms
+-- 0, the common answer) is one integer, its remaining count (>= 1); a key
+-- that could not be decided is -1 alone; any other answer is -2 followed
+-- by allowed, remaining and retry_after_ms.
 --
 -- Per key: one GET, and one SET ... PX when tokens are taken (SET ... PXAT
 -- for a quota; a rejection writes nothing), both by redis.pcall so that a
@@ -127,18 +134,20 @@ local group_end = 0
 local rule_capacity, rule_rate, capacity, rate, expire_ms, rule_ok, snap
 -- The previous single key's ask, and its counts: a run of keys with the
 -- same ask (most often '1') converts it once.
-local last_ask, last_want, last_min, last_need, last_lease
+local last_ask, last_want, last_min, last_need, last_lease, last_compact
 
 for i = 1, #KEYS do
   local at = i * 3
   local ask = ARGV[at] or '1'
-  local want, min, need, lease, single
+  local want, min, need, lease, single, compact
   if ask == last_ask then
-    want, min, need, lease, single = last_want, last_min, last_need, last_lease, true
+    want, min, need, lease, single, compact = last_want, last_min, last_need, last_lease, true, last_compact
   else
     want = tonumber(ask)
     min, need, lease = want, want, false
     single = want ~= nil
+    -- '+' (43) before a plain cost asks for the compact reply.
+    compact = single and string.byte(ask) == 43
     if not single then
       local w, m, k = string.match(ask, '^(%d+):(%d+):(%d+)$')
       if k then
@@ -146,7 +155,8 @@ for i = 1, #KEYS do
       end
     end
     if single then
-      last_ask, last_want, last_min, last_need, last_lease = ask, want, min, need, lease
+      last_ask, last_want, last_min, last_need, last_lease, last_compact =
+        ask, want, min, need, lease, compact
     end
   end
   if not single then
@@ -539,7 +549,21 @@ for i = 1, #KEYS do
         end
       end
     end
-    if allowed < 0 then
+    if compact then
+      -- The compact reply: a grant with need tokens left is its remaining
+      -- count alone (at least 1); anything else is tagged.
+      local retry = allowed >= 0 and wait(need, tokens, rate) or 0
+      if allowed < 0 then
+        reply[n + 1] = -1
+        n = n + 1
+      elseif allowed == 1 and retry == 0 then
+        reply[n + 1] = floor(tokens)
+        n = n + 1
+      else
+        reply[n + 1], reply[n + 2], reply[n + 3], reply[n + 4] = -2, allowed, floor(tokens), retry
+        n = n + 4
+      end
+    elseif allowed < 0 then
       reply[n + 1], reply[n + 2], reply[n + 3] = -1, 0, 0
       n = n + 3
       if lease then

@@ -142,6 +142,41 @@ async fn one_call_decides_several_keys_with_one_reading_of_the_clock() {
 }
 
 #[actix_web::test]
+async fn a_plus_cost_gets_the_compact_reply() {
+    let redis = RedisServer::start();
+    let mut conn = redis.conn().await;
+    let _: () = conn.hset("rl2:{c}:bad", "f", 1).await.unwrap();
+    let reply: Vec<i64> = redis::cmd("EVAL")
+        .arg(include_str!("../lua/token_bucket.lua"))
+        .arg(5)
+        .arg(&[
+            "rl2:{c}:r",
+            "rl2:{c}:r",
+            "rl2:{c}:r",
+            "rl2:{c}:bad",
+            "rl2:{c}:s",
+        ])
+        .arg(&["3", "1", "+1"])
+        .arg(&["3", "1", "+2"])
+        .arg(&["3", "1", "+1"])
+        .arg(&["3", "1", "+1"])
+        .arg(&["3", "1", "1"])
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(
+        reply,
+        [
+            2, // a grant leaving its cost again: the remaining count alone
+            -2, 1, 0, 2_000, // a grant leaving less than its cost: tagged
+            -2, 0, 0, 1_000, // a refusal: tagged
+            -1,    // a key the script could not decide
+            1, 2, 0, // a plain "1" keeps the three integers
+        ]
+    );
+}
+
+#[actix_web::test]
 async fn plain_asks_and_leases_share_a_call_and_read_back_in_order() {
     let (_redis, b) = redis_and_bucket();
     let lease = Ask::lease(8, 2, 1);

@@ -189,6 +189,9 @@ impl RedisBucket {
         let mut answers = Vec::with_capacity(batch.len());
         for item in batch {
             match *item {
+                Item::One(_, spec, ask) if compact(ask) => {
+                    answers.push(compact_answer(&mut rest, &spec, ask)?);
+                }
                 Item::One(_, spec, ask) => {
                     let (r, tail) = rest
                         .split_at_checked(width(ask))
@@ -269,8 +272,9 @@ fn eval_cmd(batch: &[Item<'_>]) -> Cmd {
 }
 
 /// Writes `ask` as the script reads it, as the head of a group of `keys`
-/// keys when given: a plain take as its cost (a bare number for a lone
-/// key, the common case), a lease as `want:min:need`, a charge as
+/// keys when given: a plain take as its cost (`+<cost>` for a lone key,
+/// the common case, which asks for the compact reply), a lease as
+/// `want:min:need`, a charge as
 /// `c<n>`, a refund as `c-<n>`, a release as `r` and a renewal as `n`; a
 /// group's with `*<keys>` after it.
 fn arg_ask(eval: &mut Cmd, ask: Ask, keys: Option<usize>) {
@@ -278,7 +282,11 @@ fn arg_ask(eval: &mut Cmd, ask: Ask, keys: Option<usize>) {
         AskKind::Take if ask.is_lease() => format!("{}:{}:{}", ask.want, ask.min, ask.need),
         AskKind::Take => match keys {
             None => {
-                eval.arg(ask.need);
+                let mut digits = itoa::Buffer::new();
+                let digits = digits.format(ask.need).as_bytes();
+                let mut plus = [b'+'; 11];
+                plus[1..=digits.len()].copy_from_slice(digits);
+                eval.arg(&plus[..=digits.len()]);
                 return;
             }
             Some(_) => ask.need.to_string(),
@@ -294,8 +302,43 @@ fn arg_ask(eval: &mut Cmd, ask: Ask, keys: Option<usize>) {
     };
 }
 
-/// The integers the script replies per key for `ask`: five for a lease,
-/// three for any other.
+/// Whether a lone key's `ask` gets the script's compact reply: a plain
+/// take (see [`arg_ask`]).
+fn compact(ask: Ask) -> bool {
+    ask.kind == AskKind::Take && !ask.is_lease()
+}
+
+/// The answer to a lone key's plain `ask` under `spec`, read from the
+/// front of `rest` in the script's compact form: the remaining count of
+/// a grant that leaves `need` tokens (then nothing to wait for), -1 for a
+/// key the script could not decide, or -2 and the three integers of any
+/// other answer.
+fn compact_answer(
+    rest: &mut &[i64],
+    spec: &BucketSpec,
+    ask: Ask,
+) -> Result<Answer, RedisCallError> {
+    let (&head, tail) = rest.split_first().ok_or(RedisCallError::BadReply)?;
+    *rest = tail;
+    let decision = match head {
+        -1 => return Ok(Answer::Refused),
+        -2 => {
+            let (r, tail) = rest.split_at_checked(3).ok_or(RedisCallError::BadReply)?;
+            *rest = tail;
+            decision_of(r)
+        }
+        remaining if remaining > 0 => Decision {
+            allowed: true,
+            remaining: remaining.unsigned_abs(),
+            retry_after_ms: 0,
+        },
+        _ => return Err(RedisCallError::BadReply),
+    };
+    Ok(Answer::One(plain_grant(decision, spec, ask)))
+}
+
+/// The integers the script replies per key for `ask` (other than a lone
+/// key's plain take): five for a lease, three for any other.
 fn width(ask: Ask) -> usize {
     if ask.is_lease() { 5 } else { 3 }
 }
@@ -353,30 +396,33 @@ fn decision_of(r: &[i64]) -> Decision {
     }
 }
 
-/// The grant of a single key's reply `r` (three integers for a plain
-/// ask, five for a lease).
+/// The grant of a single key's reply `r` (three integers for a charge,
+/// five for a lease).
 fn grant_of(r: &[i64], spec: &BucketSpec, ask: Ask) -> Grant {
     let decision = decision_of(r);
-    // What the script leaves out for a plain ask follows from the
-    // decision: it took its cost (clamped to the capacity, as the script
-    // does) or nothing, and can ask again once it could pass; a charge
-    // took its amount (clamped likewise here).
-    let (granted, block_ms) = if !ask.is_lease() {
-        let granted = if decision.allowed {
-            ask.need.min(spec.capacity.get())
-        } else {
-            0
-        };
-        (granted, decision.retry_after_ms)
+    if !ask.is_lease() {
+        return plain_grant(decision, spec, ask);
+    }
+    Grant {
+        granted: u32::try_from(r[3]).unwrap_or(0),
+        decision,
+        block_ms: u64::try_from(r[4]).unwrap_or(0),
+    }
+}
+
+/// The grant of a plain ask or a charge with `decision`: what the script
+/// leaves out follows from it. A plain ask took its cost (clamped to the
+/// capacity, as the script does) or nothing, and can ask again once it
+/// could pass; a charge took its amount (clamped likewise here).
+fn plain_grant(decision: Decision, spec: &BucketSpec, ask: Ask) -> Grant {
+    let granted = if decision.allowed {
+        ask.need.min(spec.capacity.get())
     } else {
-        (
-            u32::try_from(r[3]).unwrap_or(0),
-            u64::try_from(r[4]).unwrap_or(0),
-        )
+        0
     };
     Grant {
         granted,
         decision,
-        block_ms,
+        block_ms: decision.retry_after_ms,
     }
 }

@@ -227,8 +227,14 @@ mod tests {
     #[test]
     fn connection_tokens_are_names_in_any_case_over_every_line() {
         let mut from = HeaderMap::new();
-        from.append(hy::CONNECTION, HeaderValue::from_static("Keep-Alive, X-Secret"));
-        from.append(hy::CONNECTION, HeaderValue::from_static(" x-other ,bad token!,"));
+        from.append(
+            hy::CONNECTION,
+            HeaderValue::from_static("Keep-Alive, X-Secret"),
+        );
+        from.append(
+            hy::CONNECTION,
+            HeaderValue::from_static(" x-other ,bad token!,"),
+        );
         from.insert("keep-alive", HeaderValue::from_static("timeout=5"));
         from.insert("x-secret", HeaderValue::from_static("1"));
         from.insert("x-other", HeaderValue::from_static("2"));
