@@ -84,8 +84,8 @@
 --                   another lease could be granted
 -- For a plain ask those two say nothing new (granted is the cost when
 -- allowed, else 0; block_ms is retry_after_ms), so they are not sent: a
--- reply's integers are most of what a caller spends parsing it, and each
--- costs Redis about as much as one of the script's arguments.
+-- reply's integers are most of what a caller spends parsing it, and Redis
+-- converts each one.
 --
 -- A plain ask written "+cost" (as the gateway writes it) gets the compact
 -- reply instead: a grant that leaves at least cost tokens (retry_after_ms
