@@ -549,20 +549,9 @@ for i = 1, #KEYS do
         end
       end
     end
-    if compact then
-      -- The compact reply: a grant with need tokens left is its remaining
-      -- count alone (at least 1); anything else is tagged.
-      local retry = allowed >= 0 and wait(need, tokens, rate) or 0
-      if allowed < 0 then
-        reply[n + 1] = -1
-        n = n + 1
-      elseif allowed == 1 and retry == 0 then
-        reply[n + 1] = floor(tokens)
-        n = n + 1
-      else
-        reply[n + 1], reply[n + 2], reply[n + 3], reply[n + 4] = -2, allowed, floor(tokens), retry
-        n = n + 4
-      end
+    if allowed < 0 and compact then
+      reply[n + 1] = -1
+      n = n + 1
     elseif allowed < 0 then
       reply[n + 1], reply[n + 2], reply[n + 3] = -1, 0, 0
       n = n + 3
@@ -571,14 +560,25 @@ for i = 1, #KEYS do
         n = n + 2
       end
     else
-      reply[n + 1] = allowed
-      reply[n + 2] = floor(tokens)
-      reply[n + 3] = wait(need, tokens, rate)
-      n = n + 3
-      if lease then
-        reply[n + 1] = allowed > 0 and granted or 0
-        reply[n + 2] = wait(min, tokens, rate)
-        n = n + 2
+      local retry = wait(need, tokens, rate)
+      if compact and allowed == 1 and retry == 0 then
+        -- The compact reply of a grant with need tokens left: its
+        -- remaining count alone (at least 1).
+        reply[n + 1] = floor(tokens)
+        n = n + 1
+      else
+        -- Any other compact answer is tagged, then as a plain one.
+        if compact then
+          reply[n + 1] = -2
+          n = n + 1
+        end
+        reply[n + 1], reply[n + 2], reply[n + 3] = allowed, floor(tokens), retry
+        n = n + 3
+        if lease then
+          reply[n + 1] = allowed > 0 and granted or 0
+          reply[n + 2] = wait(min, tokens, rate)
+          n = n + 2
+        end
       end
     end
   end

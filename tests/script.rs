@@ -59,6 +59,23 @@ fn spec(capacity: u32, refill: u32) -> BucketSpec {
     )
 }
 
+/// The script's raw reply to `keys`, each with its three arguments
+/// (capacity or quota, rate or window, ask) in `args`.
+async fn eval(
+    conn: &mut redis::aio::MultiplexedConnection,
+    keys: &[&str],
+    args: &[[&str; 3]],
+) -> Vec<i64> {
+    let mut call = redis::cmd("EVAL");
+    call.arg(include_str!("../lua/token_bucket.lua"))
+        .arg(keys.len())
+        .arg(keys);
+    for key_args in args {
+        call.arg(key_args);
+    }
+    call.query_async(conn).await.unwrap()
+}
+
 /// Redis's clock in microseconds since the Unix epoch.
 async fn redis_now_us(conn: &mut redis::aio::MultiplexedConnection) -> f64 {
     let (s, us): (u64, u64) = redis::cmd("TIME").query_async(conn).await.unwrap();
@@ -117,20 +134,12 @@ async fn refill_follows_redis_time_since_the_stored_timestamp() {
 async fn one_call_decides_several_keys_with_one_reading_of_the_clock() {
     let redis = RedisServer::start();
     let mut conn = redis.conn().await;
-    let reply: Vec<i64> = redis::cmd("EVAL")
-        .arg(include_str!("../lua/token_bucket.lua"))
-        .arg(3)
-        .arg("rl2:{a}:r")
-        .arg("rl2:{a}:s")
-        .arg("rl2:{a}:r")
-        .arg(&[3, 1, 1])
-        .arg(5)
-        .arg(1)
-        .arg("8:2:1")
-        .arg(&[3, 1, 3])
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    let reply = eval(
+        &mut conn,
+        &["rl2:{a}:r", "rl2:{a}:s", "rl2:{a}:r"],
+        &[["3", "1", "1"], ["5", "1", "8:2:1"], ["3", "1", "3"]],
+    )
+    .await;
     assert_eq!(
         reply,
         [
@@ -146,24 +155,24 @@ async fn a_plus_cost_gets_the_compact_reply() {
     let redis = RedisServer::start();
     let mut conn = redis.conn().await;
     let _: () = conn.hset("rl2:{c}:bad", "f", 1).await.unwrap();
-    let reply: Vec<i64> = redis::cmd("EVAL")
-        .arg(include_str!("../lua/token_bucket.lua"))
-        .arg(5)
-        .arg(&[
+    let reply = eval(
+        &mut conn,
+        &[
             "rl2:{c}:r",
             "rl2:{c}:r",
             "rl2:{c}:r",
             "rl2:{c}:bad",
             "rl2:{c}:s",
-        ])
-        .arg(&["3", "1", "+1"])
-        .arg(&["3", "1", "+2"])
-        .arg(&["3", "1", "+1"])
-        .arg(&["3", "1", "+1"])
-        .arg(&["3", "1", "1"])
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+        ],
+        &[
+            ["3", "1", "+1"],
+            ["3", "1", "+2"],
+            ["3", "1", "+1"],
+            ["3", "1", "+1"],
+            ["3", "1", "1"],
+        ],
+    )
+    .await;
     assert_eq!(
         reply,
         [
@@ -668,21 +677,21 @@ async fn malformed_asks_and_unusable_limits_fail_their_own_keys_only() {
         "rl2:{x}:d",
         "rl2:{x}:e",
     ];
-    let reply: Vec<i64> = redis::cmd("EVAL")
-        .arg(include_str!("../lua/token_bucket.lua"))
-        .arg(7)
-        .arg(&unwritten)
-        .arg(&["rl2:{h}:r", "rl2:{x}:ok"])
-        .arg(&["5", "1", "x"])
-        .arg(&["5", "1", "-"])
-        .arg(&["5", "1e-300", "1"])
-        .arg(&["0", "1", "1"])
-        .arg(&["5", "1", "1*2"])
-        .arg(&["5", "1", "-"])
-        .arg(&["5", "1", "1"])
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    let keys = [&unwritten[..], &["rl2:{h}:r", "rl2:{x}:ok"]].concat();
+    let reply = eval(
+        &mut conn,
+        &keys,
+        &[
+            ["5", "1", "x"],
+            ["5", "1", "-"],
+            ["5", "1e-300", "1"],
+            ["0", "1", "1"],
+            ["5", "1", "1*2"],
+            ["5", "1", "-"],
+            ["5", "1", "1"],
+        ],
+    )
+    .await;
     let answers: Vec<&[i64]> = reply.chunks(3).collect();
     assert_eq!(answers.len(), 7, "{reply:?}");
     for (i, answer) in answers[..6].iter().enumerate() {

@@ -278,19 +278,18 @@ fn eval_cmd(batch: &[Item<'_>]) -> Cmd {
 /// `c<n>`, a refund as `c-<n>`, a release as `r` and a renewal as `n`; a
 /// group's with `*<keys>` after it.
 fn arg_ask(eval: &mut Cmd, ask: Ask, keys: Option<usize>) {
+    if keys.is_none() && compact(ask) {
+        // Written without an allocation: this is every shared decision's.
+        let mut digits = itoa::Buffer::new();
+        let digits = digits.format(ask.need).as_bytes();
+        let mut plus = [b'+'; 11];
+        plus[1..=digits.len()].copy_from_slice(digits);
+        eval.arg(&plus[..=digits.len()]);
+        return;
+    }
     let head = match ask.kind {
         AskKind::Take if ask.is_lease() => format!("{}:{}:{}", ask.want, ask.min, ask.need),
-        AskKind::Take => match keys {
-            None => {
-                let mut digits = itoa::Buffer::new();
-                let digits = digits.format(ask.need).as_bytes();
-                let mut plus = [b'+'; 11];
-                plus[1..=digits.len()].copy_from_slice(digits);
-                eval.arg(&plus[..=digits.len()]);
-                return;
-            }
-            Some(_) => ask.need.to_string(),
-        },
+        AskKind::Take => ask.need.to_string(),
         AskKind::Charge => format!("c{}", ask.want),
         AskKind::Refund => format!("c-{}", ask.want),
         AskKind::Release => "r".to_owned(),
