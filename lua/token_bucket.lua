@@ -93,21 +93,26 @@
 -- that could not be decided is -1 alone; any other answer is -2 followed
 -- by allowed, remaining and retry_after_ms.
 --
--- Per key: one GET, and one SET ... PX when tokens are taken (SET ... PXAT
--- for a quota; a rejection writes nothing), both by redis.pcall so that a
--- key's own error is that key's answer, not the call's. Now always comes from
+-- Per key: one GET, and one SET when tokens are taken (a rejection writes
+-- nothing), both by redis.pcall so that a key's own error is that key's
+-- answer, not the call's. Now always comes from
 -- redis.call('TIME'), never from the gateway: gateway clocks drift.
 --
 -- Redis pays for every Lua function call and every number turned into a
 -- string, so the loop compares inline instead of calling math.min and
--- math.max, and converts a rule's capacity, rate and expiry once for a run
+-- math.max, and converts a rule's capacity and rate once for a run
 -- of keys under the same rule (ARGV strings are interned: comparing two is
 -- comparing pointers).
 -- Redis 7 replicates scripts by their effects, so reading TIME before a
--- write is safe. A written key expires after twice the time to refill an
--- empty bucket (plus the time to pay back a debt); an idle bucket
--- therefore vanishes and comes back full. A
--- changed rule keeps a bucket's debt (time until full), not its count.
+-- write is safe. A written bucket's key expires about twice the time to
+-- refill an empty bucket after the bucket is full again (put, below: a
+-- busy bucket keeps the expiry it has while its TAT stays in one cell of
+-- a grid); an idle bucket therefore vanishes, and comes back full. A
+-- changed rule keeps a bucket's debt (time until full), not its count;
+-- a write under a new rule may keep the expiry set under the old one: the
+-- key then vanishes no earlier than the new rule's cell (a quarter of its
+-- refill time) before the bucket is full, with at least three quarters of
+-- its tokens back.
 
 -- Milliseconds until n tokens exist in a bucket holding tokens and
 -- refilling at rate per second, rounded up; 0 when they do.
@@ -117,6 +122,31 @@ local function wait(n, tokens, rate)
     return 0
   end
   return ceil((n - tokens) * 1000 / rate)
+end
+
+-- Writes tat (a whole number of microseconds) to the bucket at key, whose
+-- TAT was old (nil for a new key), under a rule whose empty bucket
+-- refills in fill microseconds; returns the write's reply (err set when it
+-- failed). The key expires at the start of its TAT's cell on a grid of
+-- cells of fill / 4, plus 2 × fill: between 1.75 and 2 fill times after
+-- the bucket is full again. A TAT that stays in its cell keeps the expiry
+-- already set, so most writes of a busy bucket are SET ... KEEPTTL, which
+-- costs Redis less than setting an expiry; and keys of one call mostly
+-- share a cell, so the expiry last written is kept as a string for the
+-- next. (x - x % cell is the start of x's cell, without a call to
+-- math.floor.)
+local put_fill, put_start, put_expiry
+local function put(key, tat, old, fill)
+  local cell = fill / 4
+  local start = tat - tat % cell
+  if old and old - old % cell == start then
+    return redis.pcall('SET', key, format('%d', tat), 'KEEPTTL')
+  end
+  if start ~= put_start or fill ~= put_fill then
+    put_fill, put_start = fill, start
+    put_expiry = format('%d', ceil((start + 2 * fill) / 1000))
+  end
+  return redis.pcall('SET', key, format('%d', tat), 'PXAT', put_expiry)
 end
 
 local time = redis.call('TIME')
@@ -131,7 +161,7 @@ local group_end = 0
 -- The rule of the previous key: its argument strings, their values,
 -- whether they are usable (a capacity of at least 1, a positive rate), and
 -- the tokens within which a count snaps to a whole one.
-local rule_capacity, rule_rate, capacity, rate, expire_ms, rule_ok, snap
+local rule_capacity, rule_rate, capacity, rate, fill, rule_ok, snap
 -- The previous single key's ask, and its counts: a run of keys with the
 -- same ask (most often '1') converts it once.
 local last_ask, last_want, last_min, last_need, last_lease, last_compact
@@ -206,8 +236,9 @@ for i = 1, #KEYS do
           end
         end
 
-        -- Tokens in the bucket at key, as the single-key path computes them;
-        -- nil when the key holds a value this script did not write.
+        -- Tokens in the bucket at key, as the single-key path computes them,
+        -- and its TAT (nil when the key is missing); nil when the key holds
+        -- a value this script did not write.
         local function bucket_tokens(key, capacity, rate)
           local raw = redis.pcall('GET', key)
           local tat = tonumber(raw)
@@ -215,14 +246,14 @@ for i = 1, #KEYS do
             return nil
           end
           if not tat or tat <= now then
-            return capacity
+            return capacity, tat
           end
           local tokens = capacity - (tat - now) * rate / 1000000
           local whole, snap = floor(tokens + 0.5), 1e-9 + rate * 5e-7
           if tokens - whole < snap and whole - tokens < snap then
-            return whole
+            return whole, tat
           end
-          return tokens
+          return tokens, tat
         end
 
         -- Days since 1970-01-01 of the first day of month m (1-12) of year y.
@@ -305,7 +336,7 @@ for i = 1, #KEYS do
             if rate <= 0 then
               return nil
             end
-            s.tokens = bucket_tokens(KEYS[j], capacity, rate)
+            s.tokens, s.tat = bucket_tokens(KEYS[j], capacity, rate)
           else
             s.ends = window_end(ARGV[at - 1])
             local raw = redis.pcall('GET', KEYS[j])
@@ -322,15 +353,13 @@ for i = 1, #KEYS do
           return s
         end
 
-        -- Writes key j, limit s, as holding tokens (a bucket's debt adds
-        -- to its expiry); false when the write failed.
+        -- Writes key j, limit s, as holding tokens (a bucket's debt moves
+        -- its TAT, and so its expiry, later); false when the write failed.
         local function store(j, s, tokens)
           local set
           if s.rate then
-            local debt = tokens < 0 and -tokens or 0
-            set = redis.pcall('SET', KEYS[j],
-              format('%d', floor(now + (s.capacity - tokens) * 1000000 / s.rate + 0.5)),
-              'PX', format('%d', ceil(1000 * (2 * s.capacity + debt) / s.rate)))
+            set = put(KEYS[j], floor(now + (s.capacity - tokens) * 1000000 / s.rate + 0.5),
+              s.tat, 1000000 * s.capacity / s.rate)
           else
             set = redis.pcall('SET', KEYS[j], s.capacity - tokens, 'PXAT', s.ends)
           end
@@ -510,14 +539,15 @@ for i = 1, #KEYS do
       capacity, rate = tonumber(rule_capacity), tonumber(rule_rate)
       rule_ok = capacity and rate and capacity >= 1 and rate > 0
       if rule_ok then
-        expire_ms = format('%d', ceil(2000 * capacity / rate))
+        fill = 1000000 * capacity / rate
         snap = 1e-9 + rate * 5e-7
       end
     end
     -- The group path's bucket_tokens, inline: this path runs per key.
     -- allowed stays -1 when the key cannot be decided.
     local allowed, tokens, granted = -1, 0, 0
-    local raw = rule_ok and redis.pcall('GET', KEYS[i])
+    local key = KEYS[i]
+    local raw = rule_ok and redis.pcall('GET', key)
     local tat = tonumber(raw)
     if rule_ok and (tat or not raw) then
       if want > capacity then want = capacity end
@@ -543,8 +573,7 @@ for i = 1, #KEYS do
           if granted > want then granted = want end
         end
         local left = tokens - granted
-        local tat = format('%d', floor(now + (capacity - left) * 1000000 / rate + 0.5))
-        if not redis.pcall('SET', KEYS[i], tat, 'PX', expire_ms).err then
+        if not put(key, floor(now + (capacity - left) * 1000000 / rate + 0.5), tat, fill).err then
           allowed, tokens = 1, left
         end
       end

@@ -108,8 +108,50 @@ async fn first_call_fills_then_takes_and_stores_one_value_with_a_ttl() {
         (400_000.0..=500_000.0).contains(&ahead),
         "TAT {ahead} µs ahead"
     );
+    // Expires 1.75 to 2 refill times (10/2 s) after it is full again.
     let ttl: i64 = conn.pttl("rl2:{t}:r").await.unwrap();
-    assert!((9_000..=10_000).contains(&ttl), "2 × 10/2 s, got {ttl} ms");
+    assert!(
+        (9_200..=10_500).contains(&ttl),
+        "0.5 s + 2 × 5 s, got {ttl} ms"
+    );
+}
+
+/// The absolute expiry (ms) the script gives a bucket whose TAT is `tat`
+/// (µs) under a rule refilling an empty bucket in `fill` µs: the start of
+/// the TAT's cell on a grid of `fill` / 4, plus 2 × `fill` (computed as
+/// Lua computes it).
+fn expiry_of(tat: f64, fill: f64) -> i64 {
+    let cell = fill / 4.0;
+    let lua_mod = tat - (tat / cell).floor() * cell;
+    ((tat - lua_mod + 2.0 * fill) / 1000.0).ceil() as i64
+}
+
+#[actix_web::test]
+async fn a_bucket_expires_by_its_tat_whether_a_write_keeps_its_expiry_or_sets_one() {
+    let (redis, b) = redis_and_bucket();
+    let mut conn = redis.conn().await;
+    let key = "rl2:{grid}:r";
+    // 100 tokens refilled in 50 s: cells of 12.5 s, each take of 4 tokens
+    // moves the TAT by 2 s, so some writes stay in their cell (the expiry
+    // is kept) and some cross into the next (it is set anew).
+    let s = spec(100, 2);
+    let mut expiries = Vec::new();
+    for _ in 0..20 {
+        assert!(decide(&b, key, &s, 4).await.allowed);
+        let tat: f64 = conn.get::<_, String>(key).await.unwrap().parse().unwrap();
+        let at: i64 = redis::cmd("PEXPIRETIME")
+            .arg(key)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(at, expiry_of(tat, 50e6), "TAT {tat}");
+        expiries.push(at);
+    }
+    expiries.dedup();
+    assert!(
+        (3..=5).contains(&expiries.len()),
+        "40 s of TAT spans 3 to 5 cells: {expiries:?}"
+    );
 }
 
 #[actix_web::test]
@@ -223,6 +265,29 @@ async fn plain_asks_and_leases_share_a_call_and_read_back_in_order() {
             (true, 0, 3, 1_500, 1_500),
         ]
     );
+}
+
+/// A key decided alone, then in a group, then alone again in one call
+/// sees each time what the call wrote before.
+#[actix_web::test]
+async fn a_key_met_again_in_one_call_sees_what_the_call_wrote() {
+    let redis = RedisServer::start();
+    let mut conn = redis.conn().await;
+    let (bucket, quota) = ("rl2:{again}:a", "rl2:{again}:a#1d");
+    let reply = eval(
+        &mut conn,
+        &[bucket, bucket, quota, bucket, bucket],
+        &[
+            ["5", "1", "1"],
+            ["5", "1", "1*2"],
+            ["100", "d", "-"],
+            ["5", "1", "1"],
+            ["5", "1", "1"],
+        ],
+    )
+    .await;
+    let answers: Vec<_> = reply.chunks(3).map(|a| (a[0], a[1])).collect();
+    assert_eq!(answers, [(1, 4), (1, 3), (1, 99), (1, 2), (1, 1)]);
 }
 
 /// Keys in a row with the same ask (the script converts a repeated ask
@@ -731,14 +796,14 @@ async fn a_charge_takes_past_zero_and_later_asks_wait_for_the_debt() {
         (10, 0)
     );
     // The debt stops at minus the capacity: 1.1 s until one token, and the
-    // key outlives the debt by a whole refill.
+    // key outlives the debt by 1.75 to 2 refills.
     let d = b.take("rl2:{c}:r", &s, Ask::charge(1_000)).await.unwrap();
     assert!(
         (1_000..=1_100).contains(&d.decision.retry_after_ms),
         "{d:?}"
     );
     let ttl: i64 = conn.pttl("rl2:{c}:r").await.unwrap();
-    assert!((2_000..=3_000).contains(&ttl), "PTTL {ttl}");
+    assert!((3_700..=4_000).contains(&ttl), "PTTL {ttl}");
 }
 
 #[actix_web::test]
