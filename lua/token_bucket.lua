@@ -11,6 +11,15 @@
 --                capacity - (TAT - now) × rate tokens, snapped to a whole
 --                count when within half a microsecond of refill of one;
 --                a missing key is a full bucket.
+-- ARGV           each key's arguments in key order, three (capacity,
+--                rate, ask; below, ARGV[3i-2], ARGV[3i-1] and ARGV[3i]
+--                name them as if every key had three) or one, a short ask:
+--                '=' and a single ask (plain or lease), for a key under
+--                the rule of the single key before it (a run of keys
+--                under one rule, most of a busy call, then sends each
+--                key's capacity and rate once: every argument costs
+--                Redis a Lua string); a short ask with no single key
+--                before it, or any other ask after '=', is undecided.
 -- ARGV[3i-2]     capacity of bucket i: size in tokens (number >= 1)
 -- ARGV[3i-1]     refill rate of bucket i in tokens per second (number > 0)
 -- ARGV[3i]       the ask (optional, default 1): a plain ask is the
@@ -21,9 +30,7 @@
 --                (the request's own cost), so a lease call never turns
 --                away a request that could pass. Every count is clamped
 --                to the capacity, so a request costing more than the
---                bucket holds passes only when the bucket is full. Three
---                arguments per key whatever the ask: every argument costs
---                Redis a Lua string per call.
+--                bucket holds passes only when the bucket is full.
 --
 -- A charge ask "c<n>" takes n tokens whatever the bucket holds (usage
 -- reported after the fact): the bucket may go into debt, down to minus
@@ -165,21 +172,43 @@ local rule_capacity, rule_rate, capacity, rate, fill, rule_ok, snap
 -- The previous single key's ask, and its counts: a run of keys with the
 -- same ask (most often '1') converts it once.
 local last_ask, last_want, last_min, last_need, last_lease, last_compact
+-- The latest short ask: the next key's argument equal to it is one too.
+local last_short
+-- ARGV[c] is the first argument of key i.
+local c = 1
 
 for i = 1, #KEYS do
-  local at = i * 3
-  local ask = ARGV[at] or '1'
+  -- A short ask ('=' (61) and a single ask) is the key's only argument;
+  -- any other key has three, the ask at at; a later key of a group has
+  -- three. The usual first argument, a short ask met before or a capacity
+  -- met before, is told apart without a call; any other is converted to a
+  -- number, which a capacity needs anyway (lead_number), and only what is
+  -- not one is looked at further.
+  local lead = ARGV[c]
+  local short, lead_number = lead == last_short, nil
+  if not short and lead ~= rule_capacity and i > group_end then
+    lead_number = tonumber(lead)
+    short = not lead_number and lead ~= nil and string.byte(lead) == 61
+  end
+  local ask, at
+  if short then
+    ask, last_short, c = lead, lead, c + 1
+  else
+    at = c + 2
+    ask, c = ARGV[at] or '1', c + 3
+  end
   local want, min, need, lease, single, compact
   if ask == last_ask then
     want, min, need, lease, single, compact = last_want, last_min, last_need, last_lease, true, last_compact
   else
-    want = tonumber(ask)
+    local text = short and string.sub(ask, 2) or ask
+    want = tonumber(text)
     min, need, lease = want, want, false
     single = want ~= nil
     -- '+' (43) before a plain cost asks for the compact reply.
-    compact = single and string.byte(ask) == 43
+    compact = single and string.byte(text) == 43
     if not single then
-      local w, m, k = string.match(ask, '^(%d+):(%d+):(%d+)$')
+      local w, m, k = string.match(text, '^(%d+):(%d+):(%d+)$')
       if k then
         want, min, need, lease, single = tonumber(w), tonumber(m), tonumber(k), true, true
       end
@@ -189,7 +218,11 @@ for i = 1, #KEYS do
         ask, want, min, need, lease, compact
     end
   end
-  if not single then
+  if short and not single then
+    -- Only a single ask may be short.
+    reply[n + 1], reply[n + 2], reply[n + 3] = -1, 0, 0
+    n = n + 3
+  elseif not single then
     if ask == '-' then
       -- A later key of a group, decided with the group's first key; one
       -- after the group's end belongs to no group and fails.
@@ -307,9 +340,9 @@ for i = 1, #KEYS do
           return s.ends - now_ms
         end
 
-        -- The state of the group's key j, or nil when it cannot be decided.
-        local function limit_state(j)
-          local at = j * 3
+        -- The state of the group's key j, whose ask is ARGV[at], or nil
+        -- when it cannot be decided.
+        local function limit_state(j, at)
           local capacity = tonumber(ARGV[at - 2])
           if not capacity or capacity < 1 then
             return nil
@@ -444,13 +477,13 @@ for i = 1, #KEYS do
         -- charged) says: every key's state is read before any is written,
         -- so a key that cannot be decided leaves the whole group undecided
         -- and untouched.
-        group = function(first, count, want, min, need, lease, op)
+        group = function(first, at, count, want, min, need, lease, op)
           local state = {}
           local avail, size
           -- Whether a slot key has no slot free for the holder.
           local full = false
           for j = first, first + count - 1 do
-            local s = limit_state(j)
+            local s = limit_state(j, at + 3 * (j - first))
             if not s then
               for _ = first, first + count - 1 do
                 undecided(lease)
@@ -524,7 +557,7 @@ for i = 1, #KEYS do
       end
       if gw then
         group_end = i + count - 1
-        group(i, count, gw, gm, gk, glease, gop)
+        group(i, at, count, gw, gm, gk, glease, gop)
       else
         -- A malformed ask fails this key; the '-' keys after it, which
         -- no group holds, fail one by one.
@@ -534,9 +567,10 @@ for i = 1, #KEYS do
     end
   end
   if single then
-    if ARGV[at - 2] ~= rule_capacity or ARGV[at - 1] ~= rule_rate then
+    -- A short ask keeps the rule in force (none before: undecided).
+    if not short and (ARGV[at - 2] ~= rule_capacity or ARGV[at - 1] ~= rule_rate) then
       rule_capacity, rule_rate = ARGV[at - 2], ARGV[at - 1]
-      capacity, rate = tonumber(rule_capacity), tonumber(rule_rate)
+      capacity, rate = lead_number or tonumber(rule_capacity), tonumber(rule_rate)
       rule_ok = capacity and rate and capacity >= 1 and rate > 0
       if rule_ok then
         fill = 1000000 * capacity / rate

@@ -59,19 +59,19 @@ fn spec(capacity: u32, refill: u32) -> BucketSpec {
     )
 }
 
-/// The script's raw reply to `keys`, each with its three arguments
-/// (capacity or quota, rate or window, ask) in `args`.
-async fn eval(
+/// The script's raw reply to `keys`, each with its arguments in `args`:
+/// three (capacity or quota, rate or window, ask), or a short ask alone.
+async fn eval<'a>(
     conn: &mut redis::aio::MultiplexedConnection,
     keys: &[&str],
-    args: &[[&str; 3]],
+    args: &[impl AsRef<[&'a str]>],
 ) -> Vec<i64> {
     let mut call = redis::cmd("EVAL");
     call.arg(include_str!("../lua/token_bucket.lua"))
         .arg(keys.len())
         .arg(keys);
     for key_args in args {
-        call.arg(key_args);
+        call.arg(key_args.as_ref());
     }
     call.query_async(conn).await.unwrap()
 }
@@ -188,6 +188,48 @@ async fn one_call_decides_several_keys_with_one_reading_of_the_clock() {
             1, 2, 0, // 1 of 3 taken (a plain ask: three integers)
             1, 0, 1_000, 5, 2_000, // a lease: want 8 clamped to 5; five
             0, 2, 1_000, // 3 wanted, the same bucket holds 2
+        ]
+    );
+}
+
+/// A short ask ('=' and a single ask, the key's only argument) is decided
+/// under the rule of the single key before it, as the same ask with that
+/// rule's arguments is; with no single key before it, or with any other
+/// ask after '=', it fails alone.
+#[actix_web::test]
+async fn a_short_ask_takes_the_rule_of_the_single_key_before_it() {
+    let redis = RedisServer::start();
+    let mut conn = redis.conn().await;
+    let (a, b, c, d, e) = (
+        "rl2:{s}:a",
+        "rl2:{s}:b",
+        "rl2:{s}:c",
+        "rl2:{s}:d",
+        "rl2:{s}:e",
+    );
+    let keys = [a, b, a, c, d, e, "rl2:{s}:e#1d", a];
+    let args: &[&[&str]] = &[
+        &["=+1"],
+        &["4", "1", "+1"],
+        &["=+3"],
+        &["=2:1:1"],
+        &["=+1"],
+        &["=1*2"],
+        &["4", "d", "-"],
+        &["=+1"],
+    ];
+    let reply = eval(&mut conn, &keys, args).await;
+    assert_eq!(
+        reply,
+        [
+            -1, // no single key before it: undecided (compact)
+            3,  // b: 4 tokens (the rule now in force), 1 taken
+            -2, 1, 1, 2_000, // a: 3 of 4 taken, 1 left, 2 s until 3 again
+            1, 2, 0, 2, 0, // c: a lease of 2 under the same rule
+            3, // d: a plain ask again
+            -1, 0, 0, // a group ask cannot be short
+            -1, 0, 0, // nor does its '-' key belong to a group
+            -2, 1, 0, 1_000, // a again: the rule before them still holds
         ]
     );
 }

@@ -226,22 +226,31 @@ impl RedisBucket {
 }
 
 /// The `EVALSHA` call of the token bucket script deciding `batch`: every
-/// key first, then each key's three arguments, written straight into the
-/// command's one buffer.
+/// key first, then each key's three arguments (or a short ask alone),
+/// written straight into the command's one buffer.
 fn eval_cmd(batch: &[Item<'_>]) -> Cmd {
     let keys = batch.iter().map(Item::key_count).sum();
     let mut eval = evalsha(&TOKEN_BUCKET, keys, 3 * keys);
     for key in batch.iter().flat_map(Item::keys) {
         eval.arg(key);
     }
+    // The rule of the previous item when it was a single key: a plain ask
+    // under the same rule is sent short, its only argument.
+    let mut previous = None;
     for item in batch {
         match *item {
             Item::One(_, spec, ask) => {
-                eval.arg(spec.capacity.get());
-                arg_rate(&mut eval, spec.refill_per_second);
-                arg_ask(&mut eval, ask, None);
+                if compact(ask) && previous == Some(spec) {
+                    arg_plain(&mut eval, b"=+", ask.need);
+                } else {
+                    eval.arg(spec.capacity.get());
+                    arg_rate(&mut eval, spec.refill_per_second);
+                    arg_ask(&mut eval, ask, None);
+                }
+                previous = Some(spec);
             }
             Item::Group(group, ask) => {
+                previous = None;
                 for (i, (_, limit)) in group.iter().enumerate() {
                     match limit {
                         GroupLimit::Bucket(spec) => {
@@ -279,12 +288,7 @@ fn eval_cmd(batch: &[Item<'_>]) -> Cmd {
 /// group's with `*<keys>` after it.
 fn arg_ask(eval: &mut Cmd, ask: Ask, keys: Option<usize>) {
     if keys.is_none() && compact(ask) {
-        // Written without an allocation: this is every shared decision's.
-        let mut digits = itoa::Buffer::new();
-        let digits = digits.format(ask.need).as_bytes();
-        let mut plus = [b'+'; 11];
-        plus[1..=digits.len()].copy_from_slice(digits);
-        eval.arg(&plus[..=digits.len()]);
+        arg_plain(eval, b"+", ask.need);
         return;
     }
     let head = match ask.kind {
@@ -299,6 +303,19 @@ fn arg_ask(eval: &mut Cmd, ask: Ask, keys: Option<usize>) {
         Some(keys) => eval.arg(format!("{head}*{keys}")),
         None => eval.arg(head),
     };
+}
+
+/// Writes a lone key's plain take of `cost` after `prefix` (`+`, or `=+`
+/// for a short ask), without an allocation: this is every shared
+/// decision's.
+fn arg_plain(eval: &mut Cmd, prefix: &[u8], cost: u32) {
+    let mut digits = itoa::Buffer::new();
+    let digits = digits.format(cost).as_bytes();
+    let mut text = [0; 12];
+    let end = prefix.len() + digits.len();
+    text[..prefix.len()].copy_from_slice(prefix);
+    text[prefix.len()..end].copy_from_slice(digits);
+    eval.arg(&text[..end]);
 }
 
 /// Whether a lone key's `ask` gets the script's compact reply: a plain

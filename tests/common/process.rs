@@ -98,6 +98,21 @@ fn is_running(child: &mut Child) -> bool {
     child.try_wait().is_ok_and(|exited| exited.is_none())
 }
 
+/// Whether every thread of process `pid` is stopped (state `T` in its
+/// `/proc` stat line, after the command name in parentheses).
+fn all_stopped(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks.flatten().all(|task| {
+        std::fs::read_to_string(task.path().join("stat")).is_ok_and(|stat| {
+            stat.rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().next())
+                == Some("T")
+        })
+    })
+}
+
 /// A child process that is killed (SIGKILL, after a SIGCONT in case it
 /// was paused) and reaped on drop.
 pub struct KillOnDrop(pub Child);
@@ -124,9 +139,16 @@ impl KillOnDrop {
         let _ = self.0.wait();
     }
 
-    /// Freezes it (SIGSTOP): its sockets stay open, nothing answers.
+    /// Freezes it (SIGSTOP): its sockets stay open, nothing answers. Returns
+    /// once every thread has stopped: kill(2) returns before a busy process
+    /// has, and a thread still running could answer one more request.
     pub fn pause(&self) {
-        signal(self.id(), "-STOP");
+        let pid = self.id();
+        signal(pid, "-STOP");
+        assert!(
+            wait_until(Duration::from_secs(5), || all_stopped(pid)),
+            "process {pid} did not stop within 5 s of SIGSTOP"
+        );
     }
 
     /// Thaws it after [`KillOnDrop::pause`] (SIGCONT).
