@@ -11,6 +11,7 @@
 //! report the most restrictive one: the refusing limit with the longest
 //! wait, or else the one with the fewest requests left.
 
+use hyper::body::Bytes;
 use hyper::header::{HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
 
 use crate::bucket::{GroupLimit, GroupVerdict, LimitVerdict, Verdict};
@@ -43,14 +44,24 @@ pub struct Binding {
 
 /// The headers of one limiter verdict, ready to attach to any response.
 pub struct RateLimitHeaders {
-    /// Header name/value pairs, in emission order (built without the
-    /// formatter: this runs for every request).
-    pairs: [(HeaderName, HeaderValue); 4],
+    /// The values of `X-RateLimit-Limit`, `X-RateLimit-Remaining`,
+    /// `RateLimit-Policy` and `RateLimit`, in that order: slices of one
+    /// buffer, so that a request's headers cost one allocation (this runs
+    /// for every request).
+    values: [HeaderValue; 4],
     /// `Retry-After`, on a rejection.
     retry_after: Option<HeaderValue>,
     /// What they report.
     binding: Binding,
 }
+
+/// The names of [`RateLimitHeaders::values`], in order.
+static NAMES: [HeaderName; 4] = [
+    X_RATELIMIT_LIMIT,
+    X_RATELIMIT_REMAINING,
+    RATELIMIT_POLICY,
+    RATELIMIT,
+];
 
 impl RateLimitHeaders {
     /// Headers for `verdict` under the policy named `policy` (the route id,
@@ -67,19 +78,13 @@ impl RateLimitHeaders {
             (0, retry_after_seconds(decision.retry_after_ms))
         };
         let window = verdict.spec.window_seconds();
+        let mut values = Values::with_capacity(2 * policy.len() + 64);
+        values.number(capacity);
+        values.number(remaining);
+        values.member((policy, None), [("q", capacity), ("w", window)]);
+        values.member((policy, None), [("r", remaining), ("t", wait)]);
         Self {
-            pairs: [
-                (X_RATELIMIT_LIMIT, HeaderValue::from(capacity)),
-                (X_RATELIMIT_REMAINING, HeaderValue::from(remaining)),
-                (
-                    RATELIMIT_POLICY,
-                    structured(policy, [("q", capacity), ("w", window)]),
-                ),
-                (
-                    RATELIMIT,
-                    structured(policy, [("r", remaining), ("t", wait)]),
-                ),
-            ],
+            values: values.finish(),
             retry_after: (!decision.allowed && !shadowed).then(|| HeaderValue::from(wait)),
             binding: Binding {
                 limit: Some(GroupLimit::Bucket(verdict.spec)),
@@ -98,17 +103,6 @@ impl RateLimitHeaders {
             let scope = if l.tenant_wide { "*" } else { route };
             (scope, (l.index > 0).then_some(l.index))
         };
-        let mut policies = String::with_capacity(32 * verdict.limits.len());
-        for (i, l) in verdict.limits.iter().enumerate() {
-            if i > 0 {
-                policies.push_str(", ");
-            }
-            push_member(
-                &mut policies,
-                name(l),
-                [("q", l.limit.size()), ("w", l.limit.window_seconds())],
-            );
-        }
         // Admitted, the binding limit is the one with the fewest left;
         // a concurrency limit's free slots say nothing of what is left
         // over time, so it binds only a rule of slots alone.
@@ -133,16 +127,22 @@ impl RateLimitHeaders {
             ),
             None => (None, 0, 0, (route, None)),
         };
-        let size = limit.map_or(0, |l| l.size());
-        let mut current = String::with_capacity(route.len() + 40);
-        push_member(&mut current, policy, [("r", remaining), ("t", wait)]);
+        let mut values = Values::with_capacity((route.len() + 40) * (verdict.limits.len() + 1));
+        values.number(limit.map_or(0, |l| l.size()));
+        values.number(remaining);
+        for (i, l) in verdict.limits.iter().enumerate() {
+            if i > 0 {
+                values.text.push_str(", ");
+            }
+            values.push_member(
+                name(l),
+                [("q", l.limit.size()), ("w", l.limit.window_seconds())],
+            );
+        }
+        values.end();
+        values.member(policy, [("r", remaining), ("t", wait)]);
         Self {
-            pairs: [
-                (X_RATELIMIT_LIMIT, HeaderValue::from(size)),
-                (X_RATELIMIT_REMAINING, HeaderValue::from(remaining)),
-                (RATELIMIT_POLICY, header_value(policies)),
-                (RATELIMIT, header_value(current)),
-            ],
+            values: values.finish(),
             retry_after: (!verdict.allowed && !shadowed).then(|| HeaderValue::from(wait)),
             binding: Binding {
                 limit,
@@ -159,55 +159,99 @@ impl RateLimitHeaders {
 
     /// Every header, in order, `Retry-After` last when present.
     pub fn iter(&self) -> impl Iterator<Item = (&HeaderName, &HeaderValue)> {
-        self.pairs
+        NAMES
             .iter()
-            .map(|(name, value)| (name, value))
+            .zip(&self.values)
             .chain(self.retry_after.iter().map(|value| (&RETRY_AFTER, value)))
     }
 
     /// Sets the headers on a response's `headers`, replacing any of the
     /// same names.
     pub fn apply(&self, headers: &mut HeaderMap) {
-        for (name, value) in &self.pairs {
+        // Room for all of them at once: the map grows at most once.
+        headers.reserve(NAMES.len() + 1);
+        for (name, value) in self.iter() {
             headers.insert(name.clone(), value.clone());
         }
-        if let Some(value) = &self.retry_after {
-            headers.insert(RETRY_AFTER, value.clone());
+    }
+}
+
+/// The four header values, written one after the other into one buffer
+/// and then cut apart.
+struct Values {
+    /// Every value so far, back to back.
+    text: String,
+    /// Where each finished value ends in `text`.
+    ends: [usize; 4],
+    /// How many values are finished.
+    done: usize,
+    /// Digits of the number being written.
+    digits: itoa::Buffer,
+}
+
+impl Values {
+    /// An empty buffer with room for `capacity` bytes.
+    fn with_capacity(capacity: usize) -> Self {
+        Self {
+            text: String::with_capacity(capacity),
+            ends: [0; 4],
+            done: 0,
+            digits: itoa::Buffer::new(),
         }
     }
-}
 
-/// `"<policy>";<k>=<v>;<k>=<v>`, a structured-field item with parameters.
-fn structured(policy: &str, params: [(&str, u64); 2]) -> HeaderValue {
-    let mut text = String::with_capacity(policy.len() + 32);
-    push_member(&mut text, (policy, None), params);
-    header_value(text)
-}
-
-/// Appends `"<scope>[.<i>]";<k>=<v>;<k>=<v>` to `text`, the policy named
-/// by its scope and, for a rule's further limit, its place `i`.
-fn push_member(text: &mut String, name: (&str, Option<usize>), params: [(&str, u64); 2]) {
-    let mut digits = itoa::Buffer::new();
-    text.push('"');
-    text.push_str(name.0);
-    if let Some(i) = name.1 {
-        text.push('.');
-        text.push_str(digits.format(i));
+    /// Ends the value being written.
+    fn end(&mut self) {
+        self.ends[self.done] = self.text.len();
+        self.done += 1;
     }
-    text.push('"');
-    for (key, value) in params {
-        text.push(';');
-        text.push_str(key);
-        text.push('=');
-        text.push_str(digits.format(value));
-    }
-}
 
-/// `text` as a header value.
-fn header_value(text: String) -> HeaderValue {
-    // unwrap-free: ids are restricted to `A-Za-z0-9._-` and the rest is
-    // digits, `*` and punctuation, all valid in a header value.
-    HeaderValue::try_from(text).unwrap_or_else(|_| HeaderValue::from_static(""))
+    /// A value that is the number `n`.
+    fn number(&mut self, n: u64) {
+        self.text.push_str(self.digits.format(n));
+        self.end();
+    }
+
+    /// A value that is one structured-field item with parameters
+    /// (`"<policy>";<k>=<v>;<k>=<v>`).
+    fn member(&mut self, name: (&str, Option<usize>), params: [(&str, u64); 2]) {
+        self.push_member(name, params);
+        self.end();
+    }
+
+    /// Appends `"<scope>[.<i>]";<k>=<v>;<k>=<v>` to the value being
+    /// written, the policy named by its scope and, for a rule's further
+    /// limit, its place `i`.
+    fn push_member(&mut self, name: (&str, Option<usize>), params: [(&str, u64); 2]) {
+        let text = &mut self.text;
+        text.push('"');
+        text.push_str(name.0);
+        if let Some(i) = name.1 {
+            text.push('.');
+            text.push_str(self.digits.format(i));
+        }
+        text.push('"');
+        for (key, value) in params {
+            text.push(';');
+            text.push_str(key);
+            text.push('=');
+            text.push_str(self.digits.format(value));
+        }
+    }
+
+    /// The four values, sharing the buffer.
+    fn finish(self) -> [HeaderValue; 4] {
+        let all = Bytes::from(self.text);
+        let mut start = 0;
+        self.ends.map(|end| {
+            let value = all.slice(start..end);
+            start = end;
+            // unwrap-free: ids are restricted to `A-Za-z0-9._-` and the
+            // rest is digits, `*` and punctuation, all valid in a header
+            // value.
+            HeaderValue::from_maybe_shared(value).unwrap_or_else(|_| HeaderValue::from_static(""))
+        })
+    }
 }
 
 #[cfg(test)]
@@ -231,13 +275,9 @@ mod tests {
     }
 
     fn get(h: &RateLimitHeaders, name: &HeaderName) -> Option<String> {
-        let retry = h.retry_after.iter().map(|v| (&RETRY_AFTER, v));
-        h.pairs
-            .iter()
-            .map(|(n, v)| (n, v))
-            .chain(retry)
-            .find(|(n, _)| *n == name)
-            .map(|(_, v)| v.to_str().unwrap().to_owned())
+        let mut headers = HeaderMap::new();
+        h.apply(&mut headers);
+        headers.get(name).map(|v| v.to_str().unwrap().to_owned())
     }
 
     #[test]
@@ -264,6 +304,23 @@ mod tests {
             Some("\"create-order\";r=199;t=0")
         );
         assert_eq!(get(&h, &RETRY_AFTER), None);
+    }
+
+    #[test]
+    fn the_headers_replace_an_upstreams_own() {
+        let mut headers = HeaderMap::new();
+        headers.insert(X_RATELIMIT_LIMIT, HeaderValue::from_static("7"));
+        headers.append(RATELIMIT, HeaderValue::from_static("\"u\";r=1;t=0"));
+        headers.append(RATELIMIT, HeaderValue::from_static("\"v\";r=2;t=0"));
+        headers.insert(RETRY_AFTER, HeaderValue::from_static("99"));
+        let h = RateLimitHeaders::new("p", &verdict(false, 0, 2_500), false);
+        h.apply(&mut headers);
+        let all = |name| -> Vec<_> { headers.get_all(name).iter().collect() };
+        assert_eq!(all(X_RATELIMIT_LIMIT), ["200"]);
+        assert_eq!(all(X_RATELIMIT_REMAINING), ["0"]);
+        assert_eq!(all(RATELIMIT_POLICY), ["\"p\";q=200;w=2"]);
+        assert_eq!(all(RATELIMIT), ["\"p\";r=0;t=3"]);
+        assert_eq!(all(RETRY_AFTER), ["3"]);
     }
 
     #[test]

@@ -38,11 +38,11 @@ const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto
 /// `X-Forwarded-Host`.
 const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 
-/// Where `name` is in [`HOP_BY_HOP`]: one `match` on its text, which
+/// Where `name` (lower case) is in [`HOP_BY_HOP`]: one `match` on its text, which
 /// the compiler turns into a switch on the length and a comparison or
 /// two, where comparing it with each entry costs ten name comparisons.
-fn hop_by_hop_index(name: &HeaderName) -> Option<usize> {
-    match name.as_str() {
+fn hop_by_hop_index(name: &str) -> Option<usize> {
+    match name {
         "connection" => Some(0),
         "keep-alive" => Some(1),
         "proxy-connection" => Some(2),
@@ -60,11 +60,14 @@ fn hop_by_hop_index(name: &HeaderName) -> Option<usize> {
 /// Removes what describes one hop: the headers of [`HOP_BY_HOP`] and the
 /// ones the message's `Connection` header lists. One pass over the names
 /// present finds them: most messages hold one or two of them, and a
-/// lookup of each name that might be there costs more than the pass.
+/// lookup of each name that might be there costs more than the pass. The
+/// tokens `Connection` lists are looked up as text: most name a
+/// hop-by-hop header (`keep-alive`) or none (`close`), and only a name
+/// that is present is made into one.
 fn strip_hop_by_hop(headers: &mut HeaderMap) {
     let mut present = [false; HOP_BY_HOP.len()];
     for name in headers.keys() {
-        if let Some(i) = hop_by_hop_index(name) {
+        if let Some(i) = hop_by_hop_index(name.as_str()) {
             present[i] = true;
         }
     }
@@ -74,7 +77,9 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
             .iter()
             .filter_map(|v| v.to_str().ok())
             .flat_map(|list| list.split(','))
-            .filter_map(|token| HeaderName::from_bytes(token.trim().as_bytes()).ok())
+            .map(str::trim)
+            .filter(|token| listed_index(token).is_none() && headers.contains_key(*token))
+            .filter_map(|token| HeaderName::from_bytes(token.as_bytes()).ok())
             .collect();
         for name in listed {
             headers.remove(name);
@@ -85,6 +90,16 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
             headers.remove(name);
         }
     }
+}
+
+/// Where the header `token` names (in any case) is in [`HOP_BY_HOP`].
+fn listed_index(token: &str) -> Option<usize> {
+    // The longest hop-by-hop name, `proxy-authorization`, has 19 bytes.
+    let mut lower = [0; 19];
+    let lower = lower.get_mut(..token.len())?;
+    lower.copy_from_slice(token.as_bytes());
+    lower.make_ascii_lowercase();
+    hop_by_hop_index(std::str::from_utf8(lower).ok()?)
 }
 
 /// Turns a client's request headers into the upstream's: hop-level ones
@@ -100,14 +115,18 @@ pub(super) fn forwarded_headers(
     authority: Option<&str>,
 ) {
     strip_hop_by_hop(headers);
-    // Every earlier hop, from however many header lines, then the peer.
-    let mut chain = String::with_capacity(48);
-    for earlier in headers
-        .get_all(&X_FORWARDED_FOR)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-    {
-        chain.push_str(earlier);
+    // Every earlier hop, from however many header lines, then the peer,
+    // in a buffer of the exact size (it becomes the value as it is).
+    let earlier = || {
+        headers
+            .get_all(&X_FORWARDED_FOR)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+    };
+    let size = earlier().map(|hop| hop.len() + 2).sum::<usize>() + ip_text_len(peer);
+    let mut chain = String::with_capacity(size);
+    for hop in earlier() {
+        chain.push_str(hop);
         chain.push_str(", ");
     }
     push_ip(&mut chain, peer);
@@ -123,8 +142,15 @@ pub(super) fn forwarded_headers(
         Some(host) => headers.insert(X_FORWARDED_HOST, host),
         None => headers.remove(X_FORWARDED_HOST),
     };
-    // A validated tenant id is a valid header value.
-    if let Ok(key) = HeaderValue::from_str(tenant.as_str()) {
+    // The client's one key, when it is the limited one byte for byte,
+    // stays as it is; otherwise it becomes that one. A validated tenant id
+    // is a valid header value.
+    let mut keys = headers.get_all(crate::proxy::API_KEY).iter();
+    let kept = keys
+        .next()
+        .is_some_and(|key| key.as_bytes() == tenant.as_str().as_bytes())
+        && keys.next().is_none();
+    if !kept && let Ok(key) = HeaderValue::from_str(tenant.as_str()) {
         headers.insert(crate::proxy::API_KEY, key);
     }
 }
@@ -133,6 +159,18 @@ pub(super) fn forwarded_headers(
 /// go.
 pub(super) fn strip_response_headers(headers: &mut HeaderMap) {
     strip_hop_by_hop(headers);
+}
+
+/// The length of `ip`'s text as [`push_ip`] writes it (for IPv6, at
+/// most that).
+fn ip_text_len(ip: IpAddr) -> usize {
+    match ip {
+        IpAddr::V4(v4) => {
+            let digits = |o: u8| 1 + usize::from(o >= 10) + usize::from(o >= 100);
+            3 + v4.octets().into_iter().map(digits).sum::<usize>()
+        }
+        IpAddr::V6(_) => 39,
+    }
 }
 
 /// Appends `ip` in its usual text form (IPv4 without the formatter, which
@@ -187,11 +225,13 @@ mod tests {
     #[test]
     fn every_hop_by_hop_name_is_found_in_its_place_and_no_other() {
         for (i, name) in HOP_BY_HOP.iter().enumerate() {
-            assert_eq!(hop_by_hop_index(name), Some(i), "{name}");
+            assert_eq!(hop_by_hop_index(name.as_str()), Some(i), "{name}");
+            let upper = name.as_str().to_ascii_uppercase();
+            assert_eq!(listed_index(&upper), Some(i), "{upper}");
         }
         for name in ["host", "x-api-key", "content-type", "trailers", "upgrades"] {
-            let name = HeaderName::from_bytes(name.as_bytes()).unwrap();
-            assert_eq!(hop_by_hop_index(&name), None, "{name}");
+            assert_eq!(hop_by_hop_index(name), None, "{name}");
+            assert_eq!(listed_index(name), None, "{name}");
         }
     }
 
@@ -256,6 +296,36 @@ mod tests {
         );
         let keys: Vec<_> = to.get_all("x-api-key").iter().collect();
         assert_eq!(keys, vec!["alice"]);
+    }
+
+    #[test]
+    fn a_key_is_kept_only_when_it_is_the_limited_one_byte_for_byte() {
+        let to = forwarded(&[("x-api-key", "Alice")], "alice");
+        let keys: Vec<_> = to.get_all("x-api-key").iter().collect();
+        assert_eq!(keys, vec!["alice"]);
+        let to = forwarded(&[("x-api-key", "alice")], "alice");
+        let keys: Vec<_> = to.get_all("x-api-key").iter().collect();
+        assert_eq!(keys, vec!["alice"]);
+    }
+
+    #[test]
+    fn an_address_text_is_as_long_as_said() {
+        for ip in [
+            "0.0.0.0",
+            "9.10.99.100",
+            "255.255.255.255",
+            "::1",
+            "ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff",
+        ] {
+            let ip: IpAddr = ip.parse().unwrap();
+            let mut text = String::new();
+            push_ip(&mut text, ip);
+            assert_eq!(text, ip.to_string());
+            match ip {
+                IpAddr::V4(_) => assert_eq!(ip_text_len(ip), text.len(), "{ip}"),
+                IpAddr::V6(_) => assert!(ip_text_len(ip) >= text.len(), "{ip}"),
+            }
+        }
     }
 
     #[test]
