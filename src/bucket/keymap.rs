@@ -10,11 +10,13 @@
 //! shard at its cap drops its idle entries, then the least recently used
 //! down to 90 % of its cap, before it admits a new key; attacker-chosen keys cannot grow
 //! memory without bound, and a flood of them costs amortised constant work
-//! per key.
+//! per key. A key is hashed once per call: the hash picks the shard and
+//! finds the key in it.
 
-use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
 use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use hashbrown::HashTable;
 
 /// Number of independently locked shards.
 const SHARDS: usize = 16;
@@ -33,11 +35,14 @@ pub trait Idle {
 /// Called with every entry the map drops.
 type Evicted<V> = Box<dyn Fn(&V) + Send + Sync>;
 
+/// One shard: each key with its state.
+type Shard<V> = HashTable<(String, V)>;
+
 /// Sharded `key → V` with a size cap.
 pub struct KeyMap<V> {
     /// Key → state, split by key hash.
-    shards: Box<[Mutex<HashMap<String, V>>]>,
-    /// Picks a key's shard.
+    shards: Box<[Mutex<Shard<V>>]>,
+    /// Hashes keys (randomly seeded: chosen keys cannot collide on purpose).
     hasher: RandomState,
     /// Most entries one shard holds.
     max_per_shard: usize,
@@ -49,7 +54,7 @@ impl<V: Idle> KeyMap<V> {
     /// An empty map holding at most about `max_keys` entries.
     pub fn new(max_keys: usize) -> Self {
         Self {
-            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            shards: (0..SHARDS).map(|_| Mutex::new(HashTable::new())).collect(),
             hasher: RandomState::new(),
             max_per_shard: max_keys.div_ceil(SHARDS).max(1),
             evicted: None,
@@ -88,31 +93,47 @@ impl<V: Idle> KeyMap<V> {
         create: impl FnOnce() -> V,
         f: impl FnOnce(&mut V) -> R,
     ) -> R {
-        let mut shard = self.shard(key);
-        if let Some(entry) = shard.get_mut(key) {
+        let hash = self.hasher.hash_one(key);
+        let mut shard = self.shard(hash);
+        if let Some((_, entry)) = shard.find_mut(hash, |(k, _)| k == key) {
             return f(entry);
         }
         if shard.len() >= self.max_per_shard {
             // Make room for a tenth of the shard at once, so a flood of new
             // keys pays for one full pass per tenth of the cap, not per key.
-            shard.retain(|_, v| self.keep(v, now_ms));
+            shard.retain(|(_, v)| self.keep(v, now_ms));
             let keep = self.max_per_shard - self.max_per_shard.div_ceil(10);
-            if shard.len() > keep {
-                // The least recently used go: a flood of new keys evicts
-                // its own oldest entries before a key still in use.
-                let n = shard.len() - keep;
-                let mut ages: Vec<(u64, &String)> =
-                    shard.iter().map(|(k, v)| (v.last_used_ms(), k)).collect();
-                ages.select_nth_unstable_by_key(n - 1, |(age, _)| *age);
-                let victims: Vec<String> = ages[..n].iter().map(|(_, k)| (*k).clone()).collect();
-                for victim in victims {
-                    if let Some(v) = shard.remove(&victim) {
-                        self.dropped(&v);
-                    }
-                }
+            let over = shard.len().saturating_sub(keep);
+            if over > 0 {
+                self.evict_oldest(&mut shard, over);
             }
         }
-        f(shard.entry(key.to_owned()).or_insert_with(create))
+        let rehash = |(k, _): &(String, V)| self.hasher.hash_one(k);
+        let entry = shard.insert_unique(hash, (key.to_owned(), create()), rehash);
+        f(&mut entry.into_mut().1)
+    }
+
+    /// Drops the `n` (at least 1) least recently used entries of `shard`:
+    /// a flood of new keys evicts its own oldest entries before a key
+    /// still in use.
+    fn evict_oldest(&self, shard: &mut Shard<V>, n: usize) {
+        let mut ages: Vec<u64> = shard.iter().map(|(_, v)| v.last_used_ms()).collect();
+        let (_, &mut cutoff, _) = ages.select_nth_unstable(n - 1);
+        // Every entry older than the n-th oldest goes, and as many as
+        // young as it as make n.
+        let mut ties = n - ages.iter().filter(|&&age| age < cutoff).count();
+        shard.retain(|(_, v)| {
+            let age = v.last_used_ms();
+            let tie = age == cutoff && ties > 0;
+            if tie {
+                ties -= 1;
+            }
+            let evict = age < cutoff || tie;
+            if evict {
+                self.dropped(v);
+            }
+            !evict
+        });
     }
 
     /// About how many entries it holds at most.
@@ -122,7 +143,9 @@ impl<V: Idle> KeyMap<V> {
 
     /// Runs `f` on `key`'s entry when it exists.
     pub fn get<R>(&self, key: &str, f: impl FnOnce(&mut V) -> R) -> Option<R> {
-        self.shard(key).get_mut(key).map(f)
+        let hash = self.hasher.hash_one(key);
+        let mut shard = self.shard(hash);
+        shard.find_mut(hash, |(k, _)| k == key).map(|(_, v)| f(v))
     }
 
     /// Drops every idle entry; returns how many remain.
@@ -131,7 +154,7 @@ impl<V: Idle> KeyMap<V> {
             .iter()
             .map(|shard| {
                 let mut map = lock(shard);
-                map.retain(|_, v| self.keep(v, now_ms));
+                map.retain(|(_, v)| self.keep(v, now_ms));
                 map.len()
             })
             .sum()
@@ -147,15 +170,17 @@ impl<V: Idle> KeyMap<V> {
         self.len() == 0
     }
 
-    fn shard(&self, key: &str) -> MutexGuard<'_, HashMap<String, V>> {
-        // Truncation is fine: only the low bits pick a shard.
-        let i = self.hasher.hash_one(key) as usize % SHARDS;
+    /// The shard of the key whose hash is `hash`, locked.
+    fn shard(&self, hash: u64) -> MutexGuard<'_, Shard<V>> {
+        // Bits a shard's table uses for neither its bucket index (the low
+        // ones) nor its tags (the top seven); truncation keeps them.
+        let i = (hash >> 32) as usize % SHARDS;
         lock(&self.shards[i])
     }
 }
 
 /// Locks a shard; a panic elsewhere leaves plain numbers, still usable.
-fn lock<V>(shard: &Mutex<HashMap<String, V>>) -> MutexGuard<'_, HashMap<String, V>> {
+fn lock<V>(shard: &Mutex<Shard<V>>) -> MutexGuard<'_, Shard<V>> {
     shard.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
