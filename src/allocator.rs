@@ -6,7 +6,7 @@
 //! alignment is at most a word. mimalloc's aligned entry points, which the
 //! `mimalloc` crate calls for every allocation, give a block larger than
 //! 1 KiB whose size class is not a power of two (a request's future, a
-//! connection's buffer) by over-allocating and aligning by hand: about five
+//! connection's buffer) by over-allocating and aligning by hand: several
 //! times the instructions of a plain block, and more memory. Only larger
 //! alignments take that path here.
 
