@@ -119,8 +119,8 @@ impl<V: Idle> KeyMap<V> {
     fn evict_oldest(&self, shard: &mut Shard<V>, n: usize) {
         let mut ages: Vec<u64> = shard.iter().map(|(_, v)| v.last_used_ms()).collect();
         let (_, &mut cutoff, _) = ages.select_nth_unstable(n - 1);
-        // Every entry older than the n-th oldest goes, and as many as
-        // young as it as make n.
+        // Every entry older than the n-th oldest goes, and of those just
+        // as old, as many as make n.
         let mut ties = n - ages.iter().filter(|&&age| age < cutoff).count();
         shard.retain(|(_, v)| {
             let age = v.last_used_ms();
