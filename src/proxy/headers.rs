@@ -81,8 +81,8 @@ impl RateLimitHeaders {
         let mut values = Values::with_capacity(2 * policy.len() + 64);
         values.number(capacity);
         values.number(remaining);
-        values.member((policy, None), [("q", capacity), ("w", window)]);
-        values.member((policy, None), [("r", remaining), ("t", wait)]);
+        values.list([((policy, None), [("q", capacity), ("w", window)])]);
+        values.list([((policy, None), [("r", remaining), ("t", wait)])]);
         Self {
             values: values.finish(),
             retry_after: (!decision.allowed && !shadowed).then(|| HeaderValue::from(wait)),
@@ -130,17 +130,11 @@ impl RateLimitHeaders {
         let mut values = Values::with_capacity((route.len() + 40) * (verdict.limits.len() + 1));
         values.number(limit.map_or(0, |l| l.size()));
         values.number(remaining);
-        for (i, l) in verdict.limits.iter().enumerate() {
-            if i > 0 {
-                values.text.push_str(", ");
-            }
-            values.push_member(
-                name(l),
-                [("q", l.limit.size()), ("w", l.limit.window_seconds())],
-            );
-        }
-        values.end();
-        values.member(policy, [("r", remaining), ("t", wait)]);
+        values.list(verdict.limits.iter().map(|l| {
+            let params = [("q", l.limit.size()), ("w", l.limit.window_seconds())];
+            (name(l), params)
+        }));
+        values.list([(policy, [("r", remaining), ("t", wait)])]);
         Self {
             values: values.finish(),
             retry_after: (!verdict.allowed && !shadowed).then(|| HeaderValue::from(wait)),
@@ -175,6 +169,13 @@ impl RateLimitHeaders {
         }
     }
 }
+
+/// A policy's name in a list: its rule's scope and, for a rule's further
+/// limit, its place.
+type Member<'a> = (&'a str, Option<usize>);
+
+/// A list item's two parameters, each a key and its number.
+type Params<'a> = [(&'a str, u64); 2];
 
 /// The four header values, written one after the other into one buffer
 /// and then cut apart.
@@ -212,31 +213,31 @@ impl Values {
         self.end();
     }
 
-    /// A value that is one structured-field item with parameters
-    /// (`"<policy>";<k>=<v>;<k>=<v>`).
-    fn member(&mut self, name: (&str, Option<usize>), params: [(&str, u64); 2]) {
-        self.push_member(name, params);
-        self.end();
-    }
-
-    /// Appends `"<scope>[.<i>]";<k>=<v>;<k>=<v>` to the value being
-    /// written, the policy named by its scope and, for a rule's further
-    /// limit, its place `i`.
-    fn push_member(&mut self, name: (&str, Option<usize>), params: [(&str, u64); 2]) {
+    /// A value that is a list of structured-field items with parameters,
+    /// `"<scope>[.<i>]";<k>=<v>;<k>=<v>` each, separated by `, `: each
+    /// policy named by its scope and, for a rule's further limit, its
+    /// place `i`.
+    fn list<'a>(&mut self, members: impl IntoIterator<Item = (Member<'a>, Params<'a>)>) {
         let text = &mut self.text;
-        text.push('"');
-        text.push_str(name.0);
-        if let Some(i) = name.1 {
-            text.push('.');
-            text.push_str(self.digits.format(i));
+        for (i, ((scope, place), params)) in members.into_iter().enumerate() {
+            if i > 0 {
+                text.push_str(", ");
+            }
+            text.push('"');
+            text.push_str(scope);
+            if let Some(place) = place {
+                text.push('.');
+                text.push_str(self.digits.format(place));
+            }
+            text.push('"');
+            for (key, value) in params {
+                text.push(';');
+                text.push_str(key);
+                text.push('=');
+                text.push_str(self.digits.format(value));
+            }
         }
-        text.push('"');
-        for (key, value) in params {
-            text.push(';');
-            text.push_str(key);
-            text.push('=');
-            text.push_str(self.digits.format(value));
-        }
+        self.end();
     }
 
     /// The four values, sharing the buffer.

@@ -115,20 +115,19 @@ pub(super) fn forwarded_headers(
     authority: Option<&str>,
 ) {
     strip_hop_by_hop(headers);
-    // Every earlier hop, from however many header lines, then the peer,
-    // in a buffer of the exact size (it becomes the value as it is).
-    let earlier = || {
-        headers
-            .get_all(&X_FORWARDED_FOR)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-    };
-    let size = earlier().map(|hop| hop.len() + 2).sum::<usize>() + ip_text_len(peer);
-    let mut chain = String::with_capacity(size);
-    for hop in earlier() {
+    // Every earlier hop, from however many header lines, then the peer.
+    // Without earlier hops (the usual case) the buffer is the peer's exact
+    // size, so it becomes the value as it is.
+    let mut chain = String::new();
+    for hop in headers
+        .get_all(&X_FORWARDED_FOR)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+    {
         chain.push_str(hop);
         chain.push_str(", ");
     }
+    chain.reserve_exact(ip_text_len(peer));
     push_ip(&mut chain, peer);
     if let Ok(value) = HeaderValue::try_from(chain) {
         headers.insert(X_FORWARDED_FOR, value);
