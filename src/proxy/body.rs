@@ -1,10 +1,10 @@
 //! Bodies between a client and the gateway.
 //!
 //! Owns the client's upload and the answer type: [`RequestBody`] reads the
-//! client's upload as hyper asks for it, never buffering it whole, and
-//! fails it when the client falls behind `client.read_timeout_ms` /
-//! `client.min_bytes_per_second`, recording that the client (not the
-//! upstream) was at fault; [`read_small`] reads the small bodies the check
+//! client's upload as the upstream connection asks for it, never buffering
+//! it whole, and fails it when the client falls behind
+//! `client.read_timeout_ms` / `client.min_bytes_per_second`, recording that
+//! the client (not the upstream) was at fault; [`read_small`] reads the small bodies the check
 //! and gRPC entries decide on; [`ProxyBody`] is every answer, in one piece,
 //! with trailers, or an upstream's body streamed as it arrives (see
 //! [`super::upstream`]).
@@ -36,7 +36,7 @@ pub(super) enum ClientFault {
     Broken,
 }
 
-/// What the forwarder learns about an upload while hyper sends it.
+/// What the forwarder learns about an upload while it is sent.
 pub(super) struct Upload {
     /// The upload's credit, and the time it waited on the client.
     progress: Cell<Progress>,
@@ -56,8 +56,9 @@ impl Upload {
     }
 }
 
-/// A request body for hyper: the client's upload, read as hyper asks for
-/// it (back-pressure both ways), under the read pace.
+/// A request body on its way upstream: the client's upload, read as the
+/// upstream connection asks for it (back-pressure both ways), under the
+/// read pace.
 pub(super) struct RequestBody {
     /// The client's upload; `None` once it has ended or failed.
     payload: Option<Incoming>,
@@ -88,8 +89,8 @@ impl RequestBody {
         (body, upload)
     }
 
-    /// Records `fault` and ends the body with an error, so hyper abandons
-    /// the exchange instead of finishing a cut-short body.
+    /// Records `fault` and ends the body with an error, so the exchange
+    /// is abandoned instead of finishing a cut-short body.
     fn fail(&mut self, fault: ClientFault) -> Polled {
         self.upload.fault.set(Some(fault));
         self.payload = None;

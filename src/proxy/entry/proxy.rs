@@ -164,10 +164,8 @@ async fn phases(
     let started = state.clock.now_micros();
     // A failed exchange may leave some of the body unread.
     let body_pending = req.version() != Version::HTTP_2 && !req.body().is_end_stream();
-    let forwarded = match Target::new(route, &path, req.uri().query(), &tenant) {
-        Ok(target) => forwarder.forward(req, client, target, slot, &headers).await,
-        Err(e) => Err(e),
-    };
+    let target = Target::new(route, &path, req.uri().query(), &tenant);
+    let forwarded = forwarder.forward(req, client, target, slot, &headers).await;
     let elapsed = state.clock.now_micros().saturating_sub(started);
     route.metrics.upstream_seconds(elapsed as f64 / 1e6);
     if let Some(note) = note {

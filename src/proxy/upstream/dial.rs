@@ -1,5 +1,5 @@
 //! Reaching an upstream: new connections (TCP, TLS for `https://`
-//! upstreams, the HTTP/1.1 handshake), reuse of idle ones, and the
+//! upstreams), reuse of idle ones, and the
 //! upstream timeout, which never counts time spent waiting on a slow
 //! uploading client.
 
@@ -8,16 +8,14 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::future::Either;
-use hyper::body::Incoming;
-use hyper::client::conn::http1::{self, SendRequest};
-use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tokio::sync::Semaphore;
 
-use super::{UPSTREAM_READ_BUFFER, Upstream};
+use super::Upstream;
+use super::conn::{Conn, Io, Outgoing};
+use super::framing::Head;
 use crate::clock::{SharedClock, millis};
-use crate::proxy::body::{ClientFault, RequestBody, Upload};
+use crate::proxy::body::{ClientFault, Upload};
 use crate::proxy::error::ProxyError;
 
 /// What sending one exchange upstream needs: shared by a worker's
@@ -37,7 +35,7 @@ pub(super) struct Dialer {
 impl Dialer {
     /// Runs `exchange` under `upstream.timeout_ms`, not counting the time
     /// `upload` spent waiting on its client; a failed upload is the
-    /// client's fault whatever hyper reports.
+    /// client's fault whatever the connection reports.
     ///
     /// The exchange is pinned by the caller, so that its future is stored
     /// once, in the caller's.
@@ -73,77 +71,45 @@ impl Dialer {
     }
 
     /// Sends `request` on an idle connection to `upstream`, or a new one,
-    /// and waits for the response head. A request an idle connection
-    /// could not take (it was closing) goes to the next one.
+    /// and waits for the answer's head. A request an idle connection
+    /// could not take (the upstream had closed it) goes to the next one.
     pub(super) async fn exchange(
         &self,
         upstream: &Upstream,
-        mut request: hyper::Request<RequestBody>,
-    ) -> Result<(SendRequest<RequestBody>, hyper::Response<Incoming>), ProxyError> {
+        request: &mut Outgoing,
+    ) -> Result<(Conn, Head), ProxyError> {
         loop {
-            let (mut sender, reused) = match upstream.take_idle() {
-                Some(sender) => (sender, true),
+            let (mut conn, reused) = match upstream.take_idle() {
+                Some(conn) => (conn, true),
                 // Boxed: a connection attempt (a TLS handshake's state
                 // above all) is far larger than the rest of an exchange,
                 // which its task moves whole; most exchanges reuse one.
                 None => (Box::pin(self.connect(upstream)).await?, false),
             };
-            if sender.ready().await.is_err() {
-                if reused {
-                    continue;
-                }
-                return Err(ProxyError::UpstreamUnreachable(
-                    "upstream closed the connection".into(),
-                ));
-            }
-            match sender.try_send_request(request).await {
-                Ok(response) => return Ok((sender, response)),
-                Err(mut failed) => match failed.take_message() {
-                    Some(unsent) if reused => request = unsent,
-                    _ => return Err(upstream_failure(failed.into_error())),
-                },
+            match conn.send(request).await {
+                Ok(head) => return Ok((conn, head)),
+                Err(failure) if reused && failure.retry => {}
+                Err(failure) => return Err(upstream_failure(failure.error)),
             }
         }
     }
 
-    /// A new connection to `upstream` (over TLS for an `https://` one),
-    /// its task running on this worker.
-    async fn connect(&self, upstream: &Upstream) -> Result<SendRequest<RequestBody>, ProxyError> {
+    /// A new connection to `upstream` (over TLS for an `https://` one).
+    async fn connect(&self, upstream: &Upstream) -> Result<Conn, ProxyError> {
         let opened = async {
             let stream = TcpStream::connect(&upstream.address).await?;
             stream.set_nodelay(true)?;
             std::io::Result::Ok(match &upstream.tls {
-                Some(tls) => Either::Right(tls.connect(stream).await?),
-                None => Either::Left(stream),
+                Some(tls) => Io::Tls(Box::new(tls.connect(stream).await?)),
+                None => Io::Plain(stream),
             })
         };
-        let stream = tokio::time::timeout(self.connect_timeout, opened)
+        let io = tokio::time::timeout(self.connect_timeout, opened)
             .await
             .map_err(|_| ProxyError::UpstreamTimeout)?
             .map_err(upstream_failure)?;
-        match stream {
-            Either::Left(plain) => handshake(plain).await,
-            Either::Right(tls) => handshake(tls).await,
-        }
+        Ok(Conn::new(io))
     }
-}
-
-/// Starts HTTP/1.1 on `io`, the connection's task running on this worker.
-async fn handshake<I>(io: I) -> Result<SendRequest<RequestBody>, ProxyError>
-where
-    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + 'static,
-{
-    let (sender, connection) = http1::Builder::new()
-        .max_buf_size(UPSTREAM_READ_BUFFER)
-        .handshake(TokioIo::new(io))
-        .await
-        .map_err(upstream_failure)?;
-    tokio::task::spawn_local(async move {
-        if let Err(e) = connection.await {
-            tracing::debug!(error = %e, "Upstream connection ended with an error.");
-        }
-    });
-    Ok(sender)
 }
 
 /// Maps a connection-level failure to 502.

@@ -2,18 +2,21 @@
 //!
 //! Owns one worker's upstream connections (its own idle HTTP/1.1
 //! connections, over TLS to `https://` upstreams, per upstream in a
-//! `pool::IdleList`, driven by tasks on that worker's runtime, with a cap
-//! on how many it uses at once), hop-by-hop headers (`hop`) and the
+//! `pool::IdleList`, each driven by the request using it, with a cap on
+//! how many it uses at once), hop-by-hop headers (`hop`) and the
 //! upstream timeouts; an exchange holds its tenant's slot
 //! ([`super::slots`]) until its answer ends. Connections are opened,
-//! reused and timed in `dial`; the answer streams back through `response`
-//! under the client's write pace; a known `Content-Length` is kept.
+//! reused and timed in `dial`, speak HTTP/1.1 in `conn` (bytes on the
+//! wire in `framing`); the answer streams back through `response` under
+//! the client's write pace; a known `Content-Length` is kept.
 //!
 //! Blame is kept straight: time spent waiting for a slow uploading client
 //! never counts against `upstream.timeout_ms`, and an upload the client
 //! fails answers 408 (or is dropped with the client), never 502/504.
 
+mod conn;
 mod dial;
+mod framing;
 mod hop;
 mod pool;
 mod response;
@@ -26,13 +29,14 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use hyper::body::Incoming;
-use hyper::client::conn::http1::SendRequest;
+use hyper::body::{Body as _, Incoming};
 use hyper::header as hy;
-use hyper::{Method, Request, Response, StatusCode};
+use hyper::{HeaderMap, Method, Request, Response, StatusCode};
 use tokio::sync::Semaphore;
 
+use conn::{Conn, Outgoing, UpstreamBody};
 use dial::{Dialer, upstream_failure};
+use framing::{Framing, RequestFraming};
 use pool::IdleList;
 use response::{Arrived, Held, Lease};
 
@@ -49,8 +53,8 @@ use crate::key::TenantId;
 use crate::telemetry::Metrics;
 use crate::tls::{UpstreamTls, UpstreamTlsTo};
 
-/// Largest read buffer of one upstream connection: bounds what a response
-/// whose client reads slowly holds in memory.
+/// Largest response head (or chunk size line, or trailer section) read
+/// from an upstream: bounds what one connection holds in memory.
 const UPSTREAM_READ_BUFFER: usize = 64 * 1024;
 
 /// Largest body answered in one piece when it arrived with its head
@@ -70,7 +74,7 @@ struct Upstream {
     /// The `Host` header sent upstream.
     host: hy::HeaderValue,
     /// Idle connections.
-    idle: IdleList<SendRequest<RequestBody>>,
+    idle: IdleList<Conn>,
     /// When connections become idle and expire.
     clock: SharedClock,
 }
@@ -107,14 +111,13 @@ impl Upstream {
     }
 
     /// An idle connection still open and not expired, if any.
-    fn take_idle(&self) -> Option<SendRequest<RequestBody>> {
-        self.idle
-            .take(self.clock.now_ms(), |sender| !sender.is_closed())
+    fn take_idle(&self) -> Option<Conn> {
+        self.idle.take(self.clock.now_ms(), Conn::is_open)
     }
 
-    /// Keeps `sender` for a later request.
-    fn keep(&self, sender: SendRequest<RequestBody>) {
-        self.idle.put(sender, self.clock.now_ms());
+    /// Keeps `conn` for a later request.
+    fn keep(&self, conn: Conn) {
+        self.idle.put(conn, self.clock.now_ms());
     }
 }
 
@@ -124,24 +127,21 @@ pub(super) struct Target<'a> {
     /// The matched route.
     route: &'a Route,
     /// The route's base path, the normalised path and the query as sent.
-    uri: hyper::Uri,
+    uri: String,
     /// The identity the upstream receives in `X-Api-Key`.
     tenant: &'a TenantId,
 }
 
 impl<'a> Target<'a> {
     /// The target of a request for `path` (normalised) with `query` on
-    /// `route`, limited as `tenant`.
-    ///
-    /// # Errors
-    /// [`ProxyError::UpstreamUnreachable`] when the joined target is not
-    /// a valid URI.
+    /// `route`, limited as `tenant`. Whether it can be sent is checked
+    /// when its request line is written.
     pub(super) fn new(
         route: &'a Route,
         path: &str,
         query: Option<&str>,
         tenant: &'a TenantId,
-    ) -> Result<Self, ProxyError> {
+    ) -> Self {
         let base = &route.spec.upstream_base_path;
         let mut uri =
             String::with_capacity(base.len() + path.len() + query.map_or(0, |q| q.len() + 1));
@@ -151,11 +151,7 @@ impl<'a> Target<'a> {
             uri.push('?');
             uri.push_str(query);
         }
-        Ok(Self {
-            route,
-            uri: hyper::Uri::try_from(uri).map_err(upstream_failure)?,
-            tenant,
-        })
+        Self { route, uri, tenant }
     }
 }
 
@@ -251,9 +247,9 @@ impl Forwarder {
         limits: &RateLimitHeaders,
     ) -> Result<Response<ProxyBody>, ProxyError> {
         let upstream = Rc::clone(&self.upstreams[target.route.index]);
-        let head = req.method() == Method::HEAD;
+        let head_request = req.method() == Method::HEAD;
         let cut = client.cut_for(req.version());
-        let (request, upload) = self.upstream_request(req, client, target, &upstream);
+        let (mut request, upload) = self.upstream_request(req, client, target, &upstream)?;
         let dialer = Rc::clone(&self.dialer);
         let exchange = Detachable::new(async move {
             let exchange = pin!(async {
@@ -261,51 +257,45 @@ impl Forwarder {
                     .acquire_owned()
                     .await
                     .map_err(upstream_failure)?;
-                let (sender, response) = dialer.exchange(&upstream, request).await?;
-                Ok((
-                    Lease {
-                        sender,
-                        upstream,
-                        _permit: permit,
-                        _slot: slot,
-                    },
-                    response,
-                ))
+                let (conn, head) = dialer.exchange(&upstream, &mut request).await?;
+                let lease = Lease {
+                    upstream,
+                    _permit: permit,
+                    _slot: slot,
+                };
+                Ok((lease, conn, head))
             });
             dialer.bounded(exchange, &upload).await
         });
-        let (lease, response) = exchange.await?;
+        let (lease, conn, head) = exchange.await?;
 
-        let (mut parts, mut body) = response.into_parts();
-        let status = parts.status;
+        let mut body = UpstreamBody::new(conn, &head);
+        let (status, mut headers) = (head.status, head.headers);
         // A chunked answer has no length; a declared one is what the body
         // carries. A HEAD answer keeps the upstream's Content-Length and has
         // no body.
-        let length = if parts.headers.contains_key(hy::TRANSFER_ENCODING) {
-            None
-        } else {
-            content_length(parts.headers.get(hy::CONTENT_LENGTH))
-        };
-        hop::strip_response_headers(&mut parts.headers);
-        limits.apply(&mut parts.headers);
-        let bodiless = status.is_informational()
-            || status == StatusCode::NO_CONTENT
-            || status == StatusCode::NOT_MODIFIED;
-        if head || bodiless {
-            if let (true, Some(len)) = (head, length) {
-                parts
-                    .headers
-                    .insert(hy::CONTENT_LENGTH, hy::HeaderValue::from(len));
+        let length = match head.framing {
+            Framing::Length(length) => Some(length),
+            Framing::Empty if !headers.contains_key(hy::TRANSFER_ENCODING) => {
+                content_length(headers.get(hy::CONTENT_LENGTH))
             }
-            lease.reuse_when_done(body);
-            return Ok(Response::from_parts(parts, ProxyBody::Whole(None)));
+            _ => None,
+        };
+        hop::strip_response_headers(&mut headers);
+        limits.apply(&mut headers);
+        if head.framing == Framing::Empty {
+            if let (true, Some(len)) = (head_request, length) {
+                headers.insert(hy::CONTENT_LENGTH, hy::HeaderValue::from(len));
+            }
+            lease.reuse(body);
+            return Ok(answer(status, headers, ProxyBody::Whole(None)));
         }
         let mut first = None;
         if length.is_some_and(|len| len <= WHOLE_BODY_MAX) {
             match Arrived::take(&mut body).map_err(upstream_failure)? {
                 Arrived::Whole(data) => {
-                    lease.reuse();
-                    return Ok(Response::from_parts(parts, ProxyBody::whole(data)));
+                    lease.reuse(body);
+                    return Ok(answer(status, headers, ProxyBody::whole(data)));
                 }
                 Arrived::Part(data) => first = data,
             }
@@ -319,7 +309,7 @@ impl Forwarder {
             self.client.write,
         );
         let stream = ResponseBody::new(watch, first, length, self.clock.clone());
-        Ok(Response::from_parts(parts, ProxyBody::Streamed(stream)))
+        Ok(answer(status, headers, ProxyBody::Streamed(stream)))
     }
 }
 
@@ -335,17 +325,15 @@ impl Forwarder {
         client: &Client,
         target: Target<'_>,
         upstream: &Upstream,
-    ) -> (Request<RequestBody>, Rc<Upload>) {
+    ) -> Result<(Outgoing, Rc<Upload>), ProxyError> {
         let (mut parts, payload) = req.into_parts();
-        // HTTP/2 carries the host in the URI (`:authority`), not in `Host`.
-        let authority = parts.uri.authority().cloned();
-        parts.uri = target.uri;
-        parts.version = hyper::Version::HTTP_11;
         hop::forwarded_headers(
             &mut parts.headers,
             (client.peer.ip(), client.tls),
             target.tenant,
-            authority.as_ref().map(|a| a.as_str()),
+            // HTTP/2 carries the host in the URI (`:authority`), not in
+            // `Host`.
+            parts.uri.authority().map(|a| a.as_str()),
         );
         parts.headers.insert(hy::HOST, upstream.host.clone());
         // A route that settles usage reads the answer's trailers: it says
@@ -356,8 +344,36 @@ impl Forwarder {
                 .insert(hy::TE, hy::HeaderValue::from_static("trailers"));
         }
         let (body, upload) = RequestBody::new(payload, self.client.read, self.clock.clone());
-        (Request::from_parts(parts, body), upload)
+        let framing = RequestFraming::of(body.size_hint().exact(), &parts.method);
+        let mut head = Vec::with_capacity(head_size(&target.uri, &parts.headers));
+        framing::write_head(
+            &mut head,
+            &parts.method,
+            &target.uri,
+            &parts.headers,
+            framing,
+        )
+        .map_err(upstream_failure)?;
+        Ok((Outgoing::new(head, body, framing, &parts.method), upload))
     }
+}
+
+/// Room for a request head to `target` with `headers`: the request line,
+/// each header line, and a framing header.
+fn head_size(target: &str, headers: &HeaderMap) -> usize {
+    let lines: usize = headers
+        .iter()
+        .map(|(name, value)| name.as_str().len() + value.len() + 4)
+        .sum();
+    target.len() + lines + 64
+}
+
+/// An answer with `status`, `headers` and `body`.
+fn answer(status: StatusCode, headers: HeaderMap, body: ProxyBody) -> Response<ProxyBody> {
+    let mut response = Response::new(body);
+    *response.status_mut() = status;
+    *response.headers_mut() = headers;
+    response
 }
 
 /// A future polled in place by its owner that, when the owner drops it

@@ -31,15 +31,15 @@ impl<C> IdleList<C> {
 
     /// The most recently returned connection that is still fresh at `now_ms`
     /// and `usable`; drops every connection it passes over.
-    pub(super) fn take(&self, now_ms: u64, usable: impl Fn(&C) -> bool) -> Option<C> {
+    pub(super) fn take(&self, now_ms: u64, mut usable: impl FnMut(&mut C) -> bool) -> Option<C> {
         let mut entries = self.entries.borrow_mut();
-        while let Some((conn, since)) = entries.pop_back() {
+        while let Some((mut conn, since)) = entries.pop_back() {
             if now_ms.saturating_sub(since) > self.max_idle_ms {
                 // Every entry before this one has been idle even longer.
                 entries.clear();
                 return None;
             }
-            if usable(&conn) {
+            if usable(&mut conn) {
                 return Some(conn);
             }
         }
@@ -70,7 +70,7 @@ impl<C> IdleList<C> {
 mod tests {
     use super::*;
 
-    fn open(_: &&str) -> bool {
+    fn open(_: &mut &str) -> bool {
         true
     }
 

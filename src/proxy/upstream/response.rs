@@ -1,7 +1,7 @@
 //! An upstream's answer on its way to the client.
 //!
-//! Owns what a streamed answer holds ([`Held`]: hyper's body, the
-//! connection [`Lease`] with its permit and the tenant's slot, and a way to
+//! Owns what a streamed answer holds ([`Held`]: the upstream's body on its
+//! connection, the [`Lease`] with its permit and the tenant's slot, and a way to
 //! cut the client off), the part of a body that arrived with its head
 //! ([`Arrived`]), and [`ResponseBody`], which streams the rest under the
 //! client's write pace and gives the connection back when the body ends.
@@ -11,13 +11,13 @@ use std::pin::Pin;
 use std::rc::Rc;
 use std::task::{Context, Poll};
 
-use hyper::body::{Body, Bytes, Frame, Incoming, SizeHint};
-use hyper::client::conn::http1::SendRequest;
+use hyper::body::{Body, Bytes, Frame, SizeHint};
 use tokio::sync::OwnedSemaphorePermit;
 
 use super::Upstream;
+use super::conn::UpstreamBody;
 use crate::clock::SharedClock;
-use crate::proxy::body::{Polled, RequestBody};
+use crate::proxy::body::Polled;
 use crate::proxy::client::ClientCut;
 use crate::proxy::listen::stall::{Cut, Watch};
 use crate::proxy::slots::Slot;
@@ -27,8 +27,8 @@ use crate::proxy::usage::Settlement;
 /// connection (with its permit and slot) it arrives on, and a way to end
 /// the client's connection.
 pub(super) struct Held {
-    /// hyper's body: data frames, possibly trailers (dropped).
-    pub(super) body: Incoming,
+    /// The upstream's body: data frames, possibly trailers.
+    pub(super) body: UpstreamBody,
     /// Returned to its upstream when the body ends, dropped otherwise.
     pub(super) lease: Lease,
     /// Ends the client's connection.
@@ -65,7 +65,7 @@ impl Arrived {
     ///
     /// # Errors
     /// The upstream's error, when the body failed before anything was sent.
-    pub(super) fn take(body: &mut Incoming) -> Result<Self, hyper::Error> {
+    pub(super) fn take(body: &mut UpstreamBody) -> Result<Self, io::Error> {
         use futures_util::FutureExt as _;
         if body.is_end_stream() {
             return Ok(Self::Whole(Bytes::new()));
@@ -202,20 +202,16 @@ impl Body for ResponseBody {
 
 impl Drop for ResponseBody {
     fn drop(&mut self) {
-        if let Some(held) = self.watch.held().take()
-            && (self.done || held.body.is_end_stream())
-        {
-            held.lease.reuse();
+        if let Some(held) = self.watch.held().take() {
+            held.lease.reuse(held.body);
         }
     }
 }
 
-/// A connection in use by one exchange, returned to its upstream's idle
-/// list once the response body has been read to the end.
+/// What one exchange holds until its answer's body has been read: its
+/// connection goes back to its upstream's idle list then.
 pub(in crate::proxy) struct Lease {
-    /// The connection.
-    pub(super) sender: SendRequest<RequestBody>,
-    /// Where it goes back to.
+    /// Where the connection goes back to.
     pub(super) upstream: Rc<Upstream>,
     /// Counts against the worker's connection cap while in use.
     pub(super) _permit: OwnedSemaphorePermit,
@@ -224,16 +220,11 @@ pub(in crate::proxy) struct Lease {
 }
 
 impl Lease {
-    /// Keeps the connection for a later request.
-    pub(super) fn reuse(self) {
-        self.upstream.keep(self.sender);
-    }
-
-    /// Keeps the connection for a later request when `body`, which the
-    /// client does not get (a HEAD answer, a 204 or 304), has ended.
-    pub(super) fn reuse_when_done(self, body: Incoming) {
-        if body.is_end_stream() {
-            self.reuse();
+    /// Keeps `body`'s connection for a later request when the body has
+    /// been read to its end and nothing said to close it.
+    pub(super) fn reuse(self, body: UpstreamBody) {
+        if let Some(conn) = body.into_conn() {
+            self.upstream.keep(conn);
         }
     }
 }
