@@ -9,13 +9,17 @@
 //! a 1xx, 204 or 304, else chunked when `Transfer-Encoding` ends in it,
 //! else `Content-Length` (every copy the same number), else until the
 //! upstream closes. A connection is kept only when nothing in the answer
-//! says otherwise.
+//! says otherwise. Of the answer's fields, only those that travel on to
+//! the client are kept (see `hop`); the framing fields are read as they
+//! arrived.
 
 use std::io::Write as _;
 
 use bytes::{Buf as _, Bytes, BytesMut};
-use hyper::header::{self as hy, HeaderMap, HeaderName, HeaderValue};
+use hyper::header::{HeaderMap, HeaderName, HeaderValue};
 use hyper::{Method, StatusCode, Version};
+
+use super::hop;
 
 /// Most header lines a response head or trailer section may hold.
 const MAX_HEADERS: usize = 100;
@@ -156,6 +160,9 @@ pub(super) struct Head {
     /// Whether the connection may carry another request once the body
     /// has been read.
     pub(super) keep_alive: bool,
+    /// The body length `Content-Length` declared, unless a
+    /// `Transfer-Encoding` overrode it (a HEAD answer's is kept).
+    pub(super) length: Option<u64>,
 }
 
 /// Parses the response head at the start of `buf`, skipping
@@ -199,11 +206,17 @@ pub(super) fn parse_head(
         } else {
             Version::HTTP_11
         };
-        // Where each name and value lies in the head, so that the values
-        // can share its bytes once it is out of `buf`.
+        // The framing fields are read as they arrived; only the fields
+        // that travel on are kept, each value where it lies in the head,
+        // to share its bytes once the head is out of `buf`.
         let base = buf.as_ptr() as usize;
+        let mut fields = Fields::default();
         let mut spans = Vec::with_capacity(response.headers.len());
         for header in response.headers.iter() {
+            fields.note(header)?;
+            if !hop::travels(header.name, response.headers) {
+                continue;
+            }
             let name = HeaderName::from_bytes(header.name.as_bytes())
                 .map_err(|_| FramingError::Head(httparse::Error::HeaderName))?;
             let start = header.value.as_ptr() as usize - base;
@@ -216,95 +229,112 @@ pub(super) fn parse_head(
                 .map_err(|_| FramingError::Head(httparse::Error::HeaderValue))?;
             headers.append(name, value);
         }
-        return head_of(status, version, headers, head_request).map(Some);
+        return Ok(Some(fields.head(status, version, headers, head_request)));
     }
 }
 
-/// The framing and reuse of an answer with `status`, `version` and
-/// `headers` to a HEAD request when `head_request`.
-fn head_of(
-    status: StatusCode,
-    version: Version,
-    headers: HeaderMap,
-    head_request: bool,
-) -> Result<Head, FramingError> {
-    let mut keep_alive = if version == Version::HTTP_10 {
-        has_token(&headers, hy::CONNECTION, "keep-alive")
-    } else {
-        !has_token(&headers, hy::CONNECTION, "close")
-    };
-    let framing =
-        if head_request || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED {
+/// What a response head's framing fields say.
+#[derive(Debug, Default)]
+struct Fields {
+    /// The length every `Content-Length` states, if one does.
+    length: Option<u64>,
+    /// Whether a `Transfer-Encoding` came.
+    transfer_encoding: bool,
+    /// Whether the last coding of the last `Transfer-Encoding` is
+    /// `chunked`.
+    chunked: bool,
+    /// Whether `Connection` lists `close`.
+    close: bool,
+    /// Whether `Connection` lists `keep-alive`.
+    keep_alive: bool,
+}
+
+impl Fields {
+    /// Takes in `field`, when it is one of the framing fields.
+    ///
+    /// # Errors
+    /// [`FramingError::Length`] for a `Content-Length` that is not a
+    /// number or differs from an earlier one.
+    fn note(&mut self, field: &httparse::Header<'_>) -> Result<(), FramingError> {
+        let name = field.name;
+        if name.eq_ignore_ascii_case("content-length") {
+            let list = std::str::from_utf8(field.value).map_err(|_| FramingError::Length)?;
+            for item in list.split(',') {
+                let item = item.trim();
+                if item.is_empty() || !item.bytes().all(|b| b.is_ascii_digit()) {
+                    return Err(FramingError::Length);
+                }
+                let n: u64 = item.parse().map_err(|_| FramingError::Length)?;
+                if self.length.is_some_and(|l| l != n) {
+                    return Err(FramingError::Length);
+                }
+                self.length = Some(n);
+            }
+        } else if name.eq_ignore_ascii_case("transfer-encoding") {
+            self.transfer_encoding = true;
+            self.chunked = tokens(field.value)
+                .next_back()
+                .is_some_and(|coding| coding.eq_ignore_ascii_case("chunked"));
+        } else if name.eq_ignore_ascii_case("connection") {
+            for token in tokens(field.value) {
+                self.close |= token.eq_ignore_ascii_case("close");
+                self.keep_alive |= token.eq_ignore_ascii_case("keep-alive");
+            }
+        }
+        Ok(())
+    }
+
+    /// The head of an answer with `status`, `version` and the end-to-end
+    /// `headers`, to a HEAD request when `head_request`: its framing, and
+    /// whether its connection may be kept.
+    fn head(
+        self,
+        status: StatusCode,
+        version: Version,
+        headers: HeaderMap,
+        head_request: bool,
+    ) -> Head {
+        let mut keep_alive = if version == Version::HTTP_10 {
+            self.keep_alive
+        } else {
+            !self.close
+        };
+        let framing = if head_request
+            || status == StatusCode::NO_CONTENT
+            || status == StatusCode::NOT_MODIFIED
+        {
             Framing::Empty
-        } else if headers.contains_key(hy::TRANSFER_ENCODING) {
+        } else if self.transfer_encoding {
             // A length beside it is ignored, and the connection not reused
             // (RFC 9112 §6.3).
-            if headers.contains_key(hy::CONTENT_LENGTH) {
-                keep_alive = false;
-            }
-            if last_coding_is_chunked(&headers) {
+            keep_alive &= self.length.is_none() && self.chunked;
+            if self.chunked {
                 Framing::Chunked
             } else {
-                keep_alive = false;
                 Framing::Close
             }
-        } else if let Some(length) = content_length(&headers)? {
+        } else if let Some(length) = self.length {
             Framing::Length(length)
         } else {
             keep_alive = false;
             Framing::Close
         };
-    Ok(Head {
-        status,
-        headers,
-        framing,
-        keep_alive,
-    })
-}
-
-/// Whether a comma-separated header `name` lists `token` (any case).
-fn has_token(headers: &HeaderMap, name: HeaderName, token: &str) -> bool {
-    headers
-        .get_all(name)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|list| list.split(','))
-        .any(|t| t.trim().eq_ignore_ascii_case(token))
-}
-
-/// Whether the last coding `Transfer-Encoding` lists is `chunked`.
-fn last_coding_is_chunked(headers: &HeaderMap) -> bool {
-    headers
-        .get_all(hy::TRANSFER_ENCODING)
-        .iter()
-        .next_back()
-        .and_then(|v| v.to_str().ok())
-        .and_then(|list| list.rsplit(',').next())
-        .is_some_and(|coding| coding.trim().eq_ignore_ascii_case("chunked"))
-}
-
-/// The body length every `Content-Length` states, if any does.
-///
-/// # Errors
-/// [`FramingError::Length`] for a value that is not a number, or two that
-/// differ.
-fn content_length(headers: &HeaderMap) -> Result<Option<u64>, FramingError> {
-    let mut length = None;
-    for value in headers.get_all(hy::CONTENT_LENGTH) {
-        let list = value.to_str().map_err(|_| FramingError::Length)?;
-        for item in list.split(',') {
-            let item = item.trim();
-            if item.is_empty() || !item.bytes().all(|b| b.is_ascii_digit()) {
-                return Err(FramingError::Length);
-            }
-            let n: u64 = item.parse().map_err(|_| FramingError::Length)?;
-            if length.is_some_and(|l| l != n) {
-                return Err(FramingError::Length);
-            }
-            length = Some(n);
+        Head {
+            status,
+            headers,
+            framing,
+            keep_alive,
+            length: self.length.filter(|_| !self.transfer_encoding),
         }
     }
-    Ok(length)
+}
+
+/// The comma-separated items of a field's `value`, trimmed.
+fn tokens(value: &[u8]) -> impl DoubleEndedIterator<Item = &str> {
+    std::str::from_utf8(value)
+        .unwrap_or_default()
+        .split(',')
+        .map(str::trim)
 }
 
 /// What a chunked body yields next.
@@ -430,6 +460,8 @@ impl Chunked {
 
 #[cfg(test)]
 mod tests {
+    use hyper::header as hy;
+
     use super::*;
 
     fn parsed(text: &str) -> Result<Option<Head>, FramingError> {
@@ -525,6 +557,7 @@ mod tests {
         let head = parse_head(&mut buf, false, 1024).unwrap().unwrap();
         assert_eq!(head.status, StatusCode::OK);
         assert_eq!(head.headers["x-a"], "b");
+        assert_eq!(head.headers.len(), 1, "hop-by-hop fields stay behind");
         assert_eq!(head.framing, Framing::Length(2));
         assert!(head.keep_alive);
         assert_eq!(&buf[..], b"ok", "the body stays in the buffer");

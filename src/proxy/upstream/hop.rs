@@ -5,8 +5,8 @@
 //! `X-Forwarded-*`, and the identity the upstream receives: `X-Api-Key` is
 //! always exactly the key that was limited, set by the gateway, so no
 //! `Connection` header can remove it and no second spelling can ride
-//! along. Headers are edited in place: a request's travel on with it, a
-//! response's come back with it.
+//! along. A request's headers are edited in place and travel on with it;
+//! a response's are chosen field by field as its head is read.
 
 use std::fmt::Write as _;
 use std::net::IpAddr;
@@ -154,10 +154,17 @@ pub(super) fn forwarded_headers(
     }
 }
 
-/// Turns an upstream's response headers into the client's: hop-level ones
-/// go.
-pub(super) fn strip_response_headers(headers: &mut HeaderMap) {
-    strip_hop_by_hop(headers);
+/// Whether a response field named `name` (in any case) travels on to the
+/// client, `fields` being all of the response's fields as they arrived:
+/// not when it is hop-by-hop, nor when a `Connection` field lists it.
+pub(super) fn travels(name: &str, fields: &[httparse::Header<'_>]) -> bool {
+    listed_index(name).is_none()
+        && !fields
+            .iter()
+            .filter(|field| field.name.eq_ignore_ascii_case("connection"))
+            .filter_map(|field| std::str::from_utf8(field.value).ok())
+            .flat_map(|list| list.split(','))
+            .any(|token| token.trim().eq_ignore_ascii_case(name))
 }
 
 /// The length of `ip`'s text as [`push_ip`] writes it (for IPv6, at
@@ -342,14 +349,25 @@ mod tests {
     }
 
     #[test]
-    fn response_headers_lose_hop_by_hop_ones_and_content_length() {
-        let mut from = HeaderMap::new();
-        from.insert(hy::CONNECTION, HeaderValue::from_static("x-hop"));
-        from.insert("x-hop", HeaderValue::from_static("1"));
-        from.insert(hy::CONTENT_LENGTH, HeaderValue::from_static("3"));
-        from.insert(hy::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
-        strip_response_headers(&mut from);
-        let names: Vec<_> = from.keys().map(|k| k.as_str().to_owned()).collect();
-        assert_eq!(names, vec!["content-type"]);
+    fn response_fields_lose_hop_by_hop_ones_and_content_length() {
+        let field = |name, value: &'static str| httparse::Header {
+            name,
+            value: value.as_bytes(),
+        };
+        let fields = [
+            field("Connection", "keep-alive, X-Hop"),
+            field("x-hop", "1"),
+            field("Content-Length", "3"),
+            field("Keep-Alive", "timeout=5"),
+            field("Content-Type", "text/plain"),
+            field("Connection", " x-other "),
+            field("X-Other", "2"),
+        ];
+        let kept: Vec<_> = fields
+            .iter()
+            .filter(|f| travels(f.name, &fields))
+            .map(|f| f.name)
+            .collect();
+        assert_eq!(kept, vec!["Content-Type"]);
     }
 }

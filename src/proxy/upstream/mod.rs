@@ -276,12 +276,9 @@ impl Forwarder {
         // no body.
         let length = match head.framing {
             Framing::Length(length) => Some(length),
-            Framing::Empty if !headers.contains_key(hy::TRANSFER_ENCODING) => {
-                content_length(headers.get(hy::CONTENT_LENGTH))
-            }
-            _ => None,
+            Framing::Empty => head.length,
+            Framing::Chunked | Framing::Close => None,
         };
-        hop::strip_response_headers(&mut headers);
         limits.apply(&mut headers);
         if head.framing == Framing::Empty {
             if let (true, Some(len)) = (head_request, length) {
@@ -416,9 +413,4 @@ impl<F: Future + 'static> Drop for Detachable<F> {
             });
         }
     }
-}
-
-/// The value of a `Content-Length` header, when it is one number.
-fn content_length(value: Option<&hy::HeaderValue>) -> Option<u64> {
-    value?.to_str().ok()?.trim().parse().ok()
 }
