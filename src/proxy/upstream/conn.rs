@@ -159,6 +159,24 @@ struct Writing {
     sent: bool,
     /// Whether anything of an answer has been read.
     received: bool,
+    /// Why the connection failed for writing: the answer may have come
+    /// all the same (an upstream that answers early and closes), so it is
+    /// read before this is the exchange's error.
+    broken: Option<io::Error>,
+}
+
+/// Why a request could not be written.
+enum Unwritten {
+    /// The client's upload failed.
+    Upload(io::Error),
+    /// The connection failed.
+    Socket(io::Error),
+}
+
+impl From<io::Error> for Unwritten {
+    fn from(error: io::Error) -> Self {
+        Self::Socket(error)
+    }
 }
 
 impl Conn {
@@ -207,6 +225,7 @@ impl Conn {
             unflushed: false,
             sent: false,
             received: false,
+            broken: None,
         };
         std::future::poll_fn(|cx| self.poll_send(cx, request, &mut writing)).await
     }
@@ -219,11 +238,14 @@ impl Conn {
         request: &mut Outgoing<B>,
         w: &mut Writing,
     ) -> Poll<Result<Head, SendFailure>> {
-        if !w.sent
-            && let Poll::Ready(Err(error)) = self.poll_write_request(cx, request, w)
-        {
-            let retry = !request.started && !w.received;
-            return Poll::Ready(Err(SendFailure { error, retry }));
+        if !w.sent && w.broken.is_none() {
+            match self.poll_write_request(cx, request, w) {
+                Poll::Ready(Err(Unwritten::Upload(error))) => {
+                    return Poll::Ready(Err(fatal(error)));
+                }
+                Poll::Ready(Err(Unwritten::Socket(error))) => w.broken = Some(error),
+                Poll::Ready(Ok(())) | Poll::Pending => {}
+            }
         }
         loop {
             if !self.buf.is_empty() {
@@ -242,17 +264,18 @@ impl Conn {
             match self.poll_fill(cx) {
                 Poll::Ready(Ok(0)) => {
                     let retry = !request.started && !w.received && (!w.sent || request.idempotent);
-                    return Poll::Ready(Err(SendFailure {
-                        error: io::Error::new(
+                    let error = w.broken.take().unwrap_or_else(|| {
+                        io::Error::new(
                             io::ErrorKind::UnexpectedEof,
                             "upstream closed the connection before answering",
-                        ),
-                        retry,
-                    }));
+                        )
+                    });
+                    return Poll::Ready(Err(SendFailure { error, retry }));
                 }
                 Poll::Ready(Ok(_)) => w.received = true,
                 Poll::Ready(Err(error)) => {
                     let retry = !request.started && !w.received && !w.sent;
+                    let error = w.broken.take().unwrap_or(error);
                     return Poll::Ready(Err(SendFailure { error, retry }));
                 }
                 Poll::Pending => return Poll::Pending,
@@ -268,7 +291,7 @@ impl Conn {
         cx: &mut Context<'_>,
         request: &mut Outgoing<B>,
         w: &mut Writing,
-    ) -> Poll<io::Result<()>> {
+    ) -> Poll<Result<(), Unwritten>> {
         loop {
             // Take what the client has sent, while it is small enough to
             // go out with what is already waiting.
@@ -285,7 +308,7 @@ impl Conn {
                             queue(request, w, data);
                         }
                     }
-                    Poll::Ready(Some(Err(e))) => return Poll::Ready(Err(e)),
+                    Poll::Ready(Some(Err(e))) => return Poll::Ready(Err(Unwritten::Upload(e))),
                     Poll::Ready(None) => {
                         if request.framing == RequestFraming::Chunked {
                             framing::chunked_end(&mut request.head, w.first_chunk);
@@ -303,7 +326,7 @@ impl Conn {
                     Pin::new(&mut self.io).poll_write(cx, &request.head[w.written..])
                 )?;
                 if n == 0 {
-                    return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+                    return Poll::Ready(Err(Unwritten::Socket(io::ErrorKind::WriteZero.into())));
                 }
                 w.written += n;
                 w.unflushed = true;
@@ -318,7 +341,7 @@ impl Conn {
             if let Some(data) = w.data.as_mut() {
                 let n = std::task::ready!(Pin::new(&mut self.io).poll_write(cx, data))?;
                 if n == 0 {
-                    return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+                    return Poll::Ready(Err(Unwritten::Socket(io::ErrorKind::WriteZero.into())));
                 }
                 bytes::Buf::advance(data, n);
                 if data.is_empty() {
@@ -681,6 +704,29 @@ mod tests {
             waited += 1;
         }
         assert!(!conn.is_open(), "the upstream's close is seen");
+    }
+
+    #[tokio::test]
+    async fn an_early_answer_is_taken_though_the_upstream_closed_on_the_upload() {
+        let (mut conn, mut server) = pair().await;
+        let large = vec![b'x'; 8 << 20];
+        let framing = RequestFraming::Length(large.len() as u64);
+        let mut post = request(Method::POST, framing, &[&large], false);
+        let upstream = async {
+            read_until(&mut server, b"\r\n\r\n").await;
+            server
+                .write_all(b"HTTP/1.1 413 Content Too Large\r\nConnection: close\r\n\r\n")
+                .await
+                .unwrap();
+            // Closed with the upload unread: the gateway's next write fails.
+            drop(server);
+        };
+        let (head, ()) = tokio::join!(conn.send(&mut post), upstream);
+        let head = head
+            .map_err(|f| f.error)
+            .expect("the answer, not the write's failure");
+        assert_eq!(head.status, 413);
+        assert!(!head.keep_alive);
     }
 
     /// The body of the answer to a GET on a fresh connection, which the
