@@ -3,9 +3,9 @@
 //! Owns the socket (TCP, or TLS to an `https://` upstream), its read
 //! buffer and one exchange at a time: [`Conn::send`] writes a request's
 //! head and streams its body while watching for an early answer, and
-//! returns the answer's head; [`UpstreamBody`] then reads the body from
-//! the same connection and gives the connection back once the body has
-//! ended and nothing said to close it. No task and no channel stand
+//! returns the answer's head; `answer::UpstreamBody` then reads the body
+//! from the same connection and gives the connection back once the body
+//! has ended and nothing said to close it. No task and no channel stand
 //! between a request and its connection: the request's own future does
 //! the reading and writing.
 //!
@@ -22,13 +22,13 @@ use std::task::{Context, Poll};
 
 use bytes::{Bytes, BytesMut};
 use hyper::Method;
-use hyper::body::{Body, Frame, SizeHint};
+use hyper::body::Body;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio_rustls::client::TlsStream;
 
 use super::UPSTREAM_READ_BUFFER;
-use super::framing::{self, Chunked, Framing, Head, Piece, RequestFraming};
+use super::framing::{self, Head, RequestFraming};
 use crate::proxy::body::RequestBody;
 
 /// Room made in the read buffer before a read, when less is left.
@@ -97,7 +97,7 @@ pub(super) struct Conn {
     /// The socket.
     io: Io,
     /// What has been read and not yet taken.
-    buf: BytesMut,
+    pub(super) buf: BytesMut,
 }
 
 /// Why an exchange failed, and whether the request may go again on
@@ -196,7 +196,7 @@ impl Conn {
     }
 
     /// Reads more into the buffer; `Ok(0)` when the upstream has closed.
-    fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+    pub(super) fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
         if self.buf.capacity() - self.buf.len() < READ_ROOM / 8 {
             self.buf.reserve(READ_ROOM);
         }
@@ -387,146 +387,17 @@ fn fatal(error: io::Error) -> SendFailure {
     }
 }
 
-/// How far an answer's body has been read.
-enum Reading {
-    /// This many bytes are left.
-    Length(u64),
-    /// Chunks are being decoded.
-    Chunked(Chunked),
-    /// Until the upstream closes.
-    Close,
-    /// To the end.
-    Ended,
-    /// It failed; the connection is gone.
-    Failed,
-}
-
-/// An upstream's answer body, read from its connection as it is polled.
-pub(in crate::proxy) struct UpstreamBody {
-    /// The connection the body arrives on.
-    conn: Conn,
-    /// How far the body has been read.
-    reading: Reading,
-    /// Whether the connection may carry another request afterwards.
-    keep_alive: bool,
-}
-
-impl UpstreamBody {
-    /// The body `head` announced, read from `conn`.
-    pub(super) fn new(conn: Conn, head: &Head) -> Self {
-        let reading = match head.framing {
-            Framing::Empty | Framing::Length(0) => Reading::Ended,
-            Framing::Length(n) => Reading::Length(n),
-            Framing::Chunked => Reading::Chunked(Chunked::new()),
-            Framing::Close => Reading::Close,
-        };
-        Self {
-            conn,
-            reading,
-            keep_alive: head.keep_alive,
-        }
-    }
-
-    /// The connection, when the body has been read to its end and the
-    /// connection may carry another request.
-    pub(super) fn into_conn(self) -> Option<Conn> {
-        (matches!(self.reading, Reading::Ended) && self.keep_alive && self.conn.buf.is_empty())
-            .then_some(self.conn)
-    }
-
-    /// Ends the body with `error`.
-    fn fail(&mut self, error: io::Error) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
-        self.reading = Reading::Failed;
-        Poll::Ready(Some(Err(error)))
-    }
-}
-
-impl Body for UpstreamBody {
-    type Data = Bytes;
-    type Error = io::Error;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
-        let this = self.get_mut();
-        loop {
-            let buf = &mut this.conn.buf;
-            match &mut this.reading {
-                Reading::Ended | Reading::Failed => return Poll::Ready(None),
-                Reading::Length(left) if !buf.is_empty() => {
-                    let take = (*left).min(buf.len() as u64);
-                    *left -= take;
-                    if *left == 0 {
-                        this.reading = Reading::Ended;
-                    }
-                    // `take` is at most `buf.len()`, so it fits a usize.
-                    let data = buf.split_to(take as usize).freeze();
-                    return Poll::Ready(Some(Ok(Frame::data(data))));
-                }
-                // Polled even on an empty buffer: past the trailers, the
-                // end needs no more bytes.
-                Reading::Chunked(chunked) => match chunked.next(buf) {
-                    Ok(Some(Piece::Data(data))) => return Poll::Ready(Some(Ok(Frame::data(data)))),
-                    Ok(Some(Piece::Trailers(trailers))) => {
-                        return Poll::Ready(Some(Ok(Frame::trailers(trailers))));
-                    }
-                    Ok(Some(Piece::End)) => {
-                        this.reading = Reading::Ended;
-                        return Poll::Ready(None);
-                    }
-                    Ok(None) if buf.len() >= UPSTREAM_READ_BUFFER => {
-                        return this.fail(io::Error::other(framing::FramingError::Chunk));
-                    }
-                    Ok(None) => {}
-                    Err(e) => return this.fail(io::Error::other(e)),
-                },
-                Reading::Close if !buf.is_empty() => {
-                    let data = buf.split().freeze();
-                    return Poll::Ready(Some(Ok(Frame::data(data))));
-                }
-                Reading::Length(_) | Reading::Close => {}
-            }
-            match std::task::ready!(this.conn.poll_fill(cx)) {
-                Ok(0) if matches!(this.reading, Reading::Close) => {
-                    this.reading = Reading::Ended;
-                    this.keep_alive = false;
-                    return Poll::Ready(None);
-                }
-                Ok(0) => {
-                    return this.fail(io::Error::new(
-                        io::ErrorKind::UnexpectedEof,
-                        "upstream closed the connection within a body",
-                    ));
-                }
-                Ok(_) => {}
-                Err(e) => return this.fail(e),
-            }
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        matches!(self.reading, Reading::Ended)
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        match self.reading {
-            Reading::Length(left) => SizeHint::with_exact(left),
-            Reading::Ended => SizeHint::with_exact(0),
-            _ => SizeHint::default(),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use std::collections::VecDeque;
     use std::time::Duration;
 
     use hyper::HeaderMap;
+    use hyper::body::Frame;
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     use tokio::net::TcpListener;
 
+    use super::super::answer::UpstreamBody;
     use super::*;
 
     /// A test upload: these pieces, then its end, or nothing more at all

@@ -7,13 +7,15 @@
 //! upstream timeouts; an exchange holds its tenant's slot
 //! ([`super::slots`]) until its answer ends. Connections are opened,
 //! reused and timed in `dial`, speak HTTP/1.1 in `conn` (bytes on the
-//! wire in `framing`); the answer streams back through `response` under
-//! the client's write pace; a known `Content-Length` is kept.
+//! wire in `framing`, answer bodies read in `answer`); the answer streams
+//! back through `response` under the client's write pace; a known
+//! `Content-Length` is kept.
 //!
 //! Blame is kept straight: time spent waiting for a slow uploading client
 //! never counts against `upstream.timeout_ms`, and an upload the client
 //! fails answers 408 (or is dropped with the client), never 502/504.
 
+mod answer;
 mod conn;
 mod dial;
 mod framing;
@@ -34,7 +36,8 @@ use hyper::header as hy;
 use hyper::{HeaderMap, Method, Request, Response, StatusCode};
 use tokio::sync::Semaphore;
 
-use conn::{Conn, Outgoing, UpstreamBody};
+use answer::UpstreamBody;
+use conn::{Conn, Outgoing};
 use dial::{Dialer, upstream_failure};
 use framing::{Framing, RequestFraming};
 use pool::IdleList;

@@ -15,7 +15,7 @@ use hyper::body::{Body, Bytes, Frame, SizeHint};
 use tokio::sync::OwnedSemaphorePermit;
 
 use super::Upstream;
-use super::conn::UpstreamBody;
+use super::answer::UpstreamBody;
 use crate::clock::SharedClock;
 use crate::proxy::body::Polled;
 use crate::proxy::client::ClientCut;
