@@ -535,16 +535,9 @@ mod tests {
 
     #[tokio::test]
     async fn an_answer_before_the_upload_ends_is_taken_and_the_connection_not_kept() {
-        let (mut conn, mut server) = pair().await;
-        let mut post = request(Method::POST, RequestFraming::Length(100), &[b"abc"], true);
-        let upstream = async {
-            read_until(&mut server, b"\r\n\r\n").await;
-            server
-                .write_all(b"HTTP/1.1 413 Content Too Large\r\nContent-Length: 0\r\n\r\n")
-                .await
-                .unwrap();
-        };
-        let (head, ()) = tokio::join!(conn.send(&mut post), upstream);
+        let post = request(Method::POST, RequestFraming::Length(100), &[b"abc"], true);
+        let answer = b"HTTP/1.1 413 Content Too Large\r\nContent-Length: 0\r\n\r\n";
+        let (conn, head) = exchanged(post, answer, false).await;
         let head = head.map_err(|f| f.error).unwrap();
         assert_eq!(head.status, 413);
         assert!(!head.keep_alive);
@@ -579,20 +572,12 @@ mod tests {
 
     #[tokio::test]
     async fn an_early_answer_is_taken_though_the_upstream_closed_on_the_upload() {
-        let (mut conn, mut server) = pair().await;
         let large = vec![b'x'; 8 << 20];
         let framing = RequestFraming::Length(large.len() as u64);
-        let mut post = request(Method::POST, framing, &[&large], false);
-        let upstream = async {
-            read_until(&mut server, b"\r\n\r\n").await;
-            server
-                .write_all(b"HTTP/1.1 413 Content Too Large\r\nConnection: close\r\n\r\n")
-                .await
-                .unwrap();
-            // Closed with the upload unread: the gateway's next write fails.
-            drop(server);
-        };
-        let (head, ()) = tokio::join!(conn.send(&mut post), upstream);
+        let post = request(Method::POST, framing, &[&large], false);
+        // Closed with the upload unread: the gateway's next write fails.
+        let answer = b"HTTP/1.1 413 Content Too Large\r\nConnection: close\r\n\r\n";
+        let (_, head) = exchanged(post, answer, true).await;
         let head = head
             .map_err(|f| f.error)
             .expect("the answer, not the write's failure");
@@ -600,11 +585,14 @@ mod tests {
         assert!(!head.keep_alive);
     }
 
-    /// The body of the answer to a GET on a fresh connection, which the
-    /// upstream sends as `answer` and then closes, when `close`.
-    async fn answered(answer: &[u8], close: bool) -> UpstreamBody {
+    /// Sends `request` on a fresh connection whose upstream, once it has
+    /// read the head, sends `answer` and then closes, when `close`.
+    async fn exchanged(
+        mut request: Outgoing<Pieces>,
+        answer: &[u8],
+        close: bool,
+    ) -> (Conn, Result<Head, SendFailure>) {
         let (mut conn, mut server) = pair().await;
-        let mut get = request(Method::GET, RequestFraming::Bodiless, &[], false);
         let upstream = async {
             read_until(&mut server, b"\r\n\r\n").await;
             server.write_all(answer).await.unwrap();
@@ -612,7 +600,15 @@ mod tests {
                 drop(server);
             }
         };
-        let (head, ()) = tokio::join!(conn.send(&mut get), upstream);
+        let (head, ()) = tokio::join!(conn.send(&mut request), upstream);
+        (conn, head)
+    }
+
+    /// The body of the answer to a GET on a fresh connection, which the
+    /// upstream sends as `answer` and then closes, when `close`.
+    async fn answered(answer: &[u8], close: bool) -> UpstreamBody {
+        let get = request(Method::GET, RequestFraming::Bodiless, &[], false);
+        let (conn, head) = exchanged(get, answer, close).await;
         let head = head.map_err(|f| f.error).unwrap();
         UpstreamBody::new(conn, &head)
     }
