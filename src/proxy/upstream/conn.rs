@@ -445,7 +445,7 @@ mod tests {
         hangs: bool,
     ) -> Outgoing<Pieces> {
         let mut head = Vec::new();
-        framing::write_head(&mut head, &method, "/p", &HeaderMap::new(), framing).unwrap();
+        framing::write_head(&mut head, &method, "/p", |_| {}, framing).unwrap();
         let left = pieces.iter().map(|p| Bytes::copy_from_slice(p)).collect();
         Outgoing::new(head, Pieces { left, hangs }, framing, &method)
     }

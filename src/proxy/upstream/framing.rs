@@ -24,6 +24,11 @@ use super::hop;
 /// Most header lines a response head or trailer section may hold.
 const MAX_HEADERS: usize = 100;
 
+/// Room in an answer's header map for the fields the gateway adds to it
+/// (the rate-limit ones, `Retry-After`, a HEAD answer's `Content-Length`),
+/// so that the map is not grown and rebuilt for them.
+const ADDED_FIELDS: usize = 6;
+
 /// Why bytes from an upstream are not HTTP/1.1 the gateway accepts.
 #[derive(Debug, thiserror::Error)]
 pub(super) enum FramingError {
@@ -76,8 +81,8 @@ impl RequestFraming {
     }
 }
 
-/// Writes the request line and head of `method` `target` with `headers`
-/// and the framing header into `out`.
+/// Writes the request line of `method` `target`, the header lines that
+/// `fields` writes, and the framing header into `out`.
 ///
 /// # Errors
 /// [`FramingError::Target`] when `target` holds a byte outside visible
@@ -86,7 +91,7 @@ pub(super) fn write_head(
     out: &mut Vec<u8>,
     method: &Method,
     target: &str,
-    headers: &HeaderMap,
+    fields: impl FnOnce(&mut Vec<u8>),
     framing: RequestFraming,
 ) -> Result<(), FramingError> {
     if target.is_empty() || !target.bytes().all(|b| b.is_ascii_graphic()) {
@@ -96,20 +101,17 @@ pub(super) fn write_head(
     out.push(b' ');
     out.extend_from_slice(target.as_bytes());
     out.extend_from_slice(b" HTTP/1.1\r\n");
-    for (name, value) in headers {
-        out.extend_from_slice(name.as_str().as_bytes());
-        out.extend_from_slice(b": ");
-        out.extend_from_slice(value.as_bytes());
-        out.extend_from_slice(b"\r\n");
-    }
+    fields(out);
     match framing {
         RequestFraming::Bodiless => {}
         RequestFraming::Length(n) => {
-            out.extend_from_slice(b"content-length: ");
-            out.extend_from_slice(itoa::Buffer::new().format(n).as_bytes());
-            out.extend_from_slice(b"\r\n");
+            hop::write_field(
+                out,
+                b"content-length",
+                itoa::Buffer::new().format(n).as_bytes(),
+            );
         }
-        RequestFraming::Chunked => out.extend_from_slice(b"transfer-encoding: chunked\r\n"),
+        RequestFraming::Chunked => hop::write_field(out, b"transfer-encoding", b"chunked"),
     }
     out.extend_from_slice(b"\r\n");
     Ok(())
@@ -211,10 +213,15 @@ pub(super) fn parse_head(
         // to share its bytes once the head is out of `buf`.
         let base = buf.as_ptr() as usize;
         let mut fields = Fields::default();
-        let mut spans = Vec::with_capacity(response.headers.len());
         for header in response.headers.iter() {
             fields.note(header)?;
-            if !hop::travels(header.name, response.headers) {
+        }
+        // Most answers' `Connection` lists only `keep-alive` or `close`,
+        // and then no field need be compared with what it lists.
+        let connection = fields.lists_fields.then_some(&*response.headers);
+        let mut spans = Vec::with_capacity(response.headers.len());
+        for header in response.headers.iter() {
+            if !hop::travels(header.name, connection) {
                 continue;
             }
             let name = HeaderName::from_bytes(header.name.as_bytes())
@@ -223,7 +230,7 @@ pub(super) fn parse_head(
             spans.push((name, start, start + header.value.len()));
         }
         let bytes = buf.split_to(len).freeze();
-        let mut headers = HeaderMap::with_capacity(spans.len());
+        let mut headers = HeaderMap::with_capacity(spans.len() + ADDED_FIELDS);
         for (name, start, end) in spans {
             let value = HeaderValue::from_maybe_shared(bytes.slice(start..end))
                 .map_err(|_| FramingError::Head(httparse::Error::HeaderValue))?;
@@ -247,6 +254,9 @@ struct Fields {
     close: bool,
     /// Whether `Connection` lists `keep-alive`.
     keep_alive: bool,
+    /// Whether `Connection` lists anything that may name an end-to-end
+    /// field.
+    lists_fields: bool,
 }
 
 impl Fields {
@@ -258,13 +268,8 @@ impl Fields {
     fn note(&mut self, field: &httparse::Header<'_>) -> Result<(), FramingError> {
         let name = field.name;
         if name.eq_ignore_ascii_case("content-length") {
-            let list = std::str::from_utf8(field.value).map_err(|_| FramingError::Length)?;
-            for item in list.split(',') {
-                let item = item.trim();
-                if item.is_empty() || !item.bytes().all(|b| b.is_ascii_digit()) {
-                    return Err(FramingError::Length);
-                }
-                let n: u64 = item.parse().map_err(|_| FramingError::Length)?;
+            for item in hop::tokens(field.value) {
+                let n = decimal(item).ok_or(FramingError::Length)?;
                 if self.length.is_some_and(|l| l != n) {
                     return Err(FramingError::Length);
                 }
@@ -272,13 +277,15 @@ impl Fields {
             }
         } else if name.eq_ignore_ascii_case("transfer-encoding") {
             self.transfer_encoding = true;
-            self.chunked = tokens(field.value)
+            self.chunked = hop::tokens(field.value)
                 .next_back()
-                .is_some_and(|coding| coding.eq_ignore_ascii_case("chunked"));
+                .is_some_and(|coding| coding.eq_ignore_ascii_case(b"chunked"));
         } else if name.eq_ignore_ascii_case("connection") {
-            for token in tokens(field.value) {
-                self.close |= token.eq_ignore_ascii_case("close");
-                self.keep_alive |= token.eq_ignore_ascii_case("keep-alive");
+            for token in hop::tokens(field.value) {
+                let close = token.eq_ignore_ascii_case(b"close");
+                self.close |= close;
+                self.keep_alive |= token.eq_ignore_ascii_case(b"keep-alive");
+                self.lists_fields |= !close && hop::names_end_to_end(token);
             }
         }
         Ok(())
@@ -329,12 +336,16 @@ impl Fields {
     }
 }
 
-/// The comma-separated items of a field's `value`, trimmed.
-fn tokens(value: &[u8]) -> impl DoubleEndedIterator<Item = &str> {
-    std::str::from_utf8(value)
-        .unwrap_or_default()
-        .split(',')
-        .map(str::trim)
+/// The number `item` states in decimal digits, if that is all it is and
+/// it fits.
+fn decimal(item: &[u8]) -> Option<u64> {
+    if item.is_empty() {
+        return None;
+    }
+    item.iter().try_fold(0u64, |n, &b| {
+        let digit = b.checked_sub(b'0').filter(|d| *d <= 9)?;
+        n.checked_mul(10)?.checked_add(u64::from(digit))
+    })
 }
 
 /// What a chunked body yields next.
@@ -460,7 +471,6 @@ impl Chunked {
 
 #[cfg(test)]
 mod tests {
-    use hyper::header as hy;
 
     use super::*;
 
@@ -475,22 +485,22 @@ mod tests {
 
     #[test]
     fn a_request_head_carries_its_line_headers_and_framing() {
-        let mut headers = HeaderMap::new();
-        headers.insert(hy::HOST, HeaderValue::from_static("up:9000"));
-        headers.append("x-a", HeaderValue::from_static("1"));
-        headers.append("x-a", HeaderValue::from_static("2"));
+        let fields = |out: &mut Vec<u8>| {
+            hop::write_field(out, b"host", b"up:9000");
+            hop::write_field(out, b"x-a", b"1");
+        };
         let mut out = Vec::new();
         write_head(
             &mut out,
             &Method::POST,
             "/p?q=1",
-            &headers,
+            fields,
             RequestFraming::Length(5),
         )
         .unwrap();
         assert_eq!(
             String::from_utf8(out).unwrap(),
-            "POST /p?q=1 HTTP/1.1\r\nhost: up:9000\r\nx-a: 1\r\nx-a: 2\r\ncontent-length: 5\r\n\r\n"
+            "POST /p?q=1 HTTP/1.1\r\nhost: up:9000\r\nx-a: 1\r\ncontent-length: 5\r\n\r\n"
         );
     }
 
@@ -502,7 +512,7 @@ mod tests {
                 &mut out,
                 &Method::GET,
                 target,
-                &HeaderMap::new(),
+                |_| {},
                 RequestFraming::Bodiless,
             );
             assert!(matches!(written, Err(FramingError::Target)), "{target:?}");
@@ -561,6 +571,23 @@ mod tests {
         assert_eq!(head.framing, Framing::Length(2));
         assert!(head.keep_alive);
         assert_eq!(&buf[..], b"ok", "the body stays in the buffer");
+    }
+
+    #[test]
+    fn fields_that_connection_names_stay_behind_whatever_else_it_lists() {
+        for connection in ["X-Hop", "close, x-hop", "Keep-Alive,X-HOP "] {
+            let text = format!(
+                "HTTP/1.1 200 OK\r\nConnection: {connection}\r\nX-Hop: 1\r\nX-End: 2\r\nContent-Length: 0\r\n\r\n"
+            );
+            let head = parsed(&text).unwrap().unwrap();
+            let names: Vec<_> = head.headers.keys().map(HeaderName::as_str).collect();
+            assert_eq!(names, vec!["x-end"], "{connection:?}");
+        }
+        let head = parsed("HTTP/1.1 200 OK\r\nConnection: close\r\nX-End: 2\r\n\r\n")
+            .unwrap()
+            .unwrap();
+        assert_eq!(head.headers.len(), 1);
+        assert!(!head.keep_alive);
     }
 
     #[test]
@@ -650,7 +677,15 @@ mod tests {
 
     #[test]
     fn lengths_that_are_not_one_number_are_refused() {
-        for bad in ["-1", "1 2", "", "3, 4", "0x10", "+5"] {
+        for bad in [
+            "-1",
+            "1 2",
+            "",
+            "3, 4",
+            "0x10",
+            "+5",
+            "18446744073709551616",
+        ] {
             let text = format!("HTTP/1.1 200 OK\r\nContent-Length: {bad}\r\n\r\n");
             assert!(
                 matches!(parsed(&text), Err(FramingError::Length)),

@@ -326,31 +326,24 @@ impl Forwarder {
         target: Target<'_>,
         upstream: &Upstream,
     ) -> Result<(Outgoing, Rc<Upload>), ProxyError> {
-        let (mut parts, payload) = req.into_parts();
-        hop::forwarded_headers(
-            &mut parts.headers,
-            (client.peer.ip(), client.tls),
-            target.tenant,
+        let (parts, payload) = req.into_parts();
+        let forwarded = hop::Forwarded {
+            peer: (client.peer.ip(), client.tls),
+            tenant: target.tenant,
             // HTTP/2 carries the host in the URI (`:authority`), not in
             // `Host`.
-            parts.uri.authority().map(|a| a.as_str()),
-        );
-        parts.headers.insert(hy::HOST, upstream.host.clone());
-        // A route that settles usage reads the answer's trailers: it says
-        // so, or servers that honour TE (hyper's, for one) send none.
-        if target.route.spec.usage.is_some() {
-            parts
-                .headers
-                .insert(hy::TE, hy::HeaderValue::from_static("trailers"));
-        }
+            authority: parts.uri.authority().map(|a| a.as_str()),
+            host: &upstream.host,
+            trailers: target.route.spec.usage.is_some(),
+        };
         let (body, upload) = RequestBody::new(payload, self.client.read, self.clock.clone());
         let framing = RequestFraming::of(body.size_hint().exact(), &parts.method);
-        let mut head = Vec::with_capacity(head_size(&target.uri, &parts.headers));
+        let mut head = Vec::with_capacity(head_size(&target.uri, &parts.headers, &forwarded));
         framing::write_head(
             &mut head,
             &parts.method,
             &target.uri,
-            &parts.headers,
+            |out| hop::write_fields(out, &parts.headers, &forwarded),
             framing,
         )
         .map_err(upstream_failure)?;
@@ -358,14 +351,15 @@ impl Forwarder {
     }
 }
 
-/// Room for a request head to `target` with `headers`: the request line,
-/// each header line, and a framing header.
-fn head_size(target: &str, headers: &HeaderMap) -> usize {
+/// Room for a request head to `target` with the client's `headers` and
+/// what the gateway adds to them: the request line, each header line, and
+/// a framing header.
+fn head_size(target: &str, headers: &HeaderMap, forwarded: &hop::Forwarded<'_>) -> usize {
     let lines: usize = headers
         .iter()
         .map(|(name, value)| name.as_str().len() + value.len() + 4)
         .sum();
-    target.len() + lines + 64
+    target.len() + lines + forwarded.added_len() + 64
 }
 
 /// An answer with `status`, `headers` and `body`.
