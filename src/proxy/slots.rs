@@ -21,9 +21,10 @@
 //! is bounded by the worker's connections, never by the keys seen.
 
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
-use std::collections::hash_map::Entry;
+use std::hash::{BuildHasher, RandomState};
 use std::rc::Rc;
+
+use hashbrown::HashTable;
 
 use crate::bucket::SlotHold;
 use crate::config::UpstreamSettings;
@@ -36,7 +37,10 @@ pub(super) struct Slots {
     /// Most exchanges decided by the default rule, all tenants together.
     without_rule: u32,
     /// Exchanges in flight by tenant (only tenants with one).
-    tenants: RefCell<HashMap<TenantId, u32>>,
+    tenants: RefCell<HashTable<(TenantId, u32)>>,
+    /// Hashes tenants (randomly seeded: chosen keys cannot collide on
+    /// purpose); a slot keeps its tenant's hash for its release.
+    hasher: RandomState,
     /// Exchanges in flight decided by the default rule.
     defaulted: Cell<u32>,
 }
@@ -47,7 +51,8 @@ impl Slots {
         Rc::new(Self {
             per_tenant: settings.max_connections_per_tenant,
             without_rule: settings.max_connections_without_rule,
-            tenants: RefCell::new(HashMap::new()),
+            tenants: RefCell::new(HashTable::new()),
+            hasher: RandomState::new(),
             defaulted: Cell::new(0),
         })
     }
@@ -59,8 +64,16 @@ impl Slots {
             return None;
         }
         // One lookup: the entry is found or made, then counted.
+        let hash = self.hasher.hash_one(tenant.as_str());
         let mut tenants = self.tenants.borrow_mut();
-        let held = tenants.entry(tenant.clone()).or_insert(0);
+        let (_, held) = tenants
+            .entry(
+                hash,
+                |(t, _)| t == tenant,
+                |(t, _)| self.hasher.hash_one(t.as_str()),
+            )
+            .or_insert_with(|| (tenant.clone(), 0))
+            .into_mut();
         if *held >= self.per_tenant {
             return None;
         }
@@ -71,6 +84,7 @@ impl Slots {
         Some(Slot {
             slots: Rc::clone(self),
             tenant: tenant.clone(),
+            hash,
             defaulted: !has_rule,
             held: None,
         })
@@ -79,7 +93,11 @@ impl Slots {
     /// Exchanges in flight for `tenant`.
     #[cfg(test)]
     fn held(&self, tenant: &str) -> u32 {
-        self.tenants.borrow().get(tenant).copied().unwrap_or(0)
+        let hash = self.hasher.hash_one(tenant);
+        let tenants = self.tenants.borrow();
+        tenants
+            .find(hash, |(t, _)| t.as_str() == tenant)
+            .map_or(0, |(_, held)| *held)
     }
 }
 
@@ -89,6 +107,8 @@ pub(super) struct Slot {
     slots: Rc<Slots>,
     /// Whose it is.
     tenant: TenantId,
+    /// Its tenant's hash in [`Slots::tenants`].
+    hash: u64,
     /// Whether it also counts in the default-rule group.
     defaulted: bool,
     /// The request's slots of the cluster's concurrency limits, if any:
@@ -107,10 +127,11 @@ impl Slot {
 impl Drop for Slot {
     fn drop(&mut self) {
         let mut tenants = self.slots.tenants.borrow_mut();
-        if let Entry::Occupied(mut held) = tenants.entry(self.tenant.clone()) {
-            *held.get_mut() -= 1;
-            if *held.get() == 0 {
-                held.remove();
+        if let Ok(mut entry) = tenants.find_entry(self.hash, |(t, _)| *t == self.tenant) {
+            let (_, held) = entry.get_mut();
+            *held -= 1;
+            if *held == 0 {
+                entry.remove();
             }
         }
         if self.defaulted {

@@ -76,14 +76,19 @@ fn request_id<'a>(field: &str, id: &'a str) -> Result<&'a str, String> {
 /// one key, and no other spelling of the header name (`X_Api_Key`, which
 /// CGI-style servers read as the same header).
 fn identify(headers: &HeaderMap) -> Result<TenantId, ProxyError> {
-    if headers.keys().any(|name| is_key_alias(name.as_str())) {
-        return Err(ProxyError::SeveralKeys);
+    // One pass over the fields, no lookup: most requests carry a few.
+    let mut key = None;
+    for (name, value) in headers {
+        let several = if *name == API_KEY {
+            key.replace(value).is_some()
+        } else {
+            is_key_alias(name.as_str())
+        };
+        if several {
+            return Err(ProxyError::SeveralKeys);
+        }
     }
-    let mut keys = headers.get_all(API_KEY).iter();
-    let raw = keys.next().ok_or(ProxyError::MissingKey)?;
-    if keys.next().is_some() {
-        return Err(ProxyError::SeveralKeys);
-    }
+    let raw = key.ok_or(ProxyError::MissingKey)?;
     let text = raw.to_str().map_err(|_| ProxyError::BadKeyEncoding)?;
     if text.contains(',') {
         return Err(ProxyError::SeveralKeys);
