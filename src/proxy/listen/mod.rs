@@ -12,7 +12,9 @@
 //! - a header deadline (`client.header_timeout_ms`): a TLS handshake, a
 //!   request's line and
 //!   headers, and on a kept-alive connection the next request, must arrive
-//!   within it, or the connection is closed;
+//!   within it, or the connection is closed (checked every 25 ms on the
+//!   worker's list of coarse deadlines, `deadline`, not a timer per
+//!   request);
 //! - an idle deadline for HTTP/2 (`client.h2_idle_timeout_ms`, once the
 //!   client has sent the HTTP/2 preface): a connection that starts no
 //!   request for that long is ended with `GOAWAY`, its streams in flight
@@ -30,6 +32,7 @@
 //! mid-request) is client noise: counted, and logged one by one only at
 //! `debug`.
 
+pub(super) mod deadline;
 mod drive;
 mod speak;
 pub(super) mod stall;

@@ -16,6 +16,8 @@ use hyper::server::conn::http1;
 use hyper::{Request, Response};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
+
+use super::deadline::CoarseTimer;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 /// Largest read and write buffer of one client connection: bounds a
@@ -79,7 +81,7 @@ impl Protocols {
         if http2 {
             let mut auto = auto::Builder::new(LocalExec);
             auto.http1()
-                .timer(TokioTimer::new())
+                .timer(CoarseTimer)
                 .header_read_timeout(header_timeout)
                 .max_buf_size(CLIENT_BUFFER);
             // Pings find a peer that vanished without closing; an HTTP/2
@@ -95,7 +97,7 @@ impl Protocols {
         } else {
             let mut http1 = http1::Builder::new();
             http1
-                .timer(TokioTimer::new())
+                .timer(CoarseTimer)
                 .header_read_timeout(header_timeout)
                 .max_buf_size(CLIENT_BUFFER);
             Self::Http1(http1)

@@ -4,12 +4,15 @@
 //! uploading client.
 
 use std::error::Error as StdError;
+use std::future::poll_fn;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
 use tokio::net::TcpStream;
 use tokio::sync::Semaphore;
+use tokio::time::Instant;
 
 use super::Upstream;
 use super::conn::{Conn, Io, Outgoing};
@@ -17,6 +20,7 @@ use super::framing::Head;
 use crate::clock::{SharedClock, millis};
 use crate::proxy::body::{ClientFault, Upload};
 use crate::proxy::error::ProxyError;
+use crate::proxy::listen::deadline::Deadline;
 
 /// What sending one exchange upstream needs: shared by a worker's
 /// exchanges, each of which runs in a task of its own.
@@ -46,27 +50,29 @@ impl Dialer {
     ) -> Result<T, ProxyError> {
         let started = self.clock.now_ms();
         let limit = millis(self.timeout);
-        let mut wait = self.timeout;
+        // A coarse deadline: it almost never fires, and a timer of
+        // tokio's costs a request more to arm and drop.
+        let mut deadline = Deadline::after(self.timeout);
         loop {
-            match tokio::time::timeout(wait, exchange.as_mut()).await {
-                Ok(result) => {
-                    return result.map_err(|e| match upload.fault() {
-                        Some(ClientFault::Slow) => ProxyError::ClientTimeout,
-                        Some(ClientFault::Broken) => ProxyError::ClientAborted,
-                        None => e,
-                    });
-                }
-                Err(_) => {
-                    let now = self.clock.now_ms();
-                    let upstream_ms = now
-                        .saturating_sub(started)
-                        .saturating_sub(upload.waited(now));
-                    if upstream_ms >= limit {
-                        return Err(ProxyError::UpstreamTimeout);
-                    }
-                    wait = Duration::from_millis(limit - upstream_ms);
-                }
+            let ended = poll_fn(|cx| match exchange.as_mut().poll(cx) {
+                Poll::Ready(result) => Poll::Ready(Some(result)),
+                Poll::Pending => Pin::new(&mut deadline).poll(cx).map(|()| None),
+            });
+            if let Some(result) = ended.await {
+                return result.map_err(|e| match upload.fault() {
+                    Some(ClientFault::Slow) => ProxyError::ClientTimeout,
+                    Some(ClientFault::Broken) => ProxyError::ClientAborted,
+                    None => e,
+                });
             }
+            let now = self.clock.now_ms();
+            let upstream_ms = now
+                .saturating_sub(started)
+                .saturating_sub(upload.waited(now));
+            if upstream_ms >= limit {
+                return Err(ProxyError::UpstreamTimeout);
+            }
+            deadline.reset(Instant::now() + Duration::from_millis(limit - upstream_ms));
         }
     }
 

@@ -1,0 +1,318 @@
+//! Coarse deadlines for timeouts that almost never fire: a request head's
+//! (hyper's HTTP/1 header timer, through [`CoarseTimer`]) and an upstream
+//! exchange's.
+//!
+//! Owns one list of armed deadlines per worker thread, checked every
+//! [`TICK`] by a task of that worker that runs while the list holds any.
+//! Arming and dropping a deadline takes or frees a place in a vector,
+//! where tokio's timer locks its wheel to insert the entry and again to
+//! remove it; every request arms two, and nearly all of them are dropped
+//! before they fire. A deadline fires up to one tick late, never early.
+//!
+//! A deadline is armed on its first poll and must be polled on a worker
+//! (inside a `LocalSet`, which every worker runs), whose list it joins.
+
+use std::cell::RefCell;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+/// How often a worker's armed deadlines are checked.
+pub(in crate::proxy) const TICK: Duration = Duration::from_millis(25);
+
+thread_local! {
+    /// This thread's armed deadlines.
+    static LIST: RefCell<List> = RefCell::new(List::new());
+}
+
+/// Numbers each thread's list, so that a deadline dropped on another
+/// thread never frees a place in the wrong one.
+static LISTS: AtomicU32 = AtomicU32::new(0);
+
+/// One thread's armed deadlines.
+struct List {
+    /// This list's number.
+    id: u32,
+    /// Places, armed or free.
+    places: Vec<Place>,
+    /// Free places.
+    free: Vec<usize>,
+    /// How many places are armed.
+    armed: usize,
+    /// Whether the checking task runs.
+    ticking: bool,
+}
+
+/// One armed deadline, or a free place.
+struct Place {
+    /// When it fires.
+    at: Instant,
+    /// Whom to wake when it fires; `None` when the place is free.
+    waker: Option<Waker>,
+    /// Whether it has fired.
+    fired: bool,
+}
+
+impl List {
+    /// An empty list with a number of its own.
+    fn new() -> Self {
+        Self {
+            id: LISTS.fetch_add(1, Ordering::Relaxed),
+            places: Vec::new(),
+            free: Vec::new(),
+            armed: 0,
+            ticking: false,
+        }
+    }
+
+    /// Arms a place for `at`, waking `waker`; starts the checking task
+    /// when it does not run.
+    fn arm(&mut self, at: Instant, waker: &Waker) -> usize {
+        let place = Place {
+            at,
+            waker: Some(waker.clone()),
+            fired: false,
+        };
+        let index = match self.free.pop() {
+            Some(index) => {
+                self.places[index] = place;
+                index
+            }
+            None => {
+                self.places.push(place);
+                self.places.len() - 1
+            }
+        };
+        self.armed += 1;
+        if !self.ticking {
+            self.ticking = true;
+            tokio::task::spawn_local(tick());
+        }
+        index
+    }
+
+    /// Frees place `index`.
+    fn disarm(&mut self, index: usize) {
+        if let Some(place) = self.places.get_mut(index)
+            && place.waker.take().is_some()
+        {
+            self.armed -= 1;
+            self.free.push(index);
+        }
+    }
+
+    /// Fires every armed place due at `now`; whether any is still armed.
+    fn fire(&mut self, now: Instant) -> bool {
+        for place in &mut self.places {
+            if !place.fired
+                && place.at <= now
+                && let Some(waker) = &place.waker
+            {
+                place.fired = true;
+                waker.wake_by_ref();
+            }
+        }
+        if self.armed == 0 {
+            // Nothing to check until a deadline is armed again, which
+            // starts a new task.
+            self.ticking = false;
+            self.places.clear();
+            self.free.clear();
+        }
+        self.ticking
+    }
+}
+
+/// Checks the thread's list every [`TICK`] while it holds a deadline.
+async fn tick() {
+    let mut interval = tokio::time::interval(TICK);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        interval.tick().await;
+        let now = Instant::now();
+        if !LIST.with_borrow_mut(|list| list.fire(now)) {
+            return;
+        }
+    }
+}
+
+/// A future that is ready once `at` has passed (checked every [`TICK`]).
+#[derive(Debug)]
+pub(in crate::proxy) struct Deadline {
+    /// When it fires.
+    at: Instant,
+    /// Its place and list, once armed.
+    armed: Option<(usize, u32)>,
+    /// Whether it has fired.
+    fired: bool,
+}
+
+impl Deadline {
+    /// A deadline `after` from now.
+    pub(in crate::proxy) fn after(after: Duration) -> Self {
+        Self::at(Instant::now() + after)
+    }
+
+    /// A deadline at `at`.
+    pub(in crate::proxy) fn at(at: Instant) -> Self {
+        Self {
+            at,
+            armed: None,
+            fired: false,
+        }
+    }
+
+    /// Moves the deadline to `at`; it arms again on its next poll.
+    pub(in crate::proxy) fn reset(&mut self, at: Instant) {
+        self.disarm();
+        *self = Self::at(at);
+    }
+
+    /// Frees its place, if it holds one.
+    fn disarm(&mut self) {
+        if let Some((index, id)) = self.armed.take() {
+            // A thread that is ending has no list left to free it in.
+            let _ = LIST.try_with(|list| {
+                let mut list = list.borrow_mut();
+                if list.id == id {
+                    list.disarm(index);
+                }
+            });
+        }
+    }
+}
+
+impl Future for Deadline {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let this = self.get_mut();
+        if this.fired {
+            return Poll::Ready(());
+        }
+        let fired = LIST.with_borrow_mut(|list| match this.armed {
+            Some((index, id)) if id == list.id => {
+                let place = &mut list.places[index];
+                if !place.fired {
+                    if let Some(waker) = &mut place.waker
+                        && !waker.will_wake(cx.waker())
+                    {
+                        waker.clone_from(cx.waker());
+                    }
+                    return false;
+                }
+                list.disarm(index);
+                true
+            }
+            // Not armed yet (or polled on another thread): armed here.
+            _ => {
+                this.armed = Some((list.arm(this.at, cx.waker()), list.id));
+                false
+            }
+        });
+        if fired {
+            this.armed = None;
+            this.fired = true;
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        }
+    }
+}
+
+impl Drop for Deadline {
+    fn drop(&mut self) {
+        self.disarm();
+    }
+}
+
+impl hyper::rt::Sleep for Deadline {}
+
+/// hyper's timer on coarse deadlines, for the HTTP/1 header timer.
+#[derive(Debug, Clone, Copy)]
+pub(in crate::proxy) struct CoarseTimer;
+
+impl hyper::rt::Timer for CoarseTimer {
+    fn sleep(&self, duration: Duration) -> Pin<Box<dyn hyper::rt::Sleep>> {
+        Box::pin(Deadline::after(duration))
+    }
+
+    fn sleep_until(&self, deadline: std::time::Instant) -> Pin<Box<dyn hyper::rt::Sleep>> {
+        Box::pin(Deadline::at(deadline.into()))
+    }
+
+    fn reset(&self, sleep: &mut Pin<Box<dyn hyper::rt::Sleep>>, new_deadline: std::time::Instant) {
+        match sleep.as_mut().downcast_mut_pin::<Deadline>() {
+            Some(deadline) => deadline.get_mut().reset(new_deadline.into()),
+            None => *sleep = self.sleep_until(new_deadline),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::future::poll_fn;
+
+    /// Runs `f` on a paused-time local set.
+    fn local<F: Future>(f: F) -> F::Output {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .start_paused(true)
+            .build()
+            .unwrap();
+        tokio::task::LocalSet::new().block_on(&runtime, f)
+    }
+
+    /// Whether `deadline` is ready when polled once now.
+    async fn ready(deadline: &mut Deadline) -> bool {
+        poll_fn(|cx| Poll::Ready(Pin::new(&mut *deadline).poll(cx).is_ready())).await
+    }
+
+    #[test]
+    fn a_deadline_fires_within_a_tick_after_its_time_and_never_before() {
+        local(async {
+            let start = Instant::now();
+            let mut deadline = Deadline::after(Duration::from_millis(100));
+            assert!(!ready(&mut deadline).await);
+            tokio::time::sleep(Duration::from_millis(99)).await;
+            assert!(!ready(&mut deadline).await, "early");
+            (&mut deadline).await;
+            let waited = start.elapsed();
+            assert!(waited >= Duration::from_millis(100), "{waited:?}");
+            assert!(waited <= Duration::from_millis(100) + TICK, "{waited:?}");
+            assert!(ready(&mut deadline).await, "stays fired");
+        });
+    }
+
+    #[test]
+    fn dropped_and_reset_deadlines_give_their_places_back_and_the_task_stops() {
+        local(async {
+            let mut kept = Deadline::after(Duration::from_secs(1));
+            assert!(!ready(&mut kept).await);
+            for _ in 0..100 {
+                let mut dropped = Deadline::after(Duration::from_millis(10));
+                assert!(!ready(&mut dropped).await);
+            }
+            let places = LIST.with_borrow(|list| (list.armed, list.places.len()));
+            assert_eq!(places, (1, 2), "one place reused by every dropped one");
+            // Moved later: not fired at its first time.
+            kept.reset(Instant::now() + Duration::from_secs(2));
+            assert!(!ready(&mut kept).await);
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            assert!(!ready(&mut kept).await);
+            (&mut kept).await;
+            drop(kept);
+            tokio::time::sleep(TICK * 2).await;
+            let left = LIST.with_borrow(|list| (list.armed, list.ticking));
+            assert_eq!(left, (0, false), "nothing armed, nothing ticking");
+            // Arming again starts the task again.
+            let started = Instant::now();
+            Deadline::after(Duration::from_millis(50)).await;
+            assert!(started.elapsed() <= Duration::from_millis(50) + TICK);
+        });
+    }
+}
