@@ -52,7 +52,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, Semaphore, oneshot, watch};
 
-use drive::{Activity, Ends, drive, ended_in_error};
+use drive::{Activity, Ends, Shutdown, Stopping, drive, ended_in_error};
 use speak::{H2Windows, Protocols, Sniffed};
 
 use super::Worker;
@@ -133,15 +133,17 @@ impl ProxyServer {
                 tokio::task::spawn_local(async move {
                     let worker = Rc::new(make_worker());
                     let open = Rc::new(Open::default());
+                    let shutdown = Rc::new(Shutdown::default());
+                    let mut stopped = stop.clone();
+                    let told = shutdown.clone();
+                    tokio::task::spawn_local(async move {
+                        let _ = stopped.wait_for(|stopping| *stopping).await;
+                        told.set();
+                    });
                     let loops = sockets.into_iter().map(|(socket, entry)| {
                         let listening = Listening::new(entry, &serving, bodies.clone());
-                        accept(
-                            socket,
-                            listening,
-                            worker.clone(),
-                            open.clone(),
-                            stop.clone(),
-                        )
+                        let ends = (stop.clone(), shutdown.clone());
+                        accept(socket, listening, worker.clone(), open.clone(), ends)
                     });
                     futures_util::future::join_all(loops).await;
                     open.drained().await;
@@ -237,13 +239,14 @@ impl Listening {
     }
 }
 
-/// One worker's accept loop on `socket`, until `stop`.
+/// One worker's accept loop on `socket`, until `stop`; its connections
+/// learn of it through the worker's `shutdown`.
 async fn accept(
     socket: std::net::TcpListener,
     listening: Listening,
     worker: Rc<Worker>,
     open: Rc<Open>,
-    mut stop: watch::Receiver<bool>,
+    (mut stop, shutdown): (watch::Receiver<bool>, Rc<Shutdown>),
 ) {
     let listener = match TcpListener::from_std(socket) {
         Ok(listener) => listener,
@@ -268,7 +271,7 @@ async fn accept(
                     handshake_timeout: listening.handshake_timeout,
                     h2_idle_timeout: listening.h2_idle_timeout,
                     budget: Budget::new(listening.body_budget, listening.bodies.clone()),
-                    stop: stop.clone(),
+                    shutdown: shutdown.clone(),
                     _open: Open::enter(&open),
                 };
                 tokio::task::spawn_local(connection.serve(stream, peer));
@@ -300,8 +303,8 @@ struct Connection {
     h2_idle_timeout: Duration,
     /// What its bodies read whole may hold.
     budget: Budget,
-    /// Turns `true` on shutdown.
-    stop: watch::Receiver<bool>,
+    /// The worker's shutdown.
+    shutdown: Rc<Shutdown>,
     /// Counts the connection as open until it ends.
     _open: OpenGuard,
 }
@@ -369,7 +372,7 @@ impl Connection {
         let io = TokioIo::new(Sniffed::new(Lingering::new(stream, linger), h2));
         let ends = Ends {
             cut,
-            stop: self.stop,
+            stop: Stopping::new(self.shutdown),
             peer,
             idle,
         };
