@@ -42,6 +42,10 @@ struct List {
     free: Vec<usize>,
     /// How many places are armed.
     armed: usize,
+    /// No armed place fires before this (it may be earlier than the
+    /// earliest still armed, once that one is dropped): a tick before it
+    /// looks at no place.
+    earliest: Option<Instant>,
     /// Whether the checking task runs.
     ticking: bool,
 }
@@ -64,6 +68,7 @@ impl List {
             places: Vec::new(),
             free: Vec::new(),
             armed: 0,
+            earliest: None,
             ticking: false,
         }
     }
@@ -87,6 +92,7 @@ impl List {
             }
         };
         self.armed += 1;
+        self.earliest = Some(self.earliest.map_or(at, |earliest| earliest.min(at)));
         if !self.ticking {
             self.ticking = true;
             tokio::task::spawn_local(tick());
@@ -105,15 +111,25 @@ impl List {
     }
 
     /// Fires every armed place due at `now`; whether any is still armed.
+    /// Only a tick at or after the earliest deadline looks at the places:
+    /// most ticks of a worker whose deadlines are seconds away cost a
+    /// comparison, however many connections it holds.
     fn fire(&mut self, now: Instant) -> bool {
-        for place in &mut self.places {
-            if !place.fired
-                && place.at <= now
-                && let Some(waker) = &place.waker
-            {
-                place.fired = true;
-                waker.wake_by_ref();
+        if self.earliest.is_some_and(|earliest| earliest <= now) {
+            let mut earliest = None;
+            for place in &mut self.places {
+                let Some(waker) = &place.waker else { continue };
+                if place.fired {
+                    continue;
+                }
+                if place.at <= now {
+                    place.fired = true;
+                    waker.wake_by_ref();
+                } else {
+                    earliest = Some(earliest.map_or(place.at, |e: Instant| e.min(place.at)));
+                }
             }
+            self.earliest = earliest;
         }
         if self.armed == 0 {
             // Nothing to check until a deadline is armed again, which
@@ -121,6 +137,7 @@ impl List {
             self.ticking = false;
             self.places.clear();
             self.free.clear();
+            self.earliest = None;
         }
         self.ticking
     }
@@ -285,6 +302,31 @@ mod tests {
             assert!(waited >= Duration::from_millis(100), "{waited:?}");
             assert!(waited <= Duration::from_millis(100) + TICK, "{waited:?}");
             assert!(ready(&mut deadline).await, "stays fired");
+        });
+    }
+
+    #[test]
+    fn ticks_before_the_earliest_deadline_look_at_no_place_and_later_ones_still_fire() {
+        local(async {
+            let start = Instant::now();
+            let mut late = Deadline::after(Duration::from_secs(5));
+            assert!(!ready(&mut late).await);
+            let mut soon = Deadline::after(Duration::from_millis(60));
+            assert!(!ready(&mut soon).await);
+            assert_eq!(
+                LIST.with_borrow(|list| list.earliest),
+                Some(start + Duration::from_millis(60))
+            );
+            (&mut soon).await;
+            drop(soon);
+            // The scan that fired it found the next deadline.
+            assert_eq!(
+                LIST.with_borrow(|list| list.earliest),
+                Some(start + Duration::from_secs(5))
+            );
+            (&mut late).await;
+            let waited = start.elapsed();
+            assert!(waited >= Duration::from_secs(5) && waited <= Duration::from_secs(5) + TICK);
         });
     }
 
