@@ -216,18 +216,23 @@ pub(super) fn parse_head(
         for header in response.headers.iter() {
             fields.note(header)?;
         }
-        // Most answers' `Connection` lists only `keep-alive` or `close`,
-        // and then no field need be compared with what it lists.
-        let connection = fields.lists_fields.then_some(&*response.headers);
+        // Most answers' `Connection` lists only `keep-alive` or `close`;
+        // when it lists more, its values are kept to take out the fields
+        // they name.
         let mut spans = Vec::with_capacity(response.headers.len());
+        let mut connection = Vec::new();
         for header in response.headers.iter() {
-            if !hop::travels(header.name, connection) {
+            let start = header.value.as_ptr() as usize - base;
+            let end = start + header.value.len();
+            if !hop::travels(header.name) {
+                if fields.lists_fields && header.name.eq_ignore_ascii_case("connection") {
+                    connection.push(start..end);
+                }
                 continue;
             }
             let name = HeaderName::from_bytes(header.name.as_bytes())
                 .map_err(|_| FramingError::Head(httparse::Error::HeaderName))?;
-            let start = header.value.as_ptr() as usize - base;
-            spans.push((name, start, start + header.value.len()));
+            spans.push((name, start, end));
         }
         let bytes = buf.split_to(len).freeze();
         let mut headers = HeaderMap::with_capacity(spans.len() + ADDED_FIELDS);
@@ -236,6 +241,10 @@ pub(super) fn parse_head(
                 .map_err(|_| FramingError::Head(httparse::Error::HeaderValue))?;
             headers.append(name, value);
         }
+        hop::drop_listed(
+            &mut headers,
+            connection.into_iter().map(|span| &bytes[span]),
+        );
         return Ok(Some(fields.head(status, version, headers, head_request)));
     }
 }

@@ -9,6 +9,7 @@
 //! written to the upstream with the gateway's own; a response's are
 //! chosen field by field as its head is read.
 
+use std::collections::HashSet;
 use std::io::Write as _;
 use std::net::IpAddr;
 
@@ -60,10 +61,43 @@ pub(super) fn tokens(value: &[u8]) -> impl DoubleEndedIterator<Item = &[u8]> {
     value.split(|&b| b == b',').map(<[u8]>::trim_ascii)
 }
 
-/// Whether any of `connection`'s values (a message's `Connection` fields)
-/// lists `name` (in any case).
-fn lists<'a>(mut connection: impl Iterator<Item = &'a [u8]>, name: &[u8]) -> bool {
-    connection.any(|value| tokens(value).any(|token| token.eq_ignore_ascii_case(name)))
+/// The names, lower case, of the fields that a request's `Connection`
+/// lists and that the request carries (hop-by-hop ones aside): read in one
+/// pass over its tokens, so that a head of many fields and many tokens
+/// costs their sum, never their product, and holds no more names than the
+/// request has fields. `None` when it lists none, as most requests.
+fn listed(headers: &HeaderMap) -> Option<HashSet<Box<[u8]>>> {
+    let mut listed: Option<HashSet<Box<[u8]>>> = None;
+    let mut lower = Vec::new();
+    let connection = headers.iter().filter(|(name, _)| **name == hy::CONNECTION);
+    for (_, value) in connection {
+        for token in tokens(value.as_bytes()).filter(|t| names_end_to_end(t)) {
+            lower.clear();
+            lower.extend(token.iter().map(u8::to_ascii_lowercase));
+            let present = std::str::from_utf8(&lower).is_ok_and(|name| headers.contains_key(name));
+            if !present {
+                continue;
+            }
+            let set = listed.get_or_insert_default();
+            if !set.contains(lower.as_slice()) {
+                set.insert(lower.as_slice().into());
+            }
+        }
+    }
+    listed
+}
+
+/// Takes out of a response's end-to-end `headers` every field that its
+/// `connection` values list: one lookup per token.
+pub(super) fn drop_listed<'a>(headers: &mut HeaderMap, connection: impl Iterator<Item = &'a [u8]>) {
+    for value in connection {
+        for token in tokens(value) {
+            // A token that is no field name finds nothing.
+            if let Ok(name) = std::str::from_utf8(token) {
+                headers.remove(name);
+            }
+        }
+    }
 }
 
 /// What the gateway tells the upstream about a request besides the
@@ -105,16 +139,12 @@ impl Forwarded<'_> {
 /// can remove the key and no second spelling can ride along. The
 /// client's headers are read, never edited: one pass, no lookups.
 pub(super) fn write_fields(out: &mut Vec<u8>, headers: &HeaderMap, forwarded: &Forwarded<'_>) {
-    let connection = || {
-        headers
-            .iter()
-            .filter(|(name, _)| *name == hy::CONNECTION)
-            .map(|(_, value)| value.as_bytes())
-    };
-    let listed = connection().next().is_some();
+    let listed = listed(headers);
     let travels = |name: &HeaderName| {
         hop_by_hop_index(name.as_str().as_bytes()).is_none()
-            && !(listed && lists(connection(), name.as_str().as_bytes()))
+            && !listed
+                .as_ref()
+                .is_some_and(|listed| listed.contains(name.as_str().as_bytes()))
     };
     let mut client_host = None;
     for (name, value) in headers {
@@ -170,19 +200,11 @@ pub(super) fn write_field(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
     out.extend_from_slice(b"\r\n");
 }
 
-/// Whether a response field named `name` (in any case) travels on to the
-/// client: not when it is hop-by-hop, nor when `connection` (the values
-/// of the response's `Connection` fields, when they list any field that
-/// is not hop-by-hop already) lists it.
-pub(super) fn travels(name: &str, connection: Option<&[httparse::Header<'_>]>) -> bool {
+/// Whether a response field named `name` (in any case) may travel on to
+/// the client: it is not hop-by-hop. What its `Connection` lists is taken
+/// out afterwards ([`drop_listed`]).
+pub(super) fn travels(name: &str) -> bool {
     listed_index(name.as_bytes()).is_none()
-        && !connection.is_some_and(|fields| {
-            let values = fields
-                .iter()
-                .filter(|field| field.name.eq_ignore_ascii_case("connection"))
-                .map(|field| field.value);
-            lists(values, name.as_bytes())
-        })
 }
 
 /// Whether a `Connection` token may name a field that is not hop-by-hop
@@ -435,26 +457,56 @@ mod tests {
 
     #[test]
     fn response_fields_lose_hop_by_hop_ones_and_content_length() {
-        let field = |name, value: &'static str| httparse::Header {
-            name,
-            value: value.as_bytes(),
-        };
         let fields = [
-            field("Connection", "keep-alive, X-Hop"),
-            field("x-hop", "1"),
-            field("Content-Length", "3"),
-            field("Keep-Alive", "timeout=5"),
-            field("Content-Type", "text/plain"),
-            field("Connection", " x-other "),
-            field("X-Other", "2"),
+            ("Connection", "keep-alive, X-Hop"),
+            ("x-hop", "1"),
+            ("Content-Length", "3"),
+            ("Keep-Alive", "timeout=5"),
+            ("Content-Type", "text/plain"),
+            ("Connection", " x-other ,bad token!,"),
+            ("X-Other", "2"),
         ];
-        let kept: Vec<_> = fields
+        let mut kept = HeaderMap::new();
+        for (name, value) in fields.iter().filter(|(name, _)| travels(name)) {
+            let name = HeaderName::from_bytes(name.as_bytes()).unwrap();
+            kept.append(name, HeaderValue::from_static(value));
+        }
+        let connection = fields
             .iter()
-            .filter(|f| travels(f.name, Some(&fields)))
-            .map(|f| f.name)
-            .collect();
-        assert_eq!(kept, vec!["Content-Type"]);
+            .filter(|(name, _)| name.eq_ignore_ascii_case("connection"))
+            .map(|(_, value)| value.as_bytes());
+        drop_listed(&mut kept, connection);
+        let names: Vec<_> = kept.keys().map(HeaderName::as_str).collect();
+        assert_eq!(names, vec!["content-type"]);
         assert!(names_end_to_end(b"x-hop"));
         assert!(!names_end_to_end(b"Keep-Alive"));
+    }
+
+    /// A head of many fields whose `Connection` lists many names (each of
+    /// them over and over, in any case) loses exactly the listed fields;
+    /// the names are collected once, not compared field by token.
+    #[test]
+    fn a_head_of_many_fields_and_many_connection_tokens_drops_exactly_the_listed() {
+        let mut from = HeaderMap::new();
+        for i in 0..100 {
+            let name = HeaderName::from_bytes(format!("x-n{i}").as_bytes()).unwrap();
+            from.append(name, HeaderValue::from_static("v"));
+        }
+        let every_even: Vec<String> = (0..100).step_by(2).map(|i| format!("X-N{i}")).collect();
+        let listing = vec![every_even.join(","); 200].join(", ");
+        from.append(hy::CONNECTION, HeaderValue::from_str(&listing).unwrap());
+        let to = written(&from, "t", None);
+        let kept: Vec<_> = to
+            .iter()
+            .filter_map(|(name, _)| name.strip_prefix("x-n"))
+            .map(|i| i.parse::<u32>().unwrap())
+            .collect();
+        assert_eq!(kept, (1..100).step_by(2).collect::<Vec<_>>());
+        assert_eq!(listed(&from).map(|set| set.len()), Some(50));
+        // Names the request does not carry are not kept.
+        let absent = HeaderValue::from_static("x-absent, x-n1");
+        let mut only = HeaderMap::new();
+        only.append(hy::CONNECTION, absent);
+        assert!(listed(&only).is_none());
     }
 }
