@@ -2,13 +2,12 @@
 //! handles that end it, keep its socket lingering, and bound the bodies
 //! it may hold.
 
-use std::cell::{Cell, RefCell};
 use std::net::SocketAddr;
 use std::rc::Rc;
-use std::task::{Context, Poll, Waker};
 
 use super::budget::Budget;
 use super::early::LingerFlag;
+use super::signal::{Signal, Wait};
 
 /// A client connection, as its requests see it.
 pub(super) struct Client {
@@ -40,41 +39,20 @@ impl Client {
 }
 
 /// A way to end one client connection from outside the task serving it
-/// (the watchdog's sweep), shared by that connection's requests. A flag
-/// and the waker of the one task that waits on it: checking it costs the
-/// connection's task next to nothing each time it wakes.
+/// (the watchdog's sweep), shared by that connection's requests: a
+/// [`Signal`] that its task waits for.
 #[derive(Clone, Default)]
-pub(super) struct ClientCut(Rc<Cut>);
-
-/// What a [`ClientCut`] shares.
-#[derive(Default)]
-struct Cut {
-    /// Set once the connection is cut off.
-    cut: Cell<bool>,
-    /// The task waiting for it, once it has waited.
-    waiter: RefCell<Option<Waker>>,
-}
+pub(super) struct ClientCut(Rc<Signal>);
 
 impl ClientCut {
-    /// Ready once the connection has been cut off; its task then drops
-    /// the connection, which closes the socket. Polled by one task.
-    pub(super) fn poll_requested(&self, cx: &Context<'_>) -> Poll<()> {
-        if self.0.cut.get() {
-            return Poll::Ready(());
-        }
-        let mut waiter = self.0.waiter.borrow_mut();
-        if !waiter.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
-            *waiter = Some(cx.waker().clone());
-        }
-        Poll::Pending
+    /// The connection task's wait: ready once the connection has been cut
+    /// off; the task then drops the connection, which closes the socket.
+    pub(super) fn wait(&self) -> Wait {
+        Wait::new(self.0.clone())
     }
 
     /// Cuts the connection off.
     pub(super) fn cut(&self) {
-        self.0.cut.set(true);
-        let waiter = self.0.waiter.borrow_mut().take();
-        if let Some(waiter) = waiter {
-            waiter.wake();
-        }
+        self.0.set();
     }
 }

@@ -14,7 +14,8 @@
 //!   decision step (`decide`) and the rate-limit headers it yields
 //!   ([`headers`]), per-tenant slots for exchanges in flight (`slots`),
 //!   request and response bodies (`body`) and the budget for bodies read
-//!   whole (`budget`), a connection as its requests see it (`client`),
+//!   whole (`budget`), a connection as its requests see it (`client`), worker-local
+//!   wake-ups (`signal`),
 //!   answers given before a body was read (`early`), the one mapping from
 //!   a failure to an answer ([`error`]), the access log ([`access`]), and
 //!   usage settled after the answer on a `usage_header` route (`usage`).
@@ -31,6 +32,7 @@ mod decide;
 mod early;
 mod entry;
 mod listen;
+mod signal;
 mod slots;
 mod upstream;
 mod usage;

@@ -11,6 +11,8 @@
 //!
 //! A deadline is armed on its first poll and must be polled on a worker
 //! (inside a `LocalSet`, which every worker runs), whose list it joins.
+//! One polled later on another thread arms again there; the place it
+//! left frees itself when its time comes.
 
 use std::cell::RefCell;
 use std::pin::Pin;
@@ -20,6 +22,8 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use crate::proxy::signal::Places;
+
 /// How often a worker's armed deadlines are checked.
 pub(in crate::proxy) const TICK: Duration = Duration::from_millis(25);
 
@@ -28,20 +32,21 @@ thread_local! {
     static LIST: RefCell<List> = RefCell::new(List::new());
 }
 
-/// Numbers each thread's list, so that a deadline dropped on another
-/// thread never frees a place in the wrong one.
+/// Numbers each thread's list, so that a deadline dropped or polled on
+/// another thread never touches a place in the wrong one.
 static LISTS: AtomicU32 = AtomicU32::new(0);
 
 /// One thread's armed deadlines.
 struct List {
     /// This list's number.
     id: u32,
-    /// Places, armed or free.
-    places: Vec<Place>,
-    /// Free places.
-    free: Vec<usize>,
-    /// How many places are armed.
-    armed: usize,
+    /// The armed deadlines. A place is freed when its deadline fires, is
+    /// dropped or is moved, so none outlives its time by more than a
+    /// tick, whatever becomes of the deadline that armed it.
+    places: Places<Place>,
+    /// Numbers the places armed, so that a deadline knows its own place
+    /// from a later one in the same spot.
+    armings: u64,
     /// No armed place fires before this (it may be earlier than the
     /// earliest still armed, once that one is dropped): a tick before it
     /// looks at no place.
@@ -50,14 +55,25 @@ struct List {
     ticking: bool,
 }
 
-/// One armed deadline, or a free place.
+/// One armed deadline.
 struct Place {
     /// When it fires.
     at: Instant,
-    /// Whom to wake when it fires; `None` when the place is free.
-    waker: Option<Waker>,
-    /// Whether it has fired.
-    fired: bool,
+    /// Whom to wake when it fires.
+    waker: Waker,
+    /// Which arming it is.
+    arming: u64,
+}
+
+/// Where an armed deadline is: its list, its place, its arming.
+#[derive(Debug, Clone, Copy)]
+struct Armed {
+    /// The list's number.
+    list: u32,
+    /// The place in it.
+    index: usize,
+    /// The arming, told apart from a later one in the same place.
+    arming: u64,
 }
 
 impl List {
@@ -65,9 +81,8 @@ impl List {
     fn new() -> Self {
         Self {
             id: LISTS.fetch_add(1, Ordering::Relaxed),
-            places: Vec::new(),
-            free: Vec::new(),
-            armed: 0,
+            places: Places::default(),
+            armings: 0,
             earliest: None,
             ticking: false,
         }
@@ -75,68 +90,65 @@ impl List {
 
     /// Arms a place for `at`, waking `waker`; starts the checking task
     /// when it does not run.
-    fn arm(&mut self, at: Instant, waker: &Waker) -> usize {
-        let place = Place {
+    fn arm(&mut self, at: Instant, waker: &Waker) -> Armed {
+        self.armings += 1;
+        let arming = self.armings;
+        let index = self.places.insert(Place {
             at,
-            waker: Some(waker.clone()),
-            fired: false,
-        };
-        let index = match self.free.pop() {
-            Some(index) => {
-                self.places[index] = place;
-                index
-            }
-            None => {
-                self.places.push(place);
-                self.places.len() - 1
-            }
-        };
-        self.armed += 1;
+            waker: waker.clone(),
+            arming,
+        });
         self.earliest = Some(self.earliest.map_or(at, |earliest| earliest.min(at)));
         if !self.ticking {
             self.ticking = true;
             tokio::task::spawn_local(tick());
         }
-        index
-    }
-
-    /// Frees place `index`.
-    fn disarm(&mut self, index: usize) {
-        if let Some(place) = self.places.get_mut(index)
-            && place.waker.take().is_some()
-        {
-            self.armed -= 1;
-            self.free.push(index);
+        Armed {
+            list: self.id,
+            index,
+            arming,
         }
     }
 
-    /// Fires every armed place due at `now`; whether any is still armed.
-    /// Only a tick at or after the earliest deadline looks at the places:
-    /// most ticks of a worker whose deadlines are seconds away cost a
-    /// comparison, however many connections it holds.
+    /// The place `armed` holds in this list, while it is armed.
+    fn place(&mut self, armed: Armed) -> Option<&mut Place> {
+        if armed.list != self.id {
+            return None;
+        }
+        self.places
+            .get_mut(armed.index)
+            .filter(|place| place.arming == armed.arming)
+    }
+
+    /// Frees the place of `armed`, while it holds one in this list.
+    fn disarm(&mut self, armed: Armed) {
+        if self.place(armed).is_some() {
+            self.places.remove(armed.index);
+        }
+    }
+
+    /// Fires and frees every place due at `now`; whether any is still
+    /// armed. Only a tick at or after the earliest deadline looks at the
+    /// places: most ticks of a worker whose deadlines are seconds away
+    /// cost a comparison, however many connections it holds.
     fn fire(&mut self, now: Instant) -> bool {
         if self.earliest.is_some_and(|earliest| earliest <= now) {
             let mut earliest = None;
-            for place in &mut self.places {
-                let Some(waker) = &place.waker else { continue };
-                if place.fired {
-                    continue;
-                }
+            self.places.remove_where(|place| {
                 if place.at <= now {
-                    place.fired = true;
-                    waker.wake_by_ref();
-                } else {
-                    earliest = Some(earliest.map_or(place.at, |e: Instant| e.min(place.at)));
+                    place.waker.wake_by_ref();
+                    return true;
                 }
-            }
+                earliest = Some(earliest.map_or(place.at, |e: Instant| e.min(place.at)));
+                false
+            });
             self.earliest = earliest;
         }
-        if self.armed == 0 {
+        if self.places.is_empty() {
             // Nothing to check until a deadline is armed again, which
             // starts a new task.
             self.ticking = false;
-            self.places.clear();
-            self.free.clear();
+            self.places.shrink_when_empty();
             self.earliest = None;
         }
         self.ticking
@@ -161,8 +173,8 @@ async fn tick() {
 pub(in crate::proxy) struct Deadline {
     /// When it fires.
     at: Instant,
-    /// Its place and list, once armed.
-    armed: Option<(usize, u32)>,
+    /// Its place, once armed.
+    armed: Option<Armed>,
     /// Whether it has fired.
     fired: bool,
 }
@@ -190,14 +202,9 @@ impl Deadline {
 
     /// Frees its place, if it holds one.
     fn disarm(&mut self) {
-        if let Some((index, id)) = self.armed.take() {
+        if let Some(armed) = self.armed.take() {
             // A thread that is ending has no list left to free it in.
-            let _ = LIST.try_with(|list| {
-                let mut list = list.borrow_mut();
-                if list.id == id {
-                    list.disarm(index);
-                }
-            });
+            let _ = LIST.try_with(|list| list.borrow_mut().disarm(armed));
         }
     }
 }
@@ -210,33 +217,28 @@ impl Future for Deadline {
         if this.fired {
             return Poll::Ready(());
         }
-        let fired = LIST.with_borrow_mut(|list| match this.armed {
-            Some((index, id)) if id == list.id => {
-                let place = &mut list.places[index];
-                if !place.fired {
-                    if let Some(waker) = &mut place.waker
-                        && !waker.will_wake(cx.waker())
-                    {
-                        waker.clone_from(cx.waker());
+        LIST.with_borrow_mut(|list| match this.armed {
+            Some(armed) if armed.list == list.id => match list.place(armed) {
+                Some(place) => {
+                    if !place.waker.will_wake(cx.waker()) {
+                        place.waker.clone_from(cx.waker());
                     }
-                    return false;
+                    Poll::Pending
                 }
-                list.disarm(index);
-                true
-            }
-            // Not armed yet (or polled on another thread): armed here.
+                // Freed by the tick that fired it.
+                None => {
+                    this.armed = None;
+                    this.fired = true;
+                    Poll::Ready(())
+                }
+            },
+            // Not armed yet, or armed on another thread, whose place
+            // frees itself at its time: armed here.
             _ => {
-                this.armed = Some((list.arm(this.at, cx.waker()), list.id));
-                false
+                this.armed = Some(list.arm(this.at, cx.waker()));
+                Poll::Pending
             }
-        });
-        if fired {
-            this.armed = None;
-            this.fired = true;
-            Poll::Ready(())
-        } else {
-            Poll::Pending
-        }
+        })
     }
 }
 
@@ -344,7 +346,7 @@ mod tests {
                 let mut dropped = Deadline::after(Duration::from_millis(10));
                 assert!(!ready(&mut dropped).await);
             }
-            let places = LIST.with_borrow(|list| (list.armed, list.places.len()));
+            let places = LIST.with_borrow(|list| (list.places.len(), list.places.capacity()));
             assert_eq!(places, (1, 2), "one place reused by every dropped one");
             // Moved later: not fired at its first time.
             kept.reset(Instant::now() + Duration::from_secs(2));
@@ -354,12 +356,30 @@ mod tests {
             (&mut kept).await;
             drop(kept);
             tokio::time::sleep(TICK * 2).await;
-            let left = LIST.with_borrow(|list| (list.armed, list.ticking));
+            let left = LIST.with_borrow(|list| (list.places.len(), list.ticking));
             assert_eq!(left, (0, false), "nothing armed, nothing ticking");
             // Arming again starts the task again.
             let started = Instant::now();
             Deadline::after(Duration::from_millis(50)).await;
             assert!(started.elapsed() <= Duration::from_millis(50) + TICK);
+        });
+    }
+
+    #[test]
+    fn a_deadline_polled_on_another_thread_fires_there_and_its_first_place_frees_itself() {
+        local(async {
+            let mut deadline = Deadline::after(Duration::from_millis(100));
+            assert!(!ready(&mut deadline).await);
+            let elsewhere = std::thread::spawn(move || local(deadline));
+            elsewhere.join().unwrap();
+            assert_eq!(LIST.with_borrow(|list| list.places.len()), 1);
+            tokio::time::sleep(Duration::from_millis(100) + TICK * 2).await;
+            let left = LIST.with_borrow(|list| (list.places.len(), list.ticking));
+            assert_eq!(
+                left,
+                (0, false),
+                "the place left behind fired and was freed"
+            );
         });
     }
 }

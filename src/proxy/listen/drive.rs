@@ -2,16 +2,15 @@
 //! silent connection or say `GOAWAY` to an idle HTTP/2 one
 //! ([`Activity`]), the watchdog's cut-off, and graceful shutdown.
 
-use std::cell::{Cell, RefCell};
+use std::cell::Cell;
 use std::future::poll_fn;
 use std::net::SocketAddr;
 use std::rc::Rc;
-use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use super::speak::Served;
 use crate::clock::SharedClock;
-use crate::proxy::client::ClientCut;
+use crate::proxy::signal::Wait;
 use crate::telemetry;
 
 /// When a connection that may speak HTTP/2 has been idle too long.
@@ -78,9 +77,9 @@ enum Idle {
 /// What may end a connection besides its client.
 pub(super) struct Ends {
     /// The watchdog's cut-off.
-    pub cut: ClientCut,
+    pub cut: Wait,
     /// The worker's shutdown.
-    pub stop: Stopping,
+    pub stop: Wait,
     /// The client, named when the connection ends in an error.
     pub peer: SocketAddr,
     /// The idle deadline, for a connection that may speak HTTP/2.
@@ -92,7 +91,7 @@ pub(super) struct Ends {
 /// requests in flight finish.
 pub(super) async fn drive<C: Served>(mut conn: std::pin::Pin<&mut C>, ends: Ends) {
     let Ends {
-        cut,
+        mut cut,
         mut stop,
         peer,
         idle,
@@ -130,101 +129,11 @@ pub(super) async fn drive<C: Served>(mut conn: std::pin::Pin<&mut C>, ends: Ends
                 }
                 return;
             }
-            () = poll_fn(|cx| cut.poll_requested(cx)) => return,
-            () = poll_fn(|cx| stop.poll_set(cx)), if !stopping => {
+            () = poll_fn(|cx| cut.poll(cx)) => return,
+            () = poll_fn(|cx| stop.poll(cx)), if !stopping => {
                 stopping = true;
                 conn.as_mut().finish();
             }
-        }
-    }
-}
-
-/// One worker's shutdown as its connections see it: a flag, set once,
-/// that wakes every connection waiting on it. Each connection's task
-/// checks a flag when it wakes, where a channel's receiver would make and
-/// drop a waiter each time.
-#[derive(Default)]
-pub(super) struct Shutdown {
-    /// Set on shutdown.
-    set: Cell<bool>,
-    /// The connections waiting, by place; `None` for a free place or one
-    /// already woken.
-    waiting: RefCell<Vec<Option<Waker>>>,
-    /// Free places.
-    free: RefCell<Vec<usize>>,
-}
-
-impl Shutdown {
-    /// Sets the flag and wakes every connection waiting on it.
-    pub(super) fn set(&self) {
-        self.set.set(true);
-        let woken: Vec<Waker> = self
-            .waiting
-            .borrow_mut()
-            .iter_mut()
-            .filter_map(Option::take)
-            .collect();
-        for waker in woken {
-            waker.wake();
-        }
-    }
-}
-
-/// One connection's wait for its worker's [`Shutdown`]; it leaves the
-/// worker's list when dropped.
-pub(super) struct Stopping {
-    /// The worker's shutdown.
-    shutdown: Rc<Shutdown>,
-    /// Its place in the list, once it has waited.
-    place: Option<usize>,
-}
-
-impl Stopping {
-    /// A wait on `shutdown`.
-    pub(super) fn new(shutdown: Rc<Shutdown>) -> Self {
-        Self {
-            shutdown,
-            place: None,
-        }
-    }
-
-    /// Ready once the worker is shutting down.
-    fn poll_set(&mut self, cx: &Context<'_>) -> Poll<()> {
-        if self.shutdown.set.get() {
-            return Poll::Ready(());
-        }
-        let mut waiting = self.shutdown.waiting.borrow_mut();
-        match self.place {
-            Some(place) => {
-                let waker = &mut waiting[place];
-                if !waker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
-                    *waker = Some(cx.waker().clone());
-                }
-            }
-            None => {
-                let waker = Some(cx.waker().clone());
-                let place = match self.shutdown.free.borrow_mut().pop() {
-                    Some(place) => {
-                        waiting[place] = waker;
-                        place
-                    }
-                    None => {
-                        waiting.push(waker);
-                        waiting.len() - 1
-                    }
-                };
-                self.place = Some(place);
-            }
-        }
-        Poll::Pending
-    }
-}
-
-impl Drop for Stopping {
-    fn drop(&mut self) {
-        if let Some(place) = self.place {
-            self.shutdown.waiting.borrow_mut()[place] = None;
-            self.shutdown.free.borrow_mut().push(place);
         }
     }
 }
@@ -240,50 +149,6 @@ pub(super) fn ended_in_error(error: &dyn std::fmt::Display, peer: SocketAddr) {
 mod tests {
     use super::*;
     use crate::clock::ManualClock;
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::task::Wake;
-
-    /// Counts its wakes.
-    struct Counted(AtomicUsize);
-
-    impl Wake for Counted {
-        fn wake(self: Arc<Self>) {
-            self.0.fetch_add(1, Ordering::SeqCst);
-        }
-    }
-
-    #[test]
-    fn shutdown_wakes_every_connection_still_waiting_and_places_are_reused() {
-        let shutdown = Rc::new(Shutdown::default());
-        let woken = Arc::new(Counted(AtomicUsize::new(0)));
-        let waker = Waker::from(woken.clone());
-        let cx = Context::from_waker(&waker);
-        let mut waits: Vec<_> = (0..3).map(|_| Stopping::new(shutdown.clone())).collect();
-        for wait in &mut waits {
-            assert!(wait.poll_set(&cx).is_pending());
-            assert!(
-                wait.poll_set(&cx).is_pending(),
-                "polled again, still one place"
-            );
-        }
-        drop(waits.pop());
-        let mut late = Stopping::new(shutdown.clone());
-        assert!(late.poll_set(&cx).is_pending());
-        assert_eq!(
-            shutdown.waiting.borrow().len(),
-            3,
-            "the dropped one's place is reused"
-        );
-        shutdown.set();
-        assert_eq!(woken.0.load(Ordering::SeqCst), 3);
-        assert!(waits[0].poll_set(&cx).is_ready());
-        assert!(late.poll_set(&cx).is_ready());
-        assert!(
-            Stopping::new(shutdown).poll_set(&cx).is_ready(),
-            "set before it waits"
-        );
-    }
 
     #[test]
     fn an_idle_deadline_closes_a_silent_connection_and_says_goaway_to_an_http2_one() {

@@ -52,7 +52,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, Semaphore, oneshot, watch};
 
-use drive::{Activity, Ends, Shutdown, Stopping, drive, ended_in_error};
+use drive::{Activity, Ends, drive, ended_in_error};
 use speak::{H2Windows, Protocols, Sniffed};
 
 use super::Worker;
@@ -60,6 +60,7 @@ use super::budget::Budget;
 use super::client::Client;
 use super::client::ClientCut;
 use super::early::{LingerFlag, Lingering};
+use super::signal::{Signal, Wait};
 use crate::config::ClientSettings;
 use crate::telemetry::{self, Entry};
 use crate::tls::ListenerTls;
@@ -133,7 +134,7 @@ impl ProxyServer {
                 tokio::task::spawn_local(async move {
                     let worker = Rc::new(make_worker());
                     let open = Rc::new(Open::default());
-                    let shutdown = Rc::new(Shutdown::default());
+                    let shutdown = Rc::new(Signal::default());
                     let mut stopped = stop.clone();
                     let told = shutdown.clone();
                     tokio::task::spawn_local(async move {
@@ -246,7 +247,7 @@ async fn accept(
     listening: Listening,
     worker: Rc<Worker>,
     open: Rc<Open>,
-    (mut stop, shutdown): (watch::Receiver<bool>, Rc<Shutdown>),
+    (mut stop, shutdown): (watch::Receiver<bool>, Rc<Signal>),
 ) {
     let listener = match TcpListener::from_std(socket) {
         Ok(listener) => listener,
@@ -304,7 +305,7 @@ struct Connection {
     /// What its bodies read whole may hold.
     budget: Budget,
     /// The worker's shutdown.
-    shutdown: Rc<Shutdown>,
+    shutdown: Rc<Signal>,
     /// Counts the connection as open until it ends.
     _open: OpenGuard,
 }
@@ -371,8 +372,8 @@ impl Connection {
             .map_or_else(|| Rc::new(Cell::new(false)), |idle| idle.h2.clone());
         let io = TokioIo::new(Sniffed::new(Lingering::new(stream, linger), h2));
         let ends = Ends {
-            cut,
-            stop: Stopping::new(self.shutdown),
+            cut: cut.wait(),
+            stop: Wait::new(self.shutdown),
             peer,
             idle,
         };
