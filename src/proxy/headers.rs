@@ -9,7 +9,11 @@
 //! each (named after its rule: the route id, or `*` for the tenant-wide
 //! rule, with `.<i>` for the rule's further limits) and the other fields
 //! report the most restrictive one: the refusing limit with the longest
-//! wait, or else the one with the fewest requests left.
+//! wait, or else the one with the fewest requests left. A worker keeps
+//! the two values that depend only on a policy and its limit for the last
+//! few policies it reported.
+
+use std::cell::RefCell;
 
 use hyper::body::Bytes;
 use hyper::header::{HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
@@ -78,13 +82,14 @@ impl RateLimitHeaders {
             (0, retry_after_seconds(decision.retry_after_ms))
         };
         let window = verdict.spec.window_seconds();
-        let mut values = Values::with_capacity(2 * policy.len() + 64);
-        values.number(capacity);
+        let [limit, policy_value] =
+            POLICIES.with_borrow_mut(|policies| policies.values(policy, capacity, window));
+        let mut values = Values::with_capacity(policy.len() + 32);
         values.number(remaining);
-        values.list([((policy, None), [("q", capacity), ("w", window)])]);
         values.list([((policy, None), [("r", remaining), ("t", wait)])]);
+        let [remaining_value, ratelimit] = values.finish();
         Self {
-            values: values.finish(),
+            values: [limit, remaining_value, policy_value, ratelimit],
             retry_after: (!decision.allowed && !shadowed).then(|| HeaderValue::from(wait)),
             binding: Binding {
                 limit: Some(GroupLimit::Bucket(verdict.spec)),
@@ -170,6 +175,65 @@ impl RateLimitHeaders {
     }
 }
 
+/// How many policies a worker keeps the values of.
+const POLICIES_KEPT: usize = 4;
+
+thread_local! {
+    /// The policies this thread met last.
+    static POLICIES: RefCell<Policies> = RefCell::new(Policies::default());
+}
+
+/// The `X-RateLimit-Limit` and `RateLimit-Policy` values of the last few
+/// policies a worker reported. They depend only on the policy's name and
+/// its limit, which most requests share (every tenant under a route's
+/// default rule), so such a request clones two values instead of writing,
+/// checking and cutting them out again. A handful of entries, replaced in
+/// turn: a changed limit makes new values, never grows the set.
+#[derive(Default)]
+struct Policies {
+    /// The policies kept.
+    kept: [Option<Policy>; POLICIES_KEPT],
+    /// The entry the next new policy replaces.
+    next: usize,
+}
+
+/// One policy's values.
+struct Policy {
+    /// Its name.
+    name: Box<str>,
+    /// Its limit's size.
+    capacity: u64,
+    /// Seconds its limit takes to refill.
+    window: u64,
+    /// `X-RateLimit-Limit` and `RateLimit-Policy`.
+    values: [HeaderValue; 2],
+}
+
+impl Policies {
+    /// `X-RateLimit-Limit` and `RateLimit-Policy` for the policy `name`
+    /// whose limit holds `capacity` and refills in `window` seconds.
+    fn values(&mut self, name: &str, capacity: u64, window: u64) -> [HeaderValue; 2] {
+        let known = self.kept.iter().flatten().find(|policy| {
+            policy.capacity == capacity && policy.window == window && *policy.name == *name
+        });
+        if let Some(policy) = known {
+            return policy.values.clone();
+        }
+        let mut values = Values::with_capacity(name.len() + 40);
+        values.number(capacity);
+        values.list([((name, None), [("q", capacity), ("w", window)])]);
+        let values = values.finish();
+        self.kept[self.next] = Some(Policy {
+            name: name.into(),
+            capacity,
+            window,
+            values: values.clone(),
+        });
+        self.next = (self.next + 1) % POLICIES_KEPT;
+        values
+    }
+}
+
 /// A policy's name in a list: its rule's scope and, for a rule's further
 /// limit, its place.
 type Member<'a> = (&'a str, Option<usize>);
@@ -177,25 +241,25 @@ type Member<'a> = (&'a str, Option<usize>);
 /// A list item's two parameters, each a key and its number.
 type Params<'a> = [(&'a str, u64); 2];
 
-/// The four header values, written one after the other into one buffer
-/// and then cut apart.
-struct Values {
+/// `N` header values, written one after the other into one buffer and
+/// then cut apart.
+struct Values<const N: usize> {
     /// Every value so far, back to back.
     text: String,
     /// Where each finished value ends in `text`.
-    ends: [usize; 4],
+    ends: [usize; N],
     /// How many values are finished.
     done: usize,
     /// Digits of the number being written.
     digits: itoa::Buffer,
 }
 
-impl Values {
+impl<const N: usize> Values<N> {
     /// An empty buffer with room for `capacity` bytes.
     fn with_capacity(capacity: usize) -> Self {
         Self {
             text: String::with_capacity(capacity),
-            ends: [0; 4],
+            ends: [0; N],
             done: 0,
             digits: itoa::Buffer::new(),
         }
@@ -240,8 +304,8 @@ impl Values {
         self.end();
     }
 
-    /// The four values, sharing the buffer.
-    fn finish(self) -> [HeaderValue; 4] {
+    /// The values, sharing the buffer.
+    fn finish(self) -> [HeaderValue; N] {
         let all = Bytes::from(self.text);
         let mut start = 0;
         self.ends.map(|end| {
@@ -449,5 +513,41 @@ mod tests {
         assert_eq!(get(&h, &X_RATELIMIT_REMAINING).as_deref(), Some("0"));
         assert_eq!(get(&h, &RATELIMIT).as_deref(), Some("\"p\";r=0;t=3"));
         assert_eq!(get(&h, &RETRY_AFTER), None);
+    }
+
+    #[test]
+    fn kept_policy_values_follow_a_changed_limit_and_every_policy_in_turn() {
+        let with = |policy: &str, capacity: u32| {
+            let mut v = verdict(true, 1, 0);
+            v.spec = BucketSpec::of(
+                NonZeroU32::new(capacity).unwrap(),
+                NonZeroU32::new(100).unwrap(),
+            );
+            let h = RateLimitHeaders::new(policy, &v, false);
+            (
+                get(&h, &X_RATELIMIT_LIMIT).unwrap(),
+                get(&h, &RATELIMIT_POLICY).unwrap(),
+                get(&h, &RATELIMIT).unwrap(),
+            )
+        };
+        let first = with("orders", 200);
+        assert_eq!(with("orders", 200), first, "the same policy, kept");
+        assert_eq!(first.1, "\"orders\";q=200;w=2");
+        let changed = with("orders", 300);
+        assert_eq!(changed.0, "300");
+        assert_eq!(changed.1, "\"orders\";q=300;w=3");
+        // More policies than are kept: each still reports its own.
+        for round in 0..2 {
+            for (i, name) in ["a", "b", "c", "d", "e", "f"].into_iter().enumerate() {
+                let capacity = 10 + u32::try_from(i).unwrap();
+                let (limit, policy, ratelimit) = with(name, capacity);
+                assert_eq!(limit, capacity.to_string(), "{round} {name}");
+                assert!(
+                    policy.starts_with(&format!("\"{name}\";q={capacity};")),
+                    "{policy}"
+                );
+                assert_eq!(ratelimit, format!("\"{name}\";r=1;t=0"));
+            }
+        }
     }
 }
