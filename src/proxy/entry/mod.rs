@@ -11,6 +11,9 @@ mod grpc;
 mod proxy;
 mod rls;
 
+use std::convert::Infallible;
+use std::rc::Rc;
+
 use hyper::body::Incoming;
 use hyper::header::HeaderMap;
 use hyper::{Request, Response};
@@ -22,18 +25,20 @@ use super::{API_KEY, ProxyState, Worker};
 use crate::key::TenantId;
 use crate::telemetry::{Entry, Outcome};
 
-/// Answers one request from `client` that came in through `entry`.
+/// Answers one request from `client` that came in through `entry`: the
+/// connection's service, owning its handles so that no future wraps this
+/// one to hold them.
 pub(super) async fn handle(
     entry: Entry,
     req: Request<Incoming>,
-    client: &Client,
-    worker: &Worker,
-) -> Response<ProxyBody> {
-    match entry {
-        Entry::Proxy => proxy::handle(req, client, worker).await,
-        Entry::Rls => rls::handle(req, client, worker).await,
-        Entry::Check => check::handle(req, client, worker).await,
-    }
+    client: Rc<Client>,
+    worker: Rc<Worker>,
+) -> Result<Response<ProxyBody>, Infallible> {
+    Ok(match entry {
+        Entry::Proxy => proxy::handle(req, &client, &worker).await,
+        Entry::Rls => rls::handle(req, &client, &worker).await,
+        Entry::Check => check::handle(req, &client, &worker).await,
+    })
 }
 
 /// The tenant of `headers` ([`identify`]); a missing or malformed key is

@@ -38,15 +38,16 @@ use crate::proxy::usage::{Settlement, reservation};
 use crate::telemetry::{BodyDirection, Entry, Outcome, Unrouted, UsageKind};
 
 /// Runs the phases for one proxied request from `client`, and writes its
-/// access line when the access log is on and keeps this request.
+/// access line when the access log is on and keeps this request. The
+/// phases are a block of this function, not a function of their own: a
+/// request's future is then one state machine, not one moved into
+/// another.
 pub(super) async fn handle(
     req: Request<Incoming>,
     client: &Client,
     worker: &Worker,
 ) -> Response<ProxyBody> {
     let state = &*worker.state;
-    // One call of `phases` whether or not the line is written: each call
-    // site would hold a future of its own in this one's.
     let mut sampled = state
         .access
         .as_ref()
@@ -55,7 +56,135 @@ pub(super) async fn handle(
             let started = state.clock.now_micros();
             (log, started, req.method().clone(), AccessNote::default())
         });
-    let response = phases(req, client, worker, sampled.as_mut().map(|(.., note)| note)).await;
+    let mut note = sampled.as_mut().map(|(.., note)| note);
+    let response = 'phases: {
+        let Worker {
+            state,
+            forwarder,
+            slots,
+            ..
+        } = worker;
+        // Early answers are rare and their futures the largest here
+        // (a body drained under a deadline): boxed, they do not make every
+        // request's future larger.
+        let early =
+            |req, error: ProxyError| Box::pin(early::answer(req, error.response(), &client.linger));
+        if matches!(*req.method(), Method::CONNECT | Method::TRACE) {
+            state.metrics.unrouted(Unrouted::BadRequest);
+            break 'phases early(req, ProxyError::MethodNotAllowed).await;
+        }
+        let path = match path::normalize(req.uri().path()) {
+            Ok(path) => path,
+            Err(e) => {
+                state.metrics.unrouted(Unrouted::BadRequest);
+                break 'phases early(req, ProxyError::BadPath(e)).await;
+            }
+        };
+        let Some(route) = state.routes.find(req.method(), &path) else {
+            state.metrics.unrouted(Unrouted::NoRoute);
+            break 'phases early(req, ProxyError::NoRoute).await;
+        };
+        if let Some(note) = note.as_deref_mut() {
+            note.route = Some(route.index);
+        }
+
+        let tenant = match identify_counted(req.headers(), state, Entry::Proxy, route.index) {
+            Ok(tenant) => tenant,
+            Err(e) => break 'phases early(req, e).await,
+        };
+        if let Some(note) = note.as_deref_mut() {
+            note.tenant = Some(tenant.clone());
+        }
+        let count = |outcome| {
+            state
+                .requests
+                .count(Entry::Proxy, Some(tenant.as_str()), route.index, outcome);
+        };
+
+        let rules = state.rules.snapshot();
+        let in_force = rules.in_force(tenant.as_str(), route.spec.id.as_str());
+        let Some(mut slot) = slots.acquire(&tenant, in_force.names_tenant()) else {
+            count(Outcome::InFlightLimited);
+            break 'phases early(req, ProxyError::TooManyInFlight).await;
+        };
+        drop(rules);
+        let cost = match &route.spec.usage {
+            None => route.spec.cost,
+            Some(usage) => match reservation(req.headers(), usage) {
+                Ok(reserved) => reserved,
+                Err(()) => break 'phases early(req, ProxyError::BadReservation).await,
+            },
+        };
+        let Decided {
+            refused,
+            shadowed,
+            source,
+            headers,
+            held,
+        } = decide(worker, &tenant, &route.spec.id, &in_force, cost, None).await;
+        // The cluster's concurrency slots last as long as the worker's.
+        slot.keep(held);
+        if let Some(note) = note.as_deref_mut() {
+            note.source = Some(source);
+        }
+        if route.spec.usage.is_some() && !refused {
+            route
+                .metrics
+                .usage(UsageKind::Reserved, u64::from(cost.get()));
+        }
+        if refused {
+            count(Outcome::Rejected);
+            let mut rejected = ProxyError::RateLimited.response();
+            headers.apply(rejected.headers_mut());
+            break 'phases Box::pin(early::answer(req, rejected, &client.linger)).await;
+        }
+
+        // Dropped unsettled (an error, no usage reported), its reservation
+        // is counted as expired.
+        let settlement = route.spec.usage.as_ref().map(|usage| {
+            let limiter = &worker.limiter;
+            Settlement::new(limiter, state, &tenant, &route.spec.id, &usage.header, cost)
+        });
+        let started = state.clock.now_micros();
+        // A failed exchange may leave some of the body unread.
+        let body_pending = req.version() != Version::HTTP_2 && !req.body().is_end_stream();
+        let target = Target::new(route, &path, req.uri().query(), &tenant);
+        let forwarded = forwarder.forward(req, client, target, slot, &headers).await;
+        let elapsed = state.clock.now_micros().saturating_sub(started);
+        route.metrics.upstream_seconds(elapsed as f64 / 1e6);
+        if let Some(note) = note {
+            note.upstream_us = Some(elapsed);
+        }
+        count(match &forwarded {
+            Ok(_) if shadowed => Outcome::ShadowRejected,
+            Ok(_) => Outcome::Allowed,
+            Err(ProxyError::UpstreamTimeout) => Outcome::UpstreamTimeout,
+            Err(ProxyError::ClientTimeout) => {
+                state.metrics.client_timeout(BodyDirection::Request);
+                Outcome::ClientTimeout
+            }
+            Err(ProxyError::ClientAborted) => Outcome::ClientAborted,
+            Err(_) => Outcome::UpstreamError,
+        });
+        match forwarded {
+            Ok(mut response) => {
+                if let Some(unsettled) = settlement.and_then(|s| s.settle_from(response.headers()))
+                    && let ProxyBody::Streamed(body) = response.body_mut()
+                {
+                    body.settle_from_trailers(unsettled);
+                }
+                response
+            }
+            Err(e) => {
+                let mut response = e.response();
+                headers.apply(response.headers_mut());
+                if body_pending {
+                    early::close(&mut response, &client.linger);
+                }
+                response
+            }
+        }
+    };
     if let Some((log, started, method, note)) = sampled {
         let duration = state.clock.now_micros().saturating_sub(started);
         log.write(
@@ -68,136 +197,4 @@ pub(super) async fn handle(
         );
     }
     response
-}
-
-/// The phases for one request; `note`, when given, collects what the
-/// access line reports.
-async fn phases(
-    req: Request<Incoming>,
-    client: &Client,
-    worker: &Worker,
-    mut note: Option<&mut AccessNote>,
-) -> Response<ProxyBody> {
-    let Worker {
-        state,
-        forwarder,
-        slots,
-        ..
-    } = worker;
-    let early = |req, error: ProxyError| early::answer(req, error.response(), &client.linger);
-    if matches!(*req.method(), Method::CONNECT | Method::TRACE) {
-        state.metrics.unrouted(Unrouted::BadRequest);
-        return early(req, ProxyError::MethodNotAllowed).await;
-    }
-    let path = match path::normalize(req.uri().path()) {
-        Ok(path) => path,
-        Err(e) => {
-            state.metrics.unrouted(Unrouted::BadRequest);
-            return early(req, ProxyError::BadPath(e)).await;
-        }
-    };
-    let Some(route) = state.routes.find(req.method(), &path) else {
-        state.metrics.unrouted(Unrouted::NoRoute);
-        return early(req, ProxyError::NoRoute).await;
-    };
-    if let Some(note) = note.as_deref_mut() {
-        note.route = Some(route.index);
-    }
-
-    let tenant = match identify_counted(req.headers(), state, Entry::Proxy, route.index) {
-        Ok(tenant) => tenant,
-        Err(e) => return early(req, e).await,
-    };
-    if let Some(note) = note.as_deref_mut() {
-        note.tenant = Some(tenant.clone());
-    }
-    let count = |outcome| {
-        state
-            .requests
-            .count(Entry::Proxy, Some(tenant.as_str()), route.index, outcome);
-    };
-
-    let rules = state.rules.snapshot();
-    let in_force = rules.in_force(tenant.as_str(), route.spec.id.as_str());
-    let Some(mut slot) = slots.acquire(&tenant, in_force.names_tenant()) else {
-        count(Outcome::InFlightLimited);
-        return early(req, ProxyError::TooManyInFlight).await;
-    };
-    drop(rules);
-    let cost = match &route.spec.usage {
-        None => route.spec.cost,
-        Some(usage) => match reservation(req.headers(), usage) {
-            Ok(reserved) => reserved,
-            Err(()) => return early(req, ProxyError::BadReservation).await,
-        },
-    };
-    let Decided {
-        refused,
-        shadowed,
-        source,
-        headers,
-        held,
-    } = decide(worker, &tenant, &route.spec.id, &in_force, cost, None).await;
-    // The cluster's concurrency slots last as long as the worker's.
-    slot.keep(held);
-    if let Some(note) = note.as_deref_mut() {
-        note.source = Some(source);
-    }
-    if route.spec.usage.is_some() && !refused {
-        route
-            .metrics
-            .usage(UsageKind::Reserved, u64::from(cost.get()));
-    }
-    if refused {
-        count(Outcome::Rejected);
-        let mut rejected = ProxyError::RateLimited.response();
-        headers.apply(rejected.headers_mut());
-        return early::answer(req, rejected, &client.linger).await;
-    }
-
-    // Dropped unsettled (an error, no usage reported), its reservation
-    // is counted as expired.
-    let settlement = route.spec.usage.as_ref().map(|usage| {
-        let limiter = &worker.limiter;
-        Settlement::new(limiter, state, &tenant, &route.spec.id, &usage.header, cost)
-    });
-    let started = state.clock.now_micros();
-    // A failed exchange may leave some of the body unread.
-    let body_pending = req.version() != Version::HTTP_2 && !req.body().is_end_stream();
-    let target = Target::new(route, &path, req.uri().query(), &tenant);
-    let forwarded = forwarder.forward(req, client, target, slot, &headers).await;
-    let elapsed = state.clock.now_micros().saturating_sub(started);
-    route.metrics.upstream_seconds(elapsed as f64 / 1e6);
-    if let Some(note) = note {
-        note.upstream_us = Some(elapsed);
-    }
-    count(match &forwarded {
-        Ok(_) if shadowed => Outcome::ShadowRejected,
-        Ok(_) => Outcome::Allowed,
-        Err(ProxyError::UpstreamTimeout) => Outcome::UpstreamTimeout,
-        Err(ProxyError::ClientTimeout) => {
-            state.metrics.client_timeout(BodyDirection::Request);
-            Outcome::ClientTimeout
-        }
-        Err(ProxyError::ClientAborted) => Outcome::ClientAborted,
-        Err(_) => Outcome::UpstreamError,
-    });
-    match forwarded {
-        Ok(mut response) => {
-            if let Some(unsettled) = settlement.and_then(|s| s.settle_from(response.headers()))
-                && let ProxyBody::Streamed(body) = response.body_mut()
-            {
-                body.settle_from_trailers(unsettled);
-            }
-            response
-        }
-        Err(e) => {
-            let mut response = e.response();
-            headers.apply(response.headers_mut());
-            if body_pending {
-                early::close(&mut response, &client.linger);
-            }
-            response
-        }
-    }
 }

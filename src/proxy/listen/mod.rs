@@ -38,7 +38,6 @@ mod speak;
 pub(super) mod stall;
 
 use std::cell::Cell;
-use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::pin::pin;
 use std::rc::Rc;
@@ -364,8 +363,7 @@ impl Connection {
             if let Some(seen) = &seen {
                 seen.last_request_ms.set(Some(clock.now_ms()));
             }
-            let (client, worker) = (client.clone(), worker.clone());
-            async move { Ok::<_, Infallible>(super::entry::handle(entry, req, &client, &worker).await) }
+            super::entry::handle(entry, req, client.clone(), worker.clone())
         });
         let h2 = idle
             .as_ref()
