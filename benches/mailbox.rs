@@ -17,7 +17,7 @@ use futures_util::future::join_all;
 
 use tollgate::bucket::decision::GroupGrant;
 use tollgate::bucket::store::{Answer, BatchStore, Item};
-use tollgate::bucket::{Ask, BucketSpec, Coalesced, Decision, Grant, SharedStore};
+use tollgate::bucket::{Ask, BucketSpec, CallLimits, Coalesced, Decision, Grant, SharedStore};
 use tollgate::clock::{Clock, SystemClock};
 use tollgate::redis_client::RedisCallError;
 use tollgate::telemetry::Metrics;
@@ -65,7 +65,11 @@ const AT_ONCE: usize = 16;
 fn main() {
     actix::System::new().block_on(async {
         let spec = BucketSpec::of(NonZeroU32::new(100).unwrap(), NonZeroU32::new(10).unwrap());
-        let client = Coalesced::start(Instant, Metrics::new(), false, AT_ONCE);
+        let limits = CallLimits {
+            max_keys: AT_ONCE,
+            max_in_flight: 1,
+        };
+        let client = Coalesced::start(Instant, Metrics::new(), false, limits);
         let clock = SystemClock::new();
         let (mut alone, mut together, mut direct) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..7 {

@@ -30,6 +30,7 @@ async fn parallel_script_calls_from_separate_connections_never_overspend() {
         timeout: std::time::Duration::from_secs(5),
         connect_timeout: std::time::Duration::from_secs(1),
         max_keys_per_call: 16,
+        max_calls_in_flight: 1,
         credentials: Default::default(),
         sentinel_credentials: Default::default(),
         tls: Default::default(),

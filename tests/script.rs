@@ -27,6 +27,7 @@ fn bucket(redis: &RedisServer, timeout: Duration) -> RedisBucket {
         timeout,
         connect_timeout: Duration::from_secs(1),
         max_keys_per_call: 16,
+        max_calls_in_flight: 1,
         credentials: Default::default(),
         sentinel_credentials: Default::default(),
         tls: Default::default(),

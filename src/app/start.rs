@@ -15,7 +15,7 @@ use super::checks::regions;
 use crate::admin::{self, AdminState};
 use crate::breaker;
 use crate::bucket::{
-    Coalesced, HotKeys, Limiter, LimiterCore, LocalBuckets, RedisBucket, WarmWorkers,
+    CallLimits, Coalesced, HotKeys, Limiter, LimiterCore, LocalBuckets, RedisBucket, WarmWorkers,
 };
 use crate::clock::{SharedClock, SystemClock};
 use crate::cluster::{LiveInstances, Membership};
@@ -297,8 +297,11 @@ pub(super) fn proxy(
         config.client,
         config.routes.clone(),
     );
-    let (request_timeout, max_keys_per_call) =
-        (shared.settings.timeout, shared.settings.max_keys_per_call);
+    let request_timeout = shared.settings.timeout;
+    let limits = CallLimits {
+        max_keys: shared.settings.max_keys_per_call,
+        max_in_flight: shared.settings.max_calls_in_flight,
+    };
     let cluster = matches!(shared.settings.target, RedisTarget::Cluster(_));
     let (redis, control_timeout) = (shared.connector.clone(), shared.control_timeout);
     let (metrics, clock, core, warm_workers) = (
@@ -319,7 +322,7 @@ pub(super) fn proxy(
                 let (bucket, warm) = (bucket.clone(), warm.clone());
                 actix_web::rt::spawn(async move { bucket.warm_up(control_timeout, &warm).await });
             }
-            Coalesced::start(bucket, metrics.clone(), cluster, max_keys_per_call)
+            Coalesced::start(bucket, metrics.clone(), cluster, limits)
         });
         Worker::new(
             state.clone(),

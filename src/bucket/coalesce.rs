@@ -3,14 +3,15 @@
 //! Owns how one proxy worker's decisions reach Redis. Every decision that
 //! needs Redis takes a ticket in this worker's [`Coalesced`] client, a
 //! queue kept on the worker's own thread (no message crosses threads, no
-//! channel, no lock). When no call is in flight the decision goes out at
-//! once, alone: no added wait at low load. Decisions arriving while a call
-//! is in flight queue up and ride the next call together, up to
-//! `redis.max_keys_per_call` keys in one script call with one reading of
-//! Redis's clock. On a Redis Cluster a call holds the keys of one hash
+//! channel, no lock). When fewer calls than `redis.max_calls_in_flight`
+//! (1 by default) are in flight, the decision goes out at once, with
+//! whatever waits: no added wait at low load. Decisions arriving while
+//! that many are in flight queue up and ride the next call together, up
+//! to `redis.max_keys_per_call` keys in one script call with one reading
+//! of Redis's clock. On a Redis Cluster a call holds the keys of one hash
 //! slot (every bucket of a tenant shares its slot through the `{tenant}`
-//! hash tag; sub-bucket keys have their own): each slot has at most one
-//! call in flight and its own queue.
+//! hash tag; sub-bucket keys have their own): each slot has its own calls
+//! in flight and its own queue.
 //!
 //! The limits of a request with several (`take_group`) queue and ride
 //! like single decisions, every key of the request in the same call (a
@@ -90,13 +91,13 @@ struct Ticket {
     gone: bool,
 }
 
-/// The decisions of one group, and whether its call is in flight.
+/// The decisions of one group, and its calls in flight.
 #[derive(Default)]
 struct Queue {
     /// Tickets not sent yet, oldest first.
     waiting: VecDeque<usize>,
-    /// Whether a call of this group is in flight.
-    busy: bool,
+    /// How many calls of this group are in flight.
+    in_flight: usize,
 }
 
 /// Everything the client keeps between calls.
@@ -226,8 +227,8 @@ struct Inner<B> {
     metrics: Metrics,
     /// Whether keys are grouped by Cluster slot.
     cluster: bool,
-    /// Most keys in one call.
-    max_keys: usize,
+    /// Most keys in one call, and calls in flight per group.
+    limits: CallLimits,
     /// The queues and tickets.
     state: RefCell<State>,
 }
@@ -236,6 +237,18 @@ struct Inner<B> {
 /// turned away (and decided locally): a worker's requests in flight, with
 /// room to spare.
 const MAX_WAITING: usize = 4096;
+
+/// How a worker's calls are bounded (`redis.max_keys_per_call`,
+/// `redis.max_calls_in_flight`).
+#[derive(Debug, Clone, Copy)]
+pub struct CallLimits {
+    /// Most keys one call carries.
+    pub max_keys: usize,
+    /// Most calls of one group in flight at once: with more than one, a
+    /// decision that arrives while a call is out goes in the next call at
+    /// once instead of waiting for the first to come back.
+    pub max_in_flight: usize,
+}
 
 /// One proxy worker's client of the shared buckets, over `B` (Redis in
 /// production): the store its limiter uses. Clones share the queue; it
@@ -255,14 +268,17 @@ impl<B: BatchStore> Clone for Coalesced<B> {
 
 impl<B: BatchStore> Coalesced<B> {
     /// A client over `redis`, for the worker whose thread uses it (its
-    /// calls run as tasks there).
-    pub fn start(redis: B, metrics: Metrics, cluster: bool, max_keys: usize) -> Self {
+    /// calls run as tasks there), its calls bounded by `limits`.
+    pub fn start(redis: B, metrics: Metrics, cluster: bool, limits: CallLimits) -> Self {
         Self {
             inner: Rc::new(Inner {
                 redis,
                 metrics,
                 cluster,
-                max_keys: max_keys.max(1),
+                limits: CallLimits {
+                    max_keys: limits.max_keys.max(1),
+                    max_in_flight: limits.max_in_flight.max(1),
+                },
                 state: RefCell::new(State::default()),
             }),
         }
@@ -303,10 +319,11 @@ impl<B: BatchStore> Coalesced<B> {
         Ok(id)
     }
 
-    /// Sends `group`'s next call, unless one is in flight: its oldest
-    /// decisions still waiting, up to the cap. Decisions that are gone are
-    /// freed, and those that have waited a timeout are decided locally,
-    /// neither sent. A group with nothing left to do is forgotten.
+    /// Sends `group`'s next call, unless as many as allowed are in
+    /// flight: its oldest decisions still waiting, up to the cap.
+    /// Decisions that are gone are freed, and those that have waited a
+    /// timeout are decided locally, neither sent. A group with nothing
+    /// waiting and no call in flight is forgotten.
     fn dispatch(&self, group: Group) {
         let inner = &*self.inner;
         let mut guard = inner.state.borrow_mut();
@@ -314,7 +331,7 @@ impl<B: BatchStore> Coalesced<B> {
         let Some(queue) = state.queues.get_mut(group) else {
             return;
         };
-        if queue.busy {
+        if queue.in_flight >= inner.limits.max_in_flight {
             return;
         }
         let pool = &mut state.pool;
@@ -339,7 +356,7 @@ impl<B: BatchStore> Coalesced<B> {
             let job_keys = ticket.job.as_ref().map_or(0, |job| job.item().key_count());
             // A request's limits are never split; one larger than the cap
             // goes alone.
-            if keys > 0 && keys + job_keys > inner.max_keys {
+            if keys > 0 && keys + job_keys > inner.limits.max_keys {
                 break;
             }
             queue.waiting.pop_front();
@@ -347,16 +364,18 @@ impl<B: BatchStore> Coalesced<B> {
             if let Some(job) = ticket.job.take() {
                 batch.push((id, job));
             }
-            if keys >= inner.max_keys {
+            if keys >= inner.limits.max_keys {
                 break;
             }
         }
         if batch.is_empty() {
             pool.spare_batches.push(batch);
-            state.queues.forget(group);
+            if queue.in_flight == 0 {
+                state.queues.forget(group);
+            }
             return;
         }
-        queue.busy = true;
+        queue.in_flight += 1;
         drop(guard);
         inner.metrics.redis_keys_per_call(keys);
         let client = self.clone();
@@ -385,7 +404,7 @@ impl<B: BatchStore> Coalesced<B> {
         }
         pool.spare_batches.push(batch);
         if let Some(queue) = state.queues.get_mut(group) {
-            queue.busy = false;
+            queue.in_flight -= 1;
         }
         drop(state);
         self.dispatch(group);
@@ -546,9 +565,20 @@ mod tests {
         max_keys: usize,
         cluster: bool,
     ) -> (FakeStore, Arc<BreakerGate>, Coalesced<FakeStore>) {
+        let limits = CallLimits {
+            max_keys,
+            max_in_flight: 1,
+        };
+        setup_with(limits, cluster)
+    }
+
+    fn setup_with(
+        limits: CallLimits,
+        cluster: bool,
+    ) -> (FakeStore, Arc<BreakerGate>, Coalesced<FakeStore>) {
         let gate = Arc::new(BreakerGate::new());
         let store = FakeStore::new(TokioClock::shared(), TIMEOUT, gate.clone());
-        let client = Coalesced::start(store.clone(), Metrics::new(), cluster, max_keys);
+        let client = Coalesced::start(store.clone(), Metrics::new(), cluster, limits);
         (store, gate, client)
     }
 
@@ -622,6 +652,30 @@ mod tests {
         }
         assert_eq!(store.batch_sizes(), [1, 10]);
         assert_eq!(gate.drain().successes, 2, "one success per call");
+    }
+
+    #[actix_web::test]
+    async fn with_two_calls_in_flight_a_decision_behind_a_slow_call_goes_out_at_once() {
+        tokio::time::pause();
+        let limits = CallLimits {
+            max_keys: 16,
+            max_in_flight: 2,
+        };
+        let (store, _, client) = setup_with(limits, false);
+        let started = tokio::time::Instant::now();
+        let (first, riders) = behind_a_slow_call(&store, &client, 5, 3).await;
+        for rider in riders {
+            assert!(rider.await.unwrap().unwrap().decision.allowed);
+        }
+        assert_eq!(
+            started.elapsed(),
+            Duration::ZERO,
+            "none waited for the slow call"
+        );
+        assert!(first.await.unwrap().is_ok());
+        // The first rider went out beside the slow call, alone; the other
+        // two waited for it and rode the next call together.
+        assert_eq!(store.batch_sizes(), [1, 1, 2]);
     }
 
     /// Sends the three limits of one request (tenant `t`) from a task of
@@ -796,7 +850,7 @@ mod tests {
             state.pool.tickets.len()
         );
         let server = &state.queues.server;
-        assert!(server.waiting.is_empty() && !server.busy);
+        assert!(server.waiting.is_empty() && server.in_flight == 0);
     }
 
     #[actix_web::test]

@@ -13,7 +13,7 @@ pub mod shard;
 pub mod store;
 pub mod tokens;
 
-pub use coalesce::Coalesced;
+pub use coalesce::{CallLimits, Coalesced};
 pub use decision::{Ask, BucketSpec, Decision, Grant, GroupLimit};
 pub use lease::HotKeys;
 pub use limiter::{

@@ -74,6 +74,10 @@ pub(super) fn redis(c: &mut Check, raw: &RawRedis) -> RedisSettings {
             .range("redis.max_keys_per_call", raw.max_keys_per_call, 1, 1024)
             .and_then(|n| usize::try_from(n).ok())
             .unwrap_or(1),
+        max_calls_in_flight: c
+            .range("redis.max_calls_in_flight", raw.max_calls_in_flight, 1, 16)
+            .and_then(|n| usize::try_from(n).ok())
+            .unwrap_or(1),
         credentials: data_credentials,
         sentinel_credentials,
         tls,

@@ -227,6 +227,9 @@ pub struct RedisSettings {
     pub connect_timeout: Duration,
     /// Most decisions one coalesced script call carries.
     pub max_keys_per_call: usize,
+    /// Most coalesced script calls one worker has in flight at once (per
+    /// Cluster slot).
+    pub max_calls_in_flight: usize,
     /// Credentials for the Redis servers.
     pub credentials: RedisCredentials,
     /// Credentials for the sentinels.
