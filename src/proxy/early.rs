@@ -63,12 +63,24 @@ impl LingerFlag {
 /// says `Connection: close` and the connection is marked to linger.
 pub(super) async fn answer(
     req: Request<Incoming>,
-    mut response: Response<ProxyBody>,
+    response: Response<ProxyBody>,
     linger: &LingerFlag,
 ) -> Response<ProxyBody> {
     if req.version() == Version::HTTP_2 || req.body().is_end_stream() {
         return response;
     }
+    // Boxed: only a request with a body left pays for the drain's
+    // deadline and state, and every other early answer's future stays
+    // small inside the request's.
+    Box::pin(settle_body(req, response, linger)).await
+}
+
+/// [`answer`] for a request whose body is not all read.
+async fn settle_body(
+    req: Request<Incoming>,
+    mut response: Response<ProxyBody>,
+    linger: &LingerFlag,
+) -> Response<ProxyBody> {
     let waits_to_send = req
         .headers()
         .get(EXPECT)

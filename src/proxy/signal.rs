@@ -84,11 +84,12 @@ impl<T> Places<T> {
         self.places.len()
     }
 
-    /// Frees every place and gives the memory back, once none is held.
-    pub(super) fn shrink_when_empty(&mut self) {
+    /// Forgets every place, keeping the memory for the next, once none
+    /// is held.
+    pub(super) fn reset_when_empty(&mut self) {
         if self.is_empty() {
-            self.places = Vec::new();
-            self.free = Vec::new();
+            self.places.clear();
+            self.free.clear();
         }
     }
 }
@@ -179,7 +180,7 @@ mod tests {
     }
 
     #[test]
-    fn places_are_reused_once_freed_and_given_back_when_empty() {
+    fn places_are_reused_once_freed_and_forgotten_when_empty() {
         let mut places = Places::default();
         let (a, b) = (places.insert('a'), places.insert('b'));
         assert_eq!(places.remove(a), Some('a'));
@@ -188,10 +189,10 @@ mod tests {
         assert_eq!((places.len(), places.capacity()), (2, 2));
         places.remove_where(|&c| c == 'b');
         assert_eq!(places.get_mut(b), None);
-        places.shrink_when_empty();
+        places.reset_when_empty();
         assert_eq!(places.capacity(), 2, "one is still held");
         places.remove(a);
-        places.shrink_when_empty();
+        places.reset_when_empty();
         assert_eq!((places.len(), places.capacity()), (0, 0));
     }
 

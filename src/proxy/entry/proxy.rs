@@ -64,11 +64,7 @@ pub(super) async fn handle(
             slots,
             ..
         } = worker;
-        // Early answers are rare and their futures the largest here
-        // (a body drained under a deadline): boxed, they do not make every
-        // request's future larger.
-        let early =
-            |req, error: ProxyError| Box::pin(early::answer(req, error.response(), &client.linger));
+        let early = |req, error: ProxyError| early::answer(req, error.response(), &client.linger);
         if matches!(*req.method(), Method::CONNECT | Method::TRACE) {
             state.metrics.unrouted(Unrouted::BadRequest);
             break 'phases early(req, ProxyError::MethodNotAllowed).await;
@@ -136,7 +132,7 @@ pub(super) async fn handle(
             count(Outcome::Rejected);
             let mut rejected = ProxyError::RateLimited.response();
             headers.apply(rejected.headers_mut());
-            break 'phases Box::pin(early::answer(req, rejected, &client.linger)).await;
+            break 'phases early::answer(req, rejected, &client.linger).await;
         }
 
         // Dropped unsettled (an error, no usage reported), its reservation

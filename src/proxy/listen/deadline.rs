@@ -148,7 +148,7 @@ impl List {
             // Nothing to check until a deadline is armed again, which
             // starts a new task.
             self.ticking = false;
-            self.places.shrink_when_empty();
+            self.places.reset_when_empty();
             self.earliest = None;
         }
         self.ticking
