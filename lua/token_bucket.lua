@@ -20,6 +20,10 @@
 --                key's capacity and rate once: every argument costs
 --                Redis a Lua string); a short ask with no single key
 --                before it, or any other ask after '=', is undecided.
+--                A count k before a short ask ("16=+1") makes it the
+--                ask of k keys, this one and the k-1 after it, which
+--                then have no argument of their own: a run of keys with
+--                the same rule and ask sends one argument in all.
 -- ARGV[3i-2]     capacity of bucket i: size in tokens (number >= 1)
 -- ARGV[3i-1]     refill rate of bucket i in tokens per second (number > 0)
 -- ARGV[3i]       the ask (optional, default 1): a plain ask is the
@@ -174,28 +178,45 @@ local rule_capacity, rule_rate, capacity, rate, fill, rule_ok, snap
 local last_ask, last_want, last_min, last_need, last_lease, last_compact
 -- The latest short ask: the next key's argument equal to it is one too.
 local last_short
+-- Keys after this one that a run's short ask still covers.
+local run = 0
 -- ARGV[c] is the first argument of key i.
 local c = 1
 
 for i = 1, #KEYS do
-  -- A short ask ('=' (61) and a single ask) is the key's only argument;
-  -- any other key has three, the ask at at; a later key of a group has
-  -- three. The usual first argument, a short ask met before or a capacity
-  -- met before, is told apart without a call; any other is converted to a
-  -- number, which a capacity needs anyway (lead_number), and only what is
-  -- not one is looked at further.
-  local lead = ARGV[c]
-  local short, lead_number = lead == last_short, nil
-  if not short and lead ~= rule_capacity and i > group_end then
-    lead_number = tonumber(lead)
-    short = not lead_number and lead ~= nil and string.byte(lead) == 61
-  end
-  local ask, at
-  if short then
-    ask, last_short, c = lead, lead, c + 1
+  -- A short ask ('=' (61) and a single ask) is the key's only argument,
+  -- and a run's ("<k>=" and a single ask) that of k keys; any other key
+  -- has three, the ask at at; a later key of a group has three. The usual
+  -- first argument, a short ask met before or a capacity met before, is
+  -- told apart without a call; any other is converted to a number, which
+  -- a capacity needs anyway (lead_number), and only what is not one is
+  -- looked at further.
+  local ask, at, short, lead_number
+  if run > 0 then
+    ask, short, run = last_short, true, run - 1
   else
-    at = c + 2
-    ask, c = ARGV[at] or '1', c + 3
+    local lead = ARGV[c]
+    short = lead == last_short
+    if not short and lead ~= rule_capacity and i > group_end then
+      lead_number = tonumber(lead)
+      if not lead_number and lead ~= nil then
+        local first = string.byte(lead)
+        short = first == 61
+        if first and first > 48 and first <= 57 then
+          -- A run: a count (no leading zero), then a short ask.
+          local k, rest = string.match(lead, '^(%d+)(=.*)$')
+          if k then
+            short, run, lead = true, tonumber(k) - 1, rest
+          end
+        end
+      end
+    end
+    if short then
+      ask, last_short, c = lead, lead, c + 1
+    else
+      at = c + 2
+      ask, c = ARGV[at] or '1', c + 3
+    end
   end
   local want, min, need, lease, single, compact
   if ask == last_ask then
@@ -591,8 +612,10 @@ for i = 1, #KEYS do
       if tat and tat > now then
         -- Negative while a charge's debt is being paid back.
         tokens = capacity - (tat - now) * rate / 1000000
-        -- Whole token counts survive the trip through the TAT despite rounding.
-        local whole = floor(tokens + 0.5)
+        -- Whole token counts survive the trip through the TAT despite
+        -- rounding. (x - x % 1 is floor(x), without a function call.)
+        local whole = tokens + 0.5
+        whole = whole - whole % 1
         if tokens - whole < snap and whole - tokens < snap then
           tokens = whole
         end
@@ -601,13 +624,17 @@ for i = 1, #KEYS do
         -- tokens < need <= min, so both waits are at least 1 ms.
         allowed = 0
       else
-        granted = need
-        if tokens >= min then
-          granted = floor(tokens)
-          if granted > want then granted = want end
+        -- want is whole: a bucket holding it grants it.
+        if tokens >= want then
+          granted = want
+        elseif tokens >= min then
+          granted = tokens - tokens % 1
+        else
+          granted = need
         end
         local left = tokens - granted
-        if not put(key, floor(now + (capacity - left) * 1000000 / rate + 0.5), tat, fill).err then
+        local to = now + (capacity - left) * 1000000 / rate + 0.5
+        if not put(key, to - to % 1, tat, fill).err then
           allowed, tokens = 1, left
         end
       end
@@ -623,11 +650,14 @@ for i = 1, #KEYS do
         n = n + 2
       end
     else
-      local retry = wait(need, tokens, rate)
+      local retry, whole = 0, tokens - tokens % 1
+      if tokens < need then
+        retry = ceil((need - tokens) * 1000 / rate)
+      end
       if compact and allowed == 1 and retry == 0 then
         -- The compact reply of a grant with need tokens left: its
         -- remaining count alone (at least 1).
-        reply[n + 1] = floor(tokens)
+        reply[n + 1] = whole
         n = n + 1
       else
         -- Any other compact answer is tagged, then as a plain one.
@@ -635,7 +665,7 @@ for i = 1, #KEYS do
           reply[n + 1] = -2
           n = n + 1
         end
-        reply[n + 1], reply[n + 2], reply[n + 3] = allowed, floor(tokens), retry
+        reply[n + 1], reply[n + 2], reply[n + 3] = allowed, whole, retry
         n = n + 3
         if lease then
           reply[n + 1] = allowed > 0 and granted or 0

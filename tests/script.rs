@@ -235,6 +235,47 @@ async fn a_short_ask_takes_the_rule_of_the_single_key_before_it() {
     );
 }
 
+/// A count before a short ask makes it the ask of that many keys in a
+/// row, which send no argument of their own, each decided as if it had
+/// the short ask alone; a run cut short by the last key ends there, and
+/// one whose ask cannot be short leaves every key it covers undecided.
+#[actix_web::test]
+async fn a_counted_short_ask_covers_a_run_of_keys() {
+    let redis = RedisServer::start();
+    let mut conn = redis.conn().await;
+    let (a, b, c, d, e) = (
+        "rl2:{r}:a",
+        "rl2:{r}:b",
+        "rl2:{r}:c",
+        "rl2:{r}:d",
+        "rl2:{r}:e",
+    );
+    let keys = [a, b, c, a, d, e, a, b];
+    let args: &[&[&str]] = &[
+        &["4", "1", "+1"],
+        &["3=+1"],
+        &[],
+        &[],
+        &["2=1*2"],
+        &[],
+        &["12=+1"],
+        &[],
+    ];
+    let reply = eval(&mut conn, &keys, args).await;
+    assert_eq!(
+        reply,
+        [
+            3, // a: 4 tokens, 1 taken
+            3, 3, // b and c, in the run, under a's rule
+            2, // a again, in the run: it sees the first take
+            -1, 0, 0, // d: a group ask cannot be short, nor run
+            -1, 0, 0, // e, in that run
+            1, // a, in a run longer than the keys left
+            2, // b, the last key
+        ]
+    );
+}
+
 #[actix_web::test]
 async fn a_plus_cost_gets_the_compact_reply() {
     let redis = RedisServer::start();

@@ -226,8 +226,8 @@ impl RedisBucket {
 }
 
 /// The `EVALSHA` call of the token bucket script deciding `batch`: every
-/// key first, then each key's three arguments (or a short ask alone),
-/// written straight into the command's one buffer.
+/// key first, then each key's three arguments (or a short ask alone, one
+/// for a run of keys), written straight into the command's one buffer.
 fn eval_cmd(batch: &[Item<'_>]) -> Cmd {
     let keys = batch.iter().map(Item::key_count).sum();
     let mut eval = evalsha(&TOKEN_BUCKET, keys, 3 * keys);
@@ -235,13 +235,24 @@ fn eval_cmd(batch: &[Item<'_>]) -> Cmd {
         eval.arg(key);
     }
     // The rule of the previous item when it was a single key: a plain ask
-    // under the same rule is sent short, its only argument.
+    // under the same rule is sent short, one argument for it and the
+    // single keys after it with the same rule and ask.
     let mut previous = None;
-    for item in batch {
+    let mut items = batch.iter().peekable();
+    while let Some(item) = items.next() {
         match *item {
             Item::One(_, spec, ask) => {
                 if compact(ask) && previous == Some(spec) {
-                    arg_plain(&mut eval, b"=+", ask.need);
+                    let mut run = 1;
+                    while items
+                        .next_if(
+                            |next| matches!(next, Item::One(_, s, a) if *s == spec && *a == ask),
+                        )
+                        .is_some()
+                    {
+                        run += 1;
+                    }
+                    arg_plain(&mut eval, Some(run), ask.need);
                 } else {
                     eval.arg(spec.capacity.get());
                     arg_rate(&mut eval, spec.refill_per_second);
@@ -288,7 +299,7 @@ fn eval_cmd(batch: &[Item<'_>]) -> Cmd {
 /// group's with `*<keys>` after it.
 fn arg_ask(eval: &mut Cmd, ask: Ask, keys: Option<usize>) {
     if keys.is_none() && compact(ask) {
-        arg_plain(eval, b"+", ask.need);
+        arg_plain(eval, None, ask.need);
         return;
     }
     let head = match ask.kind {
@@ -305,16 +316,28 @@ fn arg_ask(eval: &mut Cmd, ask: Ask, keys: Option<usize>) {
     };
 }
 
-/// Writes a lone key's plain take of `cost` after `prefix` (`+`, or `=+`
-/// for a short ask), without an allocation: this is every shared
-/// decision's.
-fn arg_plain(eval: &mut Cmd, prefix: &[u8], cost: u32) {
+/// Writes a lone key's plain take of `cost` without an allocation (this
+/// is every shared decision's): `+<cost>` for a key sent with its rule,
+/// or for `short` keys in a row under the rule of the single key before
+/// them, the short ask `=+<cost>` (one key) or `<keys>=+<cost>`.
+fn arg_plain(eval: &mut Cmd, short: Option<usize>, cost: u32) {
+    let mut text = [0; 32];
+    let mut end = 0;
+    let mut write = |bytes: &[u8]| {
+        text[end..end + bytes.len()].copy_from_slice(bytes);
+        end += bytes.len();
+    };
     let mut digits = itoa::Buffer::new();
-    let digits = digits.format(cost).as_bytes();
-    let mut text = [0; 12];
-    let end = prefix.len() + digits.len();
-    text[..prefix.len()].copy_from_slice(prefix);
-    text[prefix.len()..end].copy_from_slice(digits);
+    match short {
+        Some(1) => write(b"="),
+        Some(keys) => {
+            write(digits.format(keys).as_bytes());
+            write(b"=");
+        }
+        None => {}
+    }
+    write(b"+");
+    write(digits.format(cost).as_bytes());
     eval.arg(&text[..end]);
 }
 
