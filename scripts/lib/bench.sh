@@ -203,6 +203,17 @@ cpu_ticks() {
     awk '{n += $14 + $15; k += $15} END {print n + 0, k + 0}'
 }
 
+# switches PID...: context switches so far (voluntary and involuntary,
+# every thread) of these processes and their children; then, after a
+# space, the involuntary ones alone.
+switches() {
+  local pid all=()
+  for pid in "$@"; do all+=("$pid" $(pgrep -P "$pid" || true)); done
+  for pid in "${all[@]}"; do cat /proc/"$pid"/task/*/status 2>/dev/null || true; done |
+    awk '/^voluntary_ctxt_switches/ {v += $2} /^nonvoluntary_ctxt_switches/ {n += $2}
+         END {print v + n, n + 0}'
+}
+
 # pin CPU PID...: binds these processes, every thread and their children to
 # one CPU; threads started later inherit it.
 pin() {

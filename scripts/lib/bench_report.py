@@ -74,6 +74,9 @@ for t in targets:
             "upstream": c["upstream"] * TICK_US / n,
             "script": c["script_usec"] / n,
             "calls": c["script_calls"] / n,
+            "switches": c["proxy_switches"] / n,
+            "preempted": c["proxy_preempted"] / n,
+            "redis_switches": c["redis_switches"] / n,
         })
     cpu[t] = {k: median([p[k] for p in per_round]) for k in per_round[0]}
     cpu[t]["rounds"] = per_round
@@ -107,6 +110,13 @@ for t in targets:
     rls = f"{c['rls']:.1f}" if c["rls"] else "-"
     print(f"{t:<16}{c['proxy']:>9.1f}{c['kernel']:>10.1f}{rls:>9}{c['redis']:>9.1f}{c['upstream']:>10.1f}"
           f"{c['proxy'] + c['rls'] + c['redis'] + c['upstream']:>9.1f}{script:>20}{calls:>16}")
+print()
+print("Context switches per request over the maximum-throughput runs (/proc; median of rounds)")
+print(f"{'target':<16}{'proxy':>9}{'(preempted)':>13}{'redis':>9}")
+for t in proxies:
+    c = cpu[t]
+    redis = f"{c['redis_switches']:.3f}" if c["calls"] else "-"
+    print(f"{t:<16}{c['switches']:>9.3f}{c['preempted']:>13.3f}{redis:>9}")
 print()
 print("Ratios against nginx proxy_pass, from the medians")
 print(f"{'':<16}{'added p50':>11}{'added p99':>11}{'max req/s':>11}{'proxy CPU':>11}"
