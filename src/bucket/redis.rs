@@ -465,3 +465,86 @@ fn plain_grant(decision: Decision, spec: &BucketSpec, ask: Ask) -> Grant {
         block_ms: decision.retry_after_ms,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::num::NonZeroU32;
+
+    use redis::Arg;
+
+    use super::*;
+
+    /// The arguments `eval_cmd` writes for `batch` after EVALSHA, the
+    /// script's hash and the key count.
+    fn args_of(batch: &[Item<'_>]) -> Vec<String> {
+        eval_cmd(batch)
+            .args_iter()
+            .skip(3)
+            .map(|arg| match arg {
+                Arg::Simple(bytes) => String::from_utf8_lossy(bytes).into_owned(),
+                _ => "<not bytes>".to_owned(),
+            })
+            .collect()
+    }
+
+    fn spec(capacity: u32) -> BucketSpec {
+        let n = |v| NonZeroU32::new(v).unwrap();
+        BucketSpec::of(n(capacity), n(10))
+    }
+
+    #[test]
+    fn single_keys_in_a_row_under_one_rule_and_ask_send_one_counted_short_ask() {
+        let (a, b) = (spec(20), spec(30));
+        let one = Ask::single(1);
+        let group = [("rl2:{t}:g".to_owned(), GroupLimit::Bucket(a))];
+        let batch = [
+            Item::One("k1", a, one),
+            Item::One("k2", a, one),
+            Item::One("k3", a, one),
+            Item::One("k4", a, one),
+            // Another cost breaks the run; the same rule stays in force.
+            Item::One("k5", a, Ask::single(2)),
+            Item::One("k6", a, one),
+            // Another rule sends its arguments again.
+            Item::One("k7", b, one),
+            // A lease is never short.
+            Item::One("k8", b, Ask::lease(5, 2, 1)),
+            Item::One("k9", b, one),
+            Item::One("k10", b, one),
+            // A group between two single keys: the one after it is sent
+            // with its rule.
+            Item::Group(&group, one),
+            Item::One("k11", b, one),
+        ];
+        let keys = [
+            "k1",
+            "k2",
+            "k3",
+            "k4",
+            "k5",
+            "k6",
+            "k7",
+            "k8",
+            "k9",
+            "k10",
+            "rl2:{t}:g",
+            "k11",
+        ];
+        let args = args_of(&batch);
+        assert_eq!(&args[..keys.len()], keys);
+        assert_eq!(
+            &args[keys.len()..],
+            [
+                "20", "10", "+1",   // k1: its rule
+                "3=+1", // k2 to k4
+                "=+2",  // k5
+                "=+1",  // k6
+                "30", "10", "+1", // k7: another rule
+                "30", "10", "5:2:1", // k8: a lease
+                "2=+1",  // k9, k10: the rule of k8 before them
+                "20", "10", "1*1", // the group
+                "30", "10", "+1", // k11
+            ]
+        );
+    }
+}
