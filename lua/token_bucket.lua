@@ -200,14 +200,11 @@ for i = 1, #KEYS do
     if not short and lead ~= rule_capacity and i > group_end then
       lead_number = tonumber(lead)
       if not lead_number and lead ~= nil then
-        local first = string.byte(lead)
-        short = first == 61
-        if first and first > 48 and first <= 57 then
-          -- A run: a count (no leading zero), then a short ask.
-          local k, rest = string.match(lead, '^(%d+)(=.*)$')
-          if k then
-            short, run, lead = true, tonumber(k) - 1, rest
-          end
+        short = string.byte(lead) == 61
+        -- A run: a count (no leading zero), then a short ask.
+        local k, rest = string.match(lead, '^([1-9]%d*)(=.*)$')
+        if k then
+          short, run, lead = true, tonumber(k) - 1, rest
         end
       end
     end
@@ -650,6 +647,8 @@ for i = 1, #KEYS do
         n = n + 2
       end
     else
+      -- wait(need, tokens, rate), inline: in Redis's Lua a call costs
+      -- more than the arithmetic it wraps.
       local retry, whole = 0, tokens - tokens % 1
       if tokens < need then
         retry = ceil((need - tokens) * 1000 / rate)
