@@ -6,8 +6,9 @@
 # REDIS_PID), start_upstream PORT (nginx answering "ok"; sets UPSTREAM_PID),
 # write_bench_config …, start_tollgate NAME CONFIG [ENV=VALUE...] (sets
 # TOLLGATE_PID), run_oha OUT URL ARGS..., run_wrk OUT URL ARGS...,
-# latency_ms FILE (p50 p99 p99.9 in ms), cpu_ticks PID... (all, kernel),
-# pin CPU PID..., make_redis_tls DIR (a CA and a certificate for
+# latency_ms FILE (p50 p99 p99.9 in ms), family PID... (them and their
+# children), cpu_ticks PID... (all, kernel), switches PID... (all,
+# preempted), pin CPU PID..., make_redis_tls DIR (a CA and a certificate for
 # 127.0.0.1), start_redis_tls PORT DIR (a TLS-only Redis; sets REDIS_PID),
 # redis_at PORT ARGS... (redis-cli, over TLS for a TLS Redis),
 # script_usec PORT... .
@@ -192,14 +193,22 @@ latency_ms() {
   python3 -c 'import json,sys; p=json.load(open(sys.argv[1]))["latencyPercentiles"]; print(" ".join(f"{p[k]*1000:.3f}" for k in ("p50","p99","p99.9")))' "$1"
 }
 
+# family PID...: these processes and their children (nginx's workers),
+# one per line.
+family() {
+  local pid
+  for pid in "$@"; do
+    echo "$pid"
+    pgrep -P "$pid" || true
+  done
+}
+
 # cpu_ticks PID...: user plus system CPU time, in clock ticks (getconf
 # CLK_TCK per second), of these processes (all their threads) and their
-# children (nginx's workers); then, after a space, the system (kernel)
-# part alone.
+# children; then, after a space, the system (kernel) part alone.
 cpu_ticks() {
-  local pid all=()
-  for pid in "$@"; do all+=("$pid" $(pgrep -P "$pid" || true)); done
-  for pid in "${all[@]}"; do cat "/proc/$pid/stat"; done |
+  local pid
+  for pid in $(family "$@"); do cat "/proc/$pid/stat"; done |
     awk '{n += $14 + $15; k += $15} END {print n + 0, k + 0}'
 }
 
@@ -207,9 +216,8 @@ cpu_ticks() {
 # every thread) of these processes and their children; then, after a
 # space, the involuntary ones alone.
 switches() {
-  local pid all=()
-  for pid in "$@"; do all+=("$pid" $(pgrep -P "$pid" || true)); done
-  for pid in "${all[@]}"; do cat /proc/"$pid"/task/*/status 2>/dev/null || true; done |
+  local pid
+  for pid in $(family "$@"); do cat /proc/"$pid"/task/*/status 2>/dev/null || true; done |
     awk '/^voluntary_ctxt_switches/ {v += $2} /^nonvoluntary_ctxt_switches/ {n += $2}
          END {print v + n, n + 0}'
 }
@@ -219,7 +227,7 @@ switches() {
 pin() {
   local cpu=$1 pid
   shift
-  for pid in "$@" $(for p in "$@"; do pgrep -P "$p" || true; done); do
+  for pid in $(family "$@"); do
     taskset -a -p -c "$cpu" "$pid" >/dev/null
   done
 }
