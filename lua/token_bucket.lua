@@ -104,9 +104,9 @@
 -- that could not be decided is -1 alone; any other answer is -2 followed
 -- by allowed, remaining and retry_after_ms.
 --
--- Per key: one GET, and one SET when tokens are taken (a rejection writes
--- nothing), both by redis.pcall so that a key's own error is that key's
--- answer, not the call's. Now always comes from
+-- Per key: one GET, and one INCRBY or SET when tokens are taken (a
+-- rejection writes nothing), each by redis.pcall so that a key's own
+-- error is that key's answer, not the call's. Now always comes from
 -- redis.call('TIME'), never from the gateway: gateway clocks drift.
 --
 -- Redis pays for every Lua function call and every number turned into a
@@ -125,9 +125,13 @@
 -- refill time) before the bucket is full, with at least three quarters of
 -- its tokens back.
 
+-- What the loop calls or reads for every key, as locals: a global is a
+-- lookup by name each time.
+local floor, ceil, format = math.floor, math.ceil, string.format
+local redis_pcall, tonumber, KEYS, ARGV = redis.pcall, tonumber, KEYS, ARGV
+
 -- Milliseconds until n tokens exist in a bucket holding tokens and
 -- refilling at rate per second, rounded up; 0 when they do.
-local floor, ceil, format = math.floor, math.ceil, string.format
 local function wait(n, tokens, rate)
   if tokens >= n then
     return 0
@@ -135,33 +139,48 @@ local function wait(n, tokens, rate)
   return ceil((n - tokens) * 1000 / rate)
 end
 
+local time = redis.call('TIME')
+local now = time[1] * 1000000 + time[2]
+
 -- Writes tat (a whole number of microseconds) to the bucket at key, whose
 -- TAT was old (nil for a new key), under a rule whose empty bucket
--- refills in fill microseconds; returns the write's reply (err set when it
--- failed). The key expires at the start of its TAT's cell on a grid of
--- cells of fill / 4, plus 2 × fill: between 1.75 and 2 fill times after
--- the bucket is full again. A TAT that stays in its cell keeps the expiry
--- already set, so most writes of a busy bucket are SET ... KEEPTTL, which
--- costs Redis less than setting an expiry; and keys of one call mostly
--- share a cell, so the expiry last written is kept as a string for the
--- next. (x - x % cell is the start of x's cell, without a call to
--- math.floor.)
-local put_fill, put_start, put_expiry
+-- refills in fill microseconds; returns whether the write succeeded. The
+-- key expires at the start of its TAT's cell on a grid of cells of
+-- fill / 4, plus 2 × fill: between 1.75 and 2 fill times after the
+-- bucket is full again. A TAT that stays in its cell keeps the expiry
+-- already set and moves by INCRBY, the cheapest write Redis has for it:
+-- no expiry to set, the stored integer changed in place, and an integer
+-- reply where SET's status becomes a Lua table. Turning a number into
+-- text costs Redis more than most of a key's arithmetic, and the keys of
+-- one call share now, a rule and an ask, so the last step (tat - old:
+-- the same for a run of buckets that were not full), the last TAT (the
+-- same for a run of full ones) and the last expiry are kept as text for
+-- the next key. A value INCRBY cannot add to (a fraction written by an
+-- older build, say) is overwritten by SET. (x - x % cell is the start of
+-- x's cell, without a call to math.floor.)
+local put_fill, put_start, put_expiry, put_step, put_step_text, put_tat, put_text
 local function put(key, tat, old, fill)
   local cell = fill / 4
   local start = tat - tat % cell
-  if old and old - old % cell == start then
-    return redis.pcall('SET', key, format('%d', tat), 'KEEPTTL')
+  if old and old % 1 == 0 and old - old % cell == start then
+    local step = tat - old
+    if step ~= put_step then
+      put_step, put_step_text = step, format('%d', step)
+    end
+    -- INCRBY answers the new value; an error reply is a table, never tat.
+    if redis_pcall('INCRBY', key, put_step_text) == tat then
+      return true
+    end
   end
   if start ~= put_start or fill ~= put_fill then
     put_fill, put_start = fill, start
     put_expiry = format('%d', ceil((start + 2 * fill) / 1000))
   end
-  return redis.pcall('SET', key, format('%d', tat), 'PXAT', put_expiry)
+  if tat ~= put_tat then
+    put_tat, put_text = tat, format('%d', tat)
+  end
+  return not redis_pcall('SET', key, put_text, 'PXAT', put_expiry).err
 end
-
-local time = redis.call('TIME')
-local now = time[1] * 1000000 + time[2]
 local reply = {}
 local n = 0
 -- Decides a group of keys (see the loop); made once a call meets one.
@@ -291,7 +310,7 @@ for i = 1, #KEYS do
         -- and its TAT (nil when the key is missing); nil when the key holds
         -- a value this script did not write.
         local function bucket_tokens(key, capacity, rate)
-          local raw = redis.pcall('GET', key)
+          local raw = redis_pcall('GET', key)
           local tat = tonumber(raw)
           if raw and not tat then
             return nil
@@ -370,14 +389,14 @@ for i = 1, #KEYS do
             -- Slots: drop the holds whose lease ran out, count the rest.
             local key = KEYS[j]
             lease = tonumber(lease)
-            if lease < 1 or type(redis.pcall('ZREMRANGEBYSCORE', key, '-inf', now_ms)) ~= 'number' then
+            if lease < 1 or type(redis_pcall('ZREMRANGEBYSCORE', key, '-inf', now_ms)) ~= 'number' then
               return nil
             end
-            local used = redis.pcall('ZCARD', key)
+            local used = redis_pcall('ZCARD', key)
             if type(used) ~= 'number' then
               return nil
             end
-            local held = redis.pcall('ZSCORE', key, holder)
+            local held = redis_pcall('ZSCORE', key, holder)
             return {capacity = capacity, slots = true, tokens = capacity - used,
               holder = holder, lease = lease, held = type(held) == 'string'}
           end
@@ -390,7 +409,7 @@ for i = 1, #KEYS do
             s.tokens, s.tat = bucket_tokens(KEYS[j], capacity, rate)
           else
             s.ends = window_end(ARGV[at - 1])
-            local raw = redis.pcall('GET', KEYS[j])
+            local raw = redis_pcall('GET', KEYS[j])
             s.used = tonumber(raw)
             if not s.ends or (raw and not s.used) then
               return nil
@@ -407,22 +426,19 @@ for i = 1, #KEYS do
         -- Writes key j, limit s, as holding tokens (a bucket's debt moves
         -- its TAT, and so its expiry, later); false when the write failed.
         local function store(j, s, tokens)
-          local set
           if s.rate then
-            set = put(KEYS[j], floor(now + (s.capacity - tokens) * 1000000 / s.rate + 0.5),
+            return put(KEYS[j], floor(now + (s.capacity - tokens) * 1000000 / s.rate + 0.5),
               s.tat, 1000000 * s.capacity / s.rate)
-          else
-            set = redis.pcall('SET', KEYS[j], s.capacity - tokens, 'PXAT', s.ends)
           end
-          return not set.err
+          return not redis_pcall('SET', KEYS[j], s.capacity - tokens, 'PXAT', s.ends).err
         end
 
         -- Holds a slot of key j (state s) for its holder, for its lease;
         -- false when the write failed.
         local function hold(j, s)
           local key = KEYS[j]
-          return type(redis.pcall('ZADD', key, now_ms + s.lease, s.holder)) == 'number'
-            and type(redis.pcall('PEXPIRE', key, 2 * s.lease)) == 'number'
+          return type(redis_pcall('ZADD', key, now_ms + s.lease, s.holder)) == 'number'
+            and type(redis_pcall('PEXPIRE', key, 2 * s.lease)) == 'number'
         end
 
         -- Answers every key of the group from first on, whose states are
@@ -477,7 +493,7 @@ for i = 1, #KEYS do
             left[j], kept[j] = s.tokens, true
             if s.slots and op == 'r' then
               if s.held then
-                written = type(redis.pcall('ZREM', KEYS[j], s.holder)) == 'number' and written
+                written = type(redis_pcall('ZREM', KEYS[j], s.holder)) == 'number' and written
                 left[j] = s.tokens + 1
               end
             elseif s.slots then
@@ -599,7 +615,7 @@ for i = 1, #KEYS do
     -- allowed stays -1 when the key cannot be decided.
     local allowed, tokens, granted = -1, 0, 0
     local key = KEYS[i]
-    local raw = rule_ok and redis.pcall('GET', key)
+    local raw = rule_ok and redis_pcall('GET', key)
     local tat = tonumber(raw)
     if rule_ok and (tat or not raw) then
       if want > capacity then want = capacity end
@@ -631,7 +647,7 @@ for i = 1, #KEYS do
         end
         local left = tokens - granted
         local to = now + (capacity - left) * 1000000 / rate + 0.5
-        if not put(key, to - to % 1, tat, fill).err then
+        if put(key, to - to % 1, tat, fill) then
           allowed, tokens = 1, left
         end
       end

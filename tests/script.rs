@@ -156,6 +156,60 @@ async fn a_bucket_expires_by_its_tat_whether_a_write_keeps_its_expiry_or_sets_on
 }
 
 #[actix_web::test]
+async fn a_write_in_the_cell_adds_the_take_and_a_value_it_cannot_add_to_is_rewritten_whole() {
+    let (redis, b) = redis_and_bucket();
+    let mut conn = redis.conn().await;
+    // 100 tokens refilled in 10 s: a token is 100,000 µs, cells are 2.5 s.
+    let (s, fill) = (spec(100, 10), 10e6);
+    // Half a token's time (a fraction, as an older build wrote) and the
+    // exponent notation are numbers the script reads, but that INCRBY
+    // refuses. The TAT lies 1.25 s into a cell, 3.75 to 6.25 s ahead, so
+    // the two takes below stay in it.
+    let cell = fill / 4.0;
+    let ahead = redis_now_us(&mut conn).await + 5e6;
+    let tat = ahead - ahead % cell + 1_250_000.0;
+    let keys = [
+        ("rl2:{fraction}:r", format!("{}", tat + 0.5)),
+        ("rl2:{exponent}:r", format!("{tat:e}")),
+    ];
+    for (key, stored) in keys {
+        let _: () = conn.set(key, &stored).await.unwrap();
+        let first = decide(&b, key, &s, 1).await;
+        assert!(
+            first.allowed && (25..=75).contains(&first.remaining),
+            "{stored}: {first:?}"
+        );
+        let written: String = conn.get(key).await.unwrap();
+        assert!(
+            written.bytes().all(|b| b.is_ascii_digit()),
+            "{stored} rewritten as a whole number, got {written}"
+        );
+        let tat: f64 = written.parse().unwrap();
+        let at: i64 = redis::cmd("PEXPIRETIME")
+            .arg(key)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(at, expiry_of(tat, fill), "{stored}: an expiry set anew");
+        // The next take, in the same cell, adds one token's time exactly
+        // and keeps the expiry.
+        let d = decide(&b, key, &s, 1).await;
+        assert!(
+            d.allowed && d.remaining + 1 == first.remaining,
+            "{stored}: {d:?}"
+        );
+        let next: f64 = conn.get::<_, String>(key).await.unwrap().parse().unwrap();
+        assert_eq!(next - tat, 100_000.0, "{stored}");
+        let kept: i64 = redis::cmd("PEXPIRETIME")
+            .arg(key)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(kept, at, "{stored}");
+    }
+}
+
+#[actix_web::test]
 async fn refill_follows_redis_time_since_the_stored_timestamp() {
     let (redis, b) = redis_and_bucket();
     let key = "rl2:{refill}:r";
