@@ -117,6 +117,15 @@ async fn first_call_fills_then_takes_and_stores_one_value_with_a_ttl() {
     );
 }
 
+/// The absolute expiry (ms since the epoch) of `key`.
+async fn expiry_at(conn: &mut redis::aio::MultiplexedConnection, key: &str) -> i64 {
+    redis::cmd("PEXPIRETIME")
+        .arg(key)
+        .query_async(conn)
+        .await
+        .unwrap()
+}
+
 /// The absolute expiry (ms) the script gives a bucket whose TAT is `tat`
 /// (µs) under a rule refilling an empty bucket in `fill` µs: the start of
 /// the TAT's cell on a grid of `fill` / 4, plus 2 × `fill` (computed as
@@ -140,11 +149,7 @@ async fn a_bucket_expires_by_its_tat_whether_a_write_keeps_its_expiry_or_sets_on
     for _ in 0..20 {
         assert!(decide(&b, key, &s, 4).await.allowed);
         let tat: f64 = conn.get::<_, String>(key).await.unwrap().parse().unwrap();
-        let at: i64 = redis::cmd("PEXPIRETIME")
-            .arg(key)
-            .query_async(&mut conn)
-            .await
-            .unwrap();
+        let at = expiry_at(&mut conn, key).await;
         assert_eq!(at, expiry_of(tat, 50e6), "TAT {tat}");
         expiries.push(at);
     }
@@ -185,11 +190,7 @@ async fn a_write_in_the_cell_adds_the_take_and_a_value_it_cannot_add_to_is_rewri
             "{stored} rewritten as a whole number, got {written}"
         );
         let tat: f64 = written.parse().unwrap();
-        let at: i64 = redis::cmd("PEXPIRETIME")
-            .arg(key)
-            .query_async(&mut conn)
-            .await
-            .unwrap();
+        let at = expiry_at(&mut conn, key).await;
         assert_eq!(at, expiry_of(tat, fill), "{stored}: an expiry set anew");
         // The next take, in the same cell, adds one token's time exactly
         // and keeps the expiry.
@@ -200,11 +201,7 @@ async fn a_write_in_the_cell_adds_the_take_and_a_value_it_cannot_add_to_is_rewri
         );
         let next: f64 = conn.get::<_, String>(key).await.unwrap().parse().unwrap();
         assert_eq!(next - tat, 100_000.0, "{stored}");
-        let kept: i64 = redis::cmd("PEXPIRETIME")
-            .arg(key)
-            .query_async(&mut conn)
-            .await
-            .unwrap();
+        let kept = expiry_at(&mut conn, key).await;
         assert_eq!(kept, at, "{stored}");
     }
 }
@@ -759,11 +756,7 @@ async fn a_group_takes_from_every_limit_or_from_none() {
     assert!(refused[1].retry_after_ms > 0 && refused[1].retry_after_ms <= 3_600_000);
     let counted: u32 = conn.get("rl2:{g}:r#1s").await.unwrap();
     assert_eq!(counted, 2);
-    let expires_at: i64 = redis::cmd("PEXPIRETIME")
-        .arg("rl2:{g}:r#1s")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    let expires_at = expiry_at(&mut conn, "rl2:{g}:r#1s").await;
     assert_eq!(expires_at % 3_600_000, 0, "the count ends with its window");
 }
 
