@@ -155,9 +155,9 @@ local now = time[1] * 1000000 + time[2]
 -- one call share now, a rule and an ask, so the last step (tat - old:
 -- the same for a run of buckets that were not full), the last TAT SET
 -- wrote (the same for a run of full buckets) and the last expiry are kept
--- as text for the next key. A value INCRBY cannot add to (a fraction written by an
--- older build, say) is overwritten by SET. (x - x % cell is the start of
--- x's cell, without a call to math.floor.)
+-- as text for the next key. A value INCRBY cannot add to (a fraction
+-- written by an older build, say) is overwritten by SET. (x - x % cell is
+-- the start of x's cell, without a call to math.floor.)
 local put_fill, put_start, put_expiry, put_step, put_step_text, put_tat, put_text
 local function put(key, tat, old, fill)
   local cell = fill / 4

@@ -1,7 +1,8 @@
 //! `lua/token_bucket.lua` against a real Redis: one value per bucket, refill,
-//! expiry, several keys in one call, the same answers as format 1, NOSCRIPT
-//! reload, no replay after a timeout, and charges: usage taken past zero
-//! (a debt later asks wait for) and refunds.
+//! expiry, its writes replicated as written, several keys in one call, the
+//! same answers as format 1, NOSCRIPT reload, no replay after a timeout,
+//! and charges: usage taken past zero (a debt later asks wait for) and
+//! refunds.
 
 #![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
 
@@ -204,6 +205,47 @@ async fn a_write_in_the_cell_adds_the_take_and_a_value_it_cannot_add_to_is_rewri
         let kept = expiry_at(&mut conn, key).await;
         assert_eq!(kept, at, "{stored}");
     }
+}
+
+#[actix_web::test]
+async fn a_replica_holds_the_value_and_expiry_the_primary_wrote_by_set_and_by_incrby() {
+    // No wait before the replica's first sync (Redis waits 5 s by default).
+    let primary = RedisServer::start_with(vec!["--repl-diskless-sync-delay".into(), "0".into()]);
+    let b = bucket(&primary, Duration::from_secs(2));
+    let replica = RedisServer::start_with(vec![
+        "--replicaof".into(),
+        "127.0.0.1".into(),
+        primary.port.to_string(),
+    ]);
+    assert!(
+        wait_until(Duration::from_secs(10), || replica
+            .cmd(&["INFO", "replication"])
+            .contains("master_link_status:up")),
+        "the replica syncs"
+    );
+    // A new key is written with SET … PXAT, the takes after it in its
+    // cell (a token is 0.1 s, cells 2.5 s) add their step with INCRBY.
+    let (key, s) = ("rl2:{replicated}:r", spec(100, 10));
+    for _ in 0..5 {
+        assert!(decide(&b, key, &s, 1).await.allowed);
+    }
+    let stats = primary.cmd(&["INFO", "commandstats"]);
+    assert!(
+        stats.contains("cmdstat_incrby:calls="),
+        "the takes added in place: {stats}"
+    );
+    let mut conn = primary.conn().await;
+    let tat: String = conn.get(key).await.unwrap();
+    let at = expiry_at(&mut conn, key).await.to_string();
+    assert!(
+        wait_until(Duration::from_secs(5), || {
+            replica.cmd(&["GET", key]).contains(&tat)
+                && replica.cmd(&["PEXPIRETIME", key]).contains(&at)
+        }),
+        "the replica holds TAT {tat}, expiring at {at}: {} {}",
+        replica.cmd(&["GET", key]),
+        replica.cmd(&["PEXPIRETIME", key])
+    );
 }
 
 #[actix_web::test]
