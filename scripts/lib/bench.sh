@@ -5,8 +5,8 @@
 # recorded in $pids), free_port, wait_port PORT, start_redis PORT (sets
 # REDIS_PID), start_upstream PORT (nginx answering "ok"; sets UPSTREAM_PID),
 # write_bench_config …, start_tollgate NAME CONFIG [ENV=VALUE...] (sets
-# TOLLGATE_PID), run_oha OUT URL ARGS..., run_wrk OUT URL ARGS...,
-# latency_ms FILE (p50 p99 p99.9 in ms), family PID... (them and their
+# TOLLGATE_PID), wait_ready ADMIN_PORT LOG [SECONDS], run_oha OUT URL
+# ARGS..., run_wrk OUT URL ARGS..., latency_ms FILE (p50 p99 p99.9 in ms), family PID... (them and their
 # children), cpu_ticks PID... (all, kernel), switches PID... (all,
 # preempted), pin CPU PID..., make_redis_tls DIR (a CA and a certificate for
 # 127.0.0.1), start_redis_tls PORT DIR (a TLS-only Redis; sets REDIS_PID),
@@ -163,6 +163,19 @@ id = "bench"
 path_prefix = "/"
 upstream = "http://127.0.0.1:$5"
 CONF
+}
+
+# wait_ready ADMIN_PORT LOG [SECONDS]: waits up to SECONDS (10) for a
+# gateway's /ready to answer 200; past that, prints its log and exits.
+wait_ready() {
+  local tries=$(( ${3:-10} * 10 ))
+  for _ in $(seq "$tries"); do
+    [ "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$1/ready")" = 200 ] && return 0
+    sleep 0.1
+  done
+  echo "error: the gateway is not ready after ${3:-10} s; its log ($2):" >&2
+  cat "$2" >&2
+  exit 1
 }
 
 start_tollgate() {
