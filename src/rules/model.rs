@@ -186,8 +186,10 @@ impl InForce {
 /// All rules in force, plus the default for pairs without one.
 #[derive(Debug, Clone)]
 pub struct RuleSet {
-    /// `tenant/route` → limit and name.
-    rules: HashMap<Arc<str>, Entry>,
+    /// `tenant/route` → limit and name. Looked up on every request, so
+    /// hashed by foldhash (seeded per process) rather than SipHash: its
+    /// keys are the operator's rules, never a client's choice.
+    rules: HashMap<Arc<str>, Entry, foldhash::fast::RandomState>,
     /// Limit for pairs without a rule.
     default: Limit,
     /// How many rules are tenant-wide (none: a lookup skips looking).
@@ -204,7 +206,7 @@ impl RuleSet {
         origin: SnapshotOrigin,
     ) -> Self {
         let mut set = Self {
-            rules: HashMap::new(),
+            rules: HashMap::default(),
             default,
             tenant_wide: 0,
             origin,

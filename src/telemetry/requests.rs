@@ -161,8 +161,10 @@ pub struct RequestCounters {
 /// The tenants with a label of their own.
 #[derive(Default)]
 struct Labelled {
-    /// Tenant id → its label and its counters.
-    by_tenant: HashMap<Arc<str>, (Arc<str>, RouteCounters)>,
+    /// Tenant id → its label and its counters: looked up on every
+    /// request, so hashed by foldhash (seeded per process), not SipHash;
+    /// its keys are tenants that rules name, never a client's choice.
+    by_tenant: HashMap<Arc<str>, (Arc<str>, RouteCounters), foldhash::fast::RandomState>,
     /// Label → tenant id.
     by_label: HashMap<Arc<str>, Arc<str>>,
 }
