@@ -6,12 +6,12 @@
 # REDIS_PID), start_upstream PORT (nginx answering "ok"; sets UPSTREAM_PID),
 # write_bench_config …, start_tollgate NAME CONFIG [ENV=VALUE...] (sets
 # TOLLGATE_PID), wait_ready ADMIN_PORT LOG [SECONDS], run_oha OUT URL
-# ARGS..., run_wrk OUT URL ARGS..., latency_ms FILE (p50 p99 p99.9 in ms), family PID... (them and their
-# children), cpu_ticks PID... (all, kernel), switches PID... (all,
-# preempted), pin CPU PID..., make_redis_tls DIR (a CA and a certificate for
-# 127.0.0.1), start_redis_tls PORT DIR (a TLS-only Redis; sets REDIS_PID),
-# redis_at PORT ARGS... (redis-cli, over TLS for a TLS Redis),
-# script_usec PORT... .
+# ARGS..., run_wrk OUT URL ARGS..., latency_ms FILE (p50 p99 p99.9 in
+# ms), family PID... (them and their children), cpu_ticks PID... (all,
+# kernel), switches PID... (all, preempted), pin CPU PID..., make_redis_tls
+# DIR (a CA and a certificate for 127.0.0.1), start_redis_tls PORT DIR (a
+# TLS-only Redis; sets REDIS_PID), redis_at PORT ARGS... (redis-cli, over
+# TLS for a TLS Redis), script_usec PORT... .
 #
 # Load generators run under ${LOAD_PREFIX[@]} (for example taskset -c 1).
 
@@ -167,10 +167,12 @@ CONF
 
 # wait_ready ADMIN_PORT LOG [SECONDS]: waits up to SECONDS (10) for a
 # gateway's /ready to answer 200; past that, prints its log and exits.
+# Each try gives up after a second, so a gateway that accepts and then
+# stalls cannot hold the wait past its deadline.
 wait_ready() {
-  local tries=$(( ${3:-10} * 10 ))
-  for _ in $(seq "$tries"); do
-    [ "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$1/ready")" = 200 ] && return 0
+  local deadline=$(( $(date +%s) + ${3:-10} ))
+  while [ "$(date +%s)" -lt "$deadline" ]; do
+    [ "$(curl -s -m 1 -o /dev/null -w '%{http_code}' "http://127.0.0.1:$1/ready")" = 200 ] && return 0
     sleep 0.1
   done
   echo "error: the gateway is not ready after ${3:-10} s; its log ($2):" >&2
