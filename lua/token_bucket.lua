@@ -102,7 +102,12 @@
 -- reply instead: a grant that leaves at least cost tokens (retry_after_ms
 -- 0, the common answer) is one integer, its remaining count (>= 1); a key
 -- that could not be decided is -1 alone; any other answer is -2 followed
--- by allowed, remaining and retry_after_ms.
+-- by allowed, remaining and retry_after_ms. A call with a compact ask
+-- packs its whole reply, the same integers in the same order, into one
+-- string, a MessagePack array (cmsgpack.pack, part of every Redis's Lua):
+-- Redis then sends one string instead of converting each integer, and the
+-- gateway reads it without a general reply parser, which cost it about
+-- 850 instructions an integer.
 --
 -- Per key: one GET, and one INCRBY or SET when tokens are taken (a
 -- rejection writes nothing), each by redis.pcall so that a key's own
@@ -183,6 +188,8 @@ local function put(key, tat, old, fill)
 end
 local reply = {}
 local n = 0
+-- Whether a compact ask was met: the reply is then packed (see above).
+local packed = false
 -- Decides a group of keys (see the loop); made once a call meets one.
 local group
 -- The last key of the latest group: a '-' ask after it belongs to no group.
@@ -244,6 +251,7 @@ for i = 1, #KEYS do
     single = want ~= nil
     -- '+' (43) before a plain cost asks for the compact reply.
     compact = single and string.byte(text) == 43
+    packed = packed or compact
     if not single then
       local w, m, k = string.match(text, '^(%d+):(%d+):(%d+)$')
       if k then
@@ -692,4 +700,7 @@ for i = 1, #KEYS do
   end
 end
 
+if packed then
+  return cmsgpack.pack(reply)
+end
 return reply

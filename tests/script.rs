@@ -14,6 +14,7 @@ use std::time::Duration;
 use common::{RedisServer, wait_until};
 use redis::AsyncCommands;
 use tollgate::bucket::decision::{GroupLimit, Holder};
+use tollgate::bucket::packed;
 use tollgate::bucket::{Ask, BucketSpec, Decision, RedisBucket};
 use tollgate::clock::{Clock, SystemClock};
 use tollgate::config::{RedisSettings, RedisTarget};
@@ -75,7 +76,8 @@ async fn eval<'a>(
     for key_args in args {
         call.arg(key_args.as_ref());
     }
-    call.query_async(conn).await.unwrap()
+    let reply: redis::Value = call.query_async(conn).await.unwrap();
+    packed::integers(reply).expect("a reply of integers")
 }
 
 /// Redis's clock in microseconds since the Unix epoch.
@@ -284,6 +286,55 @@ async fn one_call_decides_several_keys_with_one_reading_of_the_clock() {
             0, 2, 1_000, // 3 wanted, the same bucket holds 2
         ]
     );
+}
+
+/// A call with a compact ask gets its reply packed by Redis's own
+/// `cmsgpack`, which reads back as the plain array Redis would have sent
+/// for the same numbers, every encoding included; a call without one
+/// gets the plain array.
+#[actix_web::test]
+async fn a_packed_reply_reads_as_the_plain_array_of_the_same_numbers() {
+    let redis = RedisServer::start();
+    let mut conn = redis.conn().await;
+    let numbers = "{0, 1, -1, 127, 128, -32, -33, 255, 256, 65535, 65536, -129, -32769, \
+                   4294967296, -4294967296, 9007199254740991, -9007199254740991, 2.5, -2.5, 1e15}";
+    let plain: Vec<i64> = redis::cmd("EVAL")
+        .arg(format!("return {numbers}"))
+        .arg(0)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let packed_reply: redis::Value = redis::cmd("EVAL")
+        .arg(format!("return cmsgpack.pack({numbers})"))
+        .arg(0)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(matches!(packed_reply, redis::Value::BulkString(_)));
+    assert_eq!(plain.len(), 20);
+    assert_eq!(packed::integers(packed_reply), Some(plain));
+
+    let mut call = async |key: &str, ask: &str| -> redis::Value {
+        redis::cmd("EVAL")
+            .arg(include_str!("../lua/token_bucket.lua"))
+            .arg(1)
+            .arg(key)
+            .arg(10)
+            .arg(1)
+            .arg(ask)
+            .query_async(&mut conn)
+            .await
+            .unwrap()
+    };
+    let compact = call("rl2:{p}:a", "+1").await;
+    assert!(
+        matches!(compact, redis::Value::BulkString(_)),
+        "{compact:?}"
+    );
+    assert_eq!(packed::integers(compact), Some(vec![9]));
+    let plain = call("rl2:{p}:b", "1").await;
+    assert!(matches!(plain, redis::Value::Array(_)), "{plain:?}");
+    assert_eq!(packed::integers(plain), Some(vec![1, 9, 0]));
 }
 
 /// A short ask ('=' and a single ask, the key's only argument) is decided

@@ -8,6 +8,7 @@ pub mod keymap;
 pub mod lease;
 pub mod limiter;
 pub mod local;
+pub mod packed;
 pub mod redis;
 pub mod shard;
 pub mod store;

@@ -16,6 +16,7 @@ use std::time::Duration;
 use redis::{Cmd, Script};
 
 use super::decision::{Ask, AskKind, BucketSpec, Decision, Grant, GroupGrant, GroupLimit};
+use super::packed;
 use super::store::{Answer, Item};
 use crate::clock::SharedClock;
 use crate::redis_client::{RedisCallError, RedisConn, Route, evalsha};
@@ -148,7 +149,7 @@ impl RedisBucket {
             .await?;
         let elapsed = self.clock.now_micros().saturating_sub(started);
         self.metrics.redis_call(elapsed as f64 / 1e6);
-        Ok(reply)
+        packed::integers(reply).ok_or(RedisCallError::BadReply)
     }
 
     /// Takes tokens from several buckets in one script call (one reading
