@@ -104,7 +104,7 @@
 -- that could not be decided is -1 alone; any other answer is -2 followed
 -- by allowed, remaining and retry_after_ms. A call with a compact ask
 -- packs its whole reply, the same integers in the same order, into one
--- string, a MessagePack array (cmsgpack.pack, part of every Redis's Lua):
+-- string, a MessagePack array (cmsgpack.pack, part of Redis's Lua):
 -- Redis then sends one string instead of converting each integer, and the
 -- gateway reads it without a general reply parser, which cost it about
 -- 850 instructions an integer.
@@ -700,7 +700,9 @@ for i = 1, #KEYS do
   end
 end
 
-if packed then
+-- A Redis-compatible server without cmsgpack gets the plain array, which
+-- the gateway reads as well.
+if packed and cmsgpack then
   return cmsgpack.pack(reply)
 end
 return reply

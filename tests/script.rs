@@ -335,6 +335,24 @@ async fn a_packed_reply_reads_as_the_plain_array_of_the_same_numbers() {
     let plain = call("rl2:{p}:b", "1").await;
     assert!(matches!(plain, redis::Value::Array(_)), "{plain:?}");
     assert_eq!(packed::integers(plain), Some(vec![1, 9, 0]));
+
+    // A server whose Lua has no cmsgpack (shadowed here by a local) gets
+    // the plain array for a compact call too.
+    let without: redis::Value = redis::cmd("EVAL")
+        .arg(format!(
+            "local cmsgpack\n{}",
+            include_str!("../lua/token_bucket.lua")
+        ))
+        .arg(1)
+        .arg("rl2:{p}:c")
+        .arg(10)
+        .arg(1)
+        .arg("+1")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(matches!(without, redis::Value::Array(_)), "{without:?}");
+    assert_eq!(packed::integers(without), Some(vec![9]));
 }
 
 /// A short ask ('=' and a single ask, the key's only argument) is decided
