@@ -11,7 +11,8 @@
 //! down to 90 % of its cap, before it admits a new key; attacker-chosen keys cannot grow
 //! memory without bound, and a flood of them costs amortised constant work
 //! per key. A key is hashed once per call: the hash picks the shard and
-//! finds the key in it.
+//! finds the key in it; a caller that visits a key more than once keeps
+//! its hash ([`KeyMap::hashed`]).
 
 use std::hash::{BuildHasher, RandomState};
 use std::sync::{Mutex, MutexGuard, PoisonError};
@@ -37,6 +38,16 @@ type Evicted<V> = Box<dyn Fn(&V) + Send + Sync>;
 
 /// One shard: each key with its state.
 type Shard<V> = HashTable<(String, V)>;
+
+/// A key and its hash in one [`KeyMap`] (made by [`KeyMap::hashed`]):
+/// several visits to its entry hash it once.
+#[derive(Debug, Clone, Copy)]
+pub struct Hashed<'k> {
+    /// The key.
+    key: &'k str,
+    /// Its hash under the map's hasher.
+    hash: u64,
+}
 
 /// Sharded `key → V` with a size cap.
 pub struct KeyMap<V> {
@@ -85,6 +96,16 @@ impl<V: Idle> KeyMap<V> {
         }
     }
 
+    /// `key` with its hash in this map, for visits that would hash it
+    /// again ([`KeyMap::with_hashed`], [`KeyMap::get_hashed`]). Valid in
+    /// this map only.
+    pub fn hashed<'k>(&self, key: &'k str) -> Hashed<'k> {
+        Hashed {
+            key,
+            hash: self.hasher.hash_one(key),
+        }
+    }
+
     /// Runs `f` on `key`'s entry, creating it with `create` first when absent.
     pub fn with<R>(
         &self,
@@ -93,7 +114,18 @@ impl<V: Idle> KeyMap<V> {
         create: impl FnOnce() -> V,
         f: impl FnOnce(&mut V) -> R,
     ) -> R {
-        let hash = self.hasher.hash_one(key);
+        self.with_hashed(self.hashed(key), now_ms, create, f)
+    }
+
+    /// [`KeyMap::with`] for a key hashed by [`KeyMap::hashed`].
+    pub fn with_hashed<R>(
+        &self,
+        key: Hashed<'_>,
+        now_ms: u64,
+        create: impl FnOnce() -> V,
+        f: impl FnOnce(&mut V) -> R,
+    ) -> R {
+        let Hashed { key, hash } = key;
         let mut shard = self.shard(hash);
         if let Some((_, entry)) = shard.find_mut(hash, |(k, _)| k == key) {
             return f(entry);
@@ -143,7 +175,12 @@ impl<V: Idle> KeyMap<V> {
 
     /// Runs `f` on `key`'s entry when it exists.
     pub fn get<R>(&self, key: &str, f: impl FnOnce(&mut V) -> R) -> Option<R> {
-        let hash = self.hasher.hash_one(key);
+        self.get_hashed(self.hashed(key), f)
+    }
+
+    /// [`KeyMap::get`] for a key hashed by [`KeyMap::hashed`].
+    pub fn get_hashed<R>(&self, key: Hashed<'_>, f: impl FnOnce(&mut V) -> R) -> Option<R> {
+        let Hashed { key, hash } = key;
         let mut shard = self.shard(hash);
         shard.find_mut(hash, |(k, _)| k == key).map(|(_, v)| f(v))
     }

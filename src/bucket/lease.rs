@@ -35,7 +35,7 @@ use tokio::sync::Notify;
 use tokio::sync::futures::OwnedNotified;
 
 use super::decision::{Ask, BucketSpec, Decision, Grant};
-use super::keymap::{Idle, KeyMap};
+use super::keymap::{Hashed, Idle, KeyMap};
 use crate::clock::{SharedClock, millis};
 use crate::config::LeaseSettings;
 use crate::telemetry::{DecisionSource, Metrics};
@@ -240,12 +240,18 @@ impl HotKeys {
         }
     }
 
+    /// `key` hashed for [`HotKeys::plan`] and [`HotKeys::record`], which a
+    /// decision calls one after the other: the key is hashed once.
+    pub fn key<'k>(&self, key: &'k str) -> Hashed<'k> {
+        self.keys.hashed(key)
+    }
+
     /// Decides what a request for `cost` tokens of `key` (bucket `spec`)
     /// needs. `exact` forbids leasing; without `may_wait` the request never
     /// waits for another's lease and asks Redis alone instead.
     pub fn plan(
         &self,
-        key: &str,
+        key: Hashed<'_>,
         spec: &BucketSpec,
         cost: u32,
         exact: bool,
@@ -259,7 +265,7 @@ impl HotKeys {
             may_wait,
             now,
         };
-        self.keys.with(
+        self.keys.with_hashed(
             key,
             now,
             || KeyState::new(now),
@@ -385,10 +391,10 @@ impl HotKeys {
     /// Records Redis's answer to a call for `key`: the tokens granted, of
     /// which the request spent `cost` (the rest become a lease), and how long
     /// the key must now be blocked. An `owner` call releases the key's slot.
-    pub fn record(&self, key: &str, grant: &Grant, cost: u32, owner: bool) {
+    pub fn record(&self, key: Hashed<'_>, grant: &Grant, cost: u32, owner: bool) {
         let now = self.clock.now_ms();
         let window = millis(self.settings.window);
-        self.keys.get(key, |s| {
+        self.keys.get_hashed(key, |s| {
             s.last_remaining = grant.decision.remaining;
             s.blocked_until_ms = match grant.block_ms {
                 0 => 0,
@@ -479,7 +485,7 @@ mod tests {
     }
 
     fn plan(hot: &HotKeys, s: &BucketSpec, exact: bool) -> Plan {
-        hot.plan("k", s, 1, exact, true)
+        hot.plan(hot.key("k"), s, 1, exact, true)
     }
 
     /// `(want, min, owner)` of a call plan.
@@ -504,7 +510,7 @@ mod tests {
     /// One request every 2.5 ms for a second: exactly 400 tokens/s.
     fn warm(hot: &HotKeys, clock: &ManualClock, s: &BucketSpec) {
         for _ in 0..400 {
-            hot.plan("k", s, 1, true, false);
+            hot.plan(hot.key("k"), s, 1, true, false);
             clock.advance(Duration::from_micros(2_500));
         }
     }
@@ -561,12 +567,12 @@ mod tests {
         let waiter = plan(&hot, &s, false);
         assert!(matches!(waiter, Plan::Wait(_)), "{waiter:?}");
         assert_eq!(
-            call(hot.plan("k", &s, 1, false, false)),
+            call(hot.plan(hot.key("k"), &s, 1, false, false)),
             (1, 1, false),
             "unless it may not wait"
         );
 
-        hot.record("k", &grant(40, 40, 0, 0), 1, true);
+        hot.record(hot.key("k"), &grant(40, 40, 0, 0), 1, true);
         for left in (0..39).rev() {
             let (Plan::Local(d, DecisionSource::Lease) | Plan::Refresh { decision: d, .. }) =
                 plan(&hot, &s, false)
@@ -582,7 +588,7 @@ mod tests {
             "lease used up"
         );
 
-        hot.record("k", &grant(40, 40, 0, 0), 0, true);
+        hot.record(hot.key("k"), &grant(40, 40, 0, 0), 0, true);
         clock.advance(Duration::from_millis(100));
         let (want, _, owner) = call(plan(&hot, &s, false));
         assert!(owner && want >= 40, "lease expired: a new one is fetched");
@@ -595,7 +601,7 @@ mod tests {
         let s = spec(100, 1000);
         warm(&hot, &clock, &s);
         assert_eq!(call(plan(&hot, &s, false)), (40, 20, true));
-        hot.record("k", &grant(40, 40, 0, 0), 1, true);
+        hot.record(hot.key("k"), &grant(40, 40, 0, 0), 1, true);
         // 39 leased after the fetching request; spends down to 10 stay local.
         spend_from_lease(&hot, &s, 29);
         // Under a quarter batch (10): this spend also fetches the next lease.
@@ -615,7 +621,7 @@ mod tests {
             "lease used up"
         );
         // The background answer is all lease, and releases the key.
-        hot.record("k", &grant(40, 0, 0, 0), 0, true);
+        hot.record(hot.key("k"), &grant(40, 0, 0, 0), 0, true);
         spend_from_lease(&hot, &s, 30);
         assert!(matches!(plan(&hot, &s, false), Plan::Refresh { .. }));
     }
@@ -630,7 +636,7 @@ mod tests {
         let Plan::Wait(wait) = plan(&hot, &s, false) else {
             panic!("expected to wait");
         };
-        hot.record("k", &grant(40, 40, 0, 0), 1, true);
+        hot.record(hot.key("k"), &grant(40, 40, 0, 0), 1, true);
         tokio::time::timeout(Duration::from_secs(1), wait)
             .await
             .expect("the waiter was woken");
@@ -642,7 +648,7 @@ mod tests {
         let hot = table(&clock);
         let s = spec(10, 1);
         assert_eq!(call(plan(&hot, &s, true)), (1, 1, false));
-        hot.record("k", &grant(0, 0, 250, 250), 1, false);
+        hot.record(hot.key("k"), &grant(0, 0, 250, 250), 1, false);
         for _ in 0..100 {
             clock.advance(Duration::from_millis(2));
             let Plan::Local(d, DecisionSource::Cache) = plan(&hot, &s, true) else {
@@ -662,7 +668,7 @@ mod tests {
         };
         assert_eq!(d.retry_after_ms, 250);
         // An admission that took the last token blocks until the next one.
-        hot.record("k", &grant(1, 0, 900, 900), 1, true);
+        hot.record(hot.key("k"), &grant(1, 0, 900, 900), 1, true);
         clock.advance(Duration::from_millis(899));
         assert!(matches!(
             plan(&hot, &s, true),
@@ -674,7 +680,7 @@ mod tests {
         hot.settle("k");
         assert_eq!(call(plan(&hot, &s, true)), (1, 1, true));
         // An admission with tokens to spare lifts the block.
-        hot.record("k", &grant(1, 3, 0, 0), 1, true);
+        hot.record(hot.key("k"), &grant(1, 3, 0, 0), 1, true);
         assert_eq!(call(plan(&hot, &s, true)), (1, 1, false));
     }
 
@@ -683,10 +689,10 @@ mod tests {
         let clock = ManualClock::new(0);
         let hot = table(&clock);
         let s = spec(20, 2);
-        let ask = |cost| hot.plan("k", &s, cost, true, true);
+        let ask = |cost| hot.plan(hot.key("k"), &s, cost, true, true);
         assert!(matches!(ask(20), Plan::Call { .. }));
         // 20 tokens taken: full again in 10 s at 2/s; one token in 0.5 s.
-        hot.record("k", &grant(20, 0, 10_000, 10_000), 20, false);
+        hot.record(hot.key("k"), &grant(20, 0, 10_000, 10_000), 20, false);
         let Plan::Local(d, DecisionSource::Cache) = ask(20) else {
             panic!("the same cost waits for the whole block");
         };

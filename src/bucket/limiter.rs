@@ -362,11 +362,12 @@ impl<S: SharedStore> Limiter<S> {
         {
             return None;
         }
+        let hot = core.hot.key(key.as_str());
         // Wait (bounded) for another request's lease at most twice, then
         // ask Redis alone.
         let mut waits = 0;
         let (ask, owner) = loop {
-            match core.hot.plan(key.as_str(), spec, n, exact, waits < 2) {
+            match core.hot.plan(hot, spec, n, exact, waits < 2) {
                 Plan::Local(decision, source) => return Some((decision, source)),
                 Plan::Refresh { decision, ask } => {
                     self.refresh(redis, key.as_str(), *spec, ask);
@@ -384,7 +385,7 @@ impl<S: SharedStore> Limiter<S> {
         let mut settle = owner.then(|| SlotGuard::new(&**core, key.as_str()));
         match redis.take(key.as_str(), spec, ask).await {
             Ok(grant) => {
-                core.hot.record(key.as_str(), &grant, n, owner);
+                core.hot.record(hot, &grant, n, owner);
                 // record() released the slot; the guard must not release a
                 // slot another request may hold by now.
                 if let Some(guard) = settle.as_mut() {
@@ -416,7 +417,7 @@ impl<S: SharedStore> Limiter<S> {
                 Ok(grant) => {
                     // No request waits on this call: every token granted
                     // is leased. record() releases the slot.
-                    core.hot.record(key, &grant, 0, true);
+                    core.hot.record(core.hot.key(key), &grant, 0, true);
                     slot.disarm();
                 }
                 Err(e) => tracing::debug!(error = %e, "A lease top-up got no answer."),

@@ -366,11 +366,12 @@ impl<S: SharedStore> Limiter<S> {
             .collect::<Vec<_>>()
             .join("|");
         let spec = tightest(group);
+        let hot = core.hot.key(&key);
         // Wait (bounded) for another request's lease at most twice, then
         // ask Redis alone.
         let mut waits = 0;
         let (ask, owner) = loop {
-            match core.hot.plan(&key, &spec, n, exact, waits < 2) {
+            match core.hot.plan(hot, &spec, n, exact, waits < 2) {
                 Plan::Local(decision, source) => {
                     return (core.answers.recall(&key, group.len(), decision), source);
                 }
@@ -389,7 +390,7 @@ impl<S: SharedStore> Limiter<S> {
         let mut settle = owner.then(|| SlotGuard::new(&**core, key.as_str()));
         match redis.take_group(group, ask).await {
             Ok(grant) if grant.decisions.len() == group.len() => {
-                core.hot.record(&key, &binding(&grant), n, owner);
+                core.hot.record(hot, &binding(&grant), n, owner);
                 // record() released the slot.
                 if let Some(guard) = settle.as_mut() {
                     guard.disarm();
@@ -431,7 +432,8 @@ impl<S: SharedStore> Limiter<S> {
                     core.answers.remember(key, &grant.decisions);
                     // No request waits on this call: every token granted
                     // is leased. record() releases the slot.
-                    core.hot.record(key, &binding(&grant), 0, true);
+                    core.hot
+                        .record(core.hot.key(key), &binding(&grant), 0, true);
                     slot.disarm();
                 }
                 Ok(_) => tracing::debug!("A group lease top-up got a reply of the wrong size."),
