@@ -701,8 +701,10 @@ for i = 1, #KEYS do
 end
 
 -- A Redis-compatible server without cmsgpack gets the plain array, which
--- the gateway reads as well.
-if packed and cmsgpack then
-  return cmsgpack.pack(reply)
+-- the gateway reads as well. Looked up with rawget: Redis fails a script
+-- that reads a global it does not have.
+local msgpack = packed and rawget(_G, 'cmsgpack')
+if msgpack then
+  return msgpack.pack(reply)
 end
 return reply

@@ -19,13 +19,7 @@ use redis::Value;
 pub fn integers(reply: Value) -> Option<Vec<i64>> {
     match reply {
         Value::BulkString(bytes) => unpack(&bytes),
-        Value::Array(items) => items
-            .into_iter()
-            .map(|item| match item {
-                Value::Int(i) => Some(i),
-                _ => None,
-            })
-            .collect(),
+        array @ Value::Array(_) => redis::from_redis_value(array).ok(),
         _ => None,
     }
 }
