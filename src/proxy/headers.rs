@@ -47,6 +47,7 @@ pub struct Binding {
 }
 
 /// The headers of one limiter verdict, ready to attach to any response.
+#[derive(Clone)]
 pub struct RateLimitHeaders {
     /// The values of `X-RateLimit-Limit`, `X-RateLimit-Remaining`,
     /// `RateLimit-Policy` and `RateLimit`, in that order: slices of one
@@ -165,12 +166,16 @@ impl RateLimitHeaders {
     }
 
     /// Sets the headers on a response's `headers`, replacing any of the
-    /// same names.
-    pub fn apply(&self, headers: &mut HeaderMap) {
+    /// same names, `Retry-After` last when present. The values move into
+    /// the map: nothing is copied, and nothing is left to drop.
+    pub fn apply(self, headers: &mut HeaderMap) {
         // Room for all of them at once: the map grows at most once.
         headers.reserve(NAMES.len() + 1);
-        for (name, value) in self.iter() {
-            headers.insert(name.clone(), value.clone());
+        for (name, value) in NAMES.iter().zip(self.values) {
+            headers.insert(name.clone(), value);
+        }
+        if let Some(value) = self.retry_after {
+            headers.insert(RETRY_AFTER, value);
         }
     }
 }
@@ -341,7 +346,7 @@ mod tests {
 
     fn get(h: &RateLimitHeaders, name: &HeaderName) -> Option<String> {
         let mut headers = HeaderMap::new();
-        h.apply(&mut headers);
+        h.clone().apply(&mut headers);
         headers.get(name).map(|v| v.to_str().unwrap().to_owned())
     }
 

@@ -291,7 +291,7 @@ async fn check(req: Request<Incoming>, client: &Client, worker: &Worker) -> Resp
         asked.route.index,
         decided.outcome(),
     );
-    answer(&decided)
+    answer(decided)
 }
 
 /// `POST /v1/charge` from `client`: usage reported after the fact,
@@ -312,7 +312,7 @@ async fn charge(req: Request<Incoming>, client: &Client, worker: &Worker) -> Res
         None => return invalid(StatusCode::BAD_REQUEST, "cost is required for a charge"),
     };
     let (state, limiter) = (&worker.state, &worker.limiter);
-    answer(&charge_now(state, limiter, &asked.tenant, &asked.route.spec.id, amount).await)
+    answer(charge_now(state, limiter, &asked.tenant, &asked.route.spec.id, amount).await)
 }
 
 /// `POST /v1/release` from `client`: the named request's concurrency
@@ -336,7 +336,7 @@ async fn release(req: Request<Incoming>, client: &Client, worker: &Worker) -> Re
 }
 
 /// The answer to a question that `decided`.
-fn answer(decided: &Decided) -> Response<ProxyBody> {
+fn answer(decided: Decided) -> Response<ProxyBody> {
     let binding = decided.headers.binding();
     let status = if decided.refused {
         StatusCode::TOO_MANY_REQUESTS

@@ -46,7 +46,6 @@ use response::{Arrived, Held, Lease};
 use super::body::{ProxyBody, RequestBody, Upload};
 use super::client::Client;
 use super::error::ProxyError;
-use super::headers::RateLimitHeaders;
 use super::listen::stall::Watchdog;
 use super::route::Route;
 use super::slots::Slot;
@@ -226,7 +225,7 @@ impl Forwarder {
 
     /// Sends `req`, its body streamed, from `client` to `target`'s
     /// upstream and streams the answer back, holding `slot` until the
-    /// answer ends; the answer carries `limits`.
+    /// answer ends.
     ///
     /// The exchange (a connection, the request, the answer's head) holds
     /// `slot` and, when the request is dropped before the head arrives (a
@@ -247,7 +246,6 @@ impl Forwarder {
         client: &Client,
         target: Target<'_>,
         slot: Slot,
-        limits: &RateLimitHeaders,
     ) -> Result<Response<ProxyBody>, ProxyError> {
         let upstream = Rc::clone(&self.upstreams[target.route.index]);
         let head_request = req.method() == Method::HEAD;
@@ -282,7 +280,6 @@ impl Forwarder {
             Framing::Empty => head.length,
             Framing::Chunked | Framing::Close => None,
         };
-        limits.apply(&mut headers);
         if head.framing == Framing::Empty {
             if let (true, Some(len)) = (head_request, length) {
                 headers.insert(hy::CONTENT_LENGTH, hy::HeaderValue::from(len));
