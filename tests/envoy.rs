@@ -275,9 +275,12 @@ fn usage_reported_when_the_stream_is_done_is_charged_to_the_budget() {
     let redis = RedisServer::start();
     let up = common::UsageUpstream::start();
     let dir = TempDir::new("envoy-charge");
-    // A day's budget of 100.
-    let rules = "[[rule]]\ntenant = \"acme\"\nroute = \"api\"\n[[rule.limit]]\nquota = 100\nwindow = \"day\"\n";
-    let gw = tollgate_with("rls-charge", &dir, Some(&redis), &up.url(), rules);
+    // A budget of 100.
+    let rules = format!(
+        "[[rule]]\ntenant = \"acme\"\nroute = \"api\"\n{}",
+        common::steady_quota(100)
+    );
+    let gw = tollgate_with("rls-charge", &dir, Some(&redis), &up.url(), &rules);
     let envoy = Envoy::start(&[gw.rls_addr()], &up.url(), |c| {
         c.replace(
             "              failure_mode_deny: false\n",
@@ -310,7 +313,7 @@ fn usage_reported_when_the_stream_is_done_is_charged_to_the_budget() {
     });
     assert!(charged, "{seen} left after {looks} looks");
     assert_eq!(seen, 99 - 30 - looks, "the 30 reported, once");
-    // Past the budget: the day's quota goes into debt and Envoy refuses.
+    // Past the budget: the quota goes into debt and Envoy refuses.
     envoy.get("/v1/header?used=500", Some("acme"));
     let refused = wait_until(Duration::from_secs(5), || {
         envoy.get("/v1/header?used=0", Some("acme")).status == 429

@@ -19,18 +19,20 @@ use std::time::Duration;
 
 use common::{RawResponse, Stack, UsageUpstream, raw_http, raw_http_with_body, wait_until};
 
-/// A budget of 1,000 tokens for acme on route llm, in a fixed window of
-/// 10^9 s: its next end is in 2033, so no test sees it roll over (a
-/// calendar day would, for a test running across midnight UTC).
-const WINDOW_SECONDS: u64 = 1_000_000_000;
-const RULES: &str = "[[rule]]\ntenant = \"acme\"\nroute = \"llm\"\n\
-                     [[rule.limit]]\nquota = 1000\nwindow_seconds = 1000000000\n";
+/// A budget of 1,000 tokens for acme on route llm, in a window that no
+/// test sees end.
+fn rules() -> String {
+    format!(
+        "[[rule]]\ntenant = \"acme\"\nroute = \"llm\"\n{}",
+        common::steady_quota(1000)
+    )
+}
 
 /// A gateway with route llm (usage in `X-Usage`, 10 reserved, or what
 /// `X-Reserve` asks up to 100) in front of the fixture, and the check.
 fn stack(tag: &str, up: &UsageUpstream) -> Stack {
     let port = up.port;
-    Stack::start(tag, RULES, |c, _| {
+    Stack::start(tag, &rules(), |c, _| {
         c.extra = format!(
             "[[routes]]\nid = \"llm\"\npath_prefix = \"/llm\"\n\
              upstream = \"http://127.0.0.1:{port}\"\nusage_header = \"x-usage\"\n\
@@ -176,7 +178,10 @@ fn an_answer_that_reports_nothing_or_breaks_off_keeps_its_reservation() {
     let refused = get(addr, "header?used=1", "");
     assert_eq!(refused.status, 429);
     let wait: u64 = refused.header("retry-after").unwrap().parse().unwrap();
-    assert!((1..=WINDOW_SECONDS).contains(&wait), "Retry-After {wait}");
+    assert!(
+        (1..=common::STEADY_WINDOW_SECONDS).contains(&wait),
+        "Retry-After {wait}"
+    );
 }
 
 #[test]
@@ -214,7 +219,7 @@ fn the_demo_chat_answer_is_settled_from_the_trailer_hyper_sends_when_asked() {
     std::thread::spawn(move || {
         actix_web::rt::System::new().block_on(tollgate::demo::upstream::serve(listener))
     });
-    let s = Stack::start("usage-demo", RULES, |c, _| {
+    let s = Stack::start("usage-demo", &rules(), |c, _| {
         c.extra = format!(
             "[[routes]]\nid = \"llm\"\npath_prefix = \"/v1/chat\"\n\
              upstream = \"http://127.0.0.1:{port}\"\nusage_header = \"x-usage\"\nreserve = 10\n\
@@ -284,7 +289,7 @@ fn a_gateway_killed_mid_answer_costs_only_what_it_reserved() {
 fn a_client_that_leaves_mid_stream_keeps_the_reservation_charged() {
     let up = UsageUpstream::start();
     // A route of its own, so that its expired series is this test's.
-    let rules = RULES.replace("route = \"llm\"", "route = \"gone\"");
+    let rules = rules().replace("route = \"llm\"", "route = \"gone\"");
     let port = up.port;
     let s = Stack::start("usage-abort", &rules, |c, _| {
         c.extra = format!(

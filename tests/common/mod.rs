@@ -100,6 +100,17 @@ impl Drop for TempDir {
     }
 }
 
+/// Length of [`steady_quota`]'s window: fixed windows of 10^9 s counted
+/// from the epoch, the current one ending in 2033.
+pub const STEADY_WINDOW_SECONDS: u64 = 1_000_000_000;
+
+/// A `[[rule.limit]]` of `quota` in a window no test sees end, for tests
+/// whose quota is not about its window: a calendar day would start again
+/// under a test that runs across midnight UTC.
+pub fn steady_quota(quota: u32) -> String {
+    format!("[[rule.limit]]\nquota = {quota}\nwindow_seconds = {STEADY_WINDOW_SECONDS}\n")
+}
+
 /// Waits up to `limit` for `check` to hold, polling every 20 ms.
 pub fn wait_until(limit: Duration, mut check: impl FnMut() -> bool) -> bool {
     let clock = SystemClock::new();
