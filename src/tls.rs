@@ -146,6 +146,42 @@ pub fn redis_certificates(
     }))
 }
 
+/// TLS for tollgate's own Redis connections, from what
+/// [`redis_certificates`] read: its CA certificates trusted instead of the
+/// system's roots, and its client certificate presented, as the redis
+/// crate's connections do.
+///
+/// # Errors
+/// When the certificates do not build a client configuration (they were
+/// checked when read, so only a provider that refuses them).
+pub fn redis_connector(certs: Option<&redis::TlsCertificates>) -> Result<TlsConnector, TlsError> {
+    let ca = Path::new("redis.ca_file");
+    let roots = match certs.and_then(|c| c.root_cert.as_deref()) {
+        Some(pem) => roots_from(ca, pem)?,
+        None => roots(None)?,
+    };
+    let builder = ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| TlsError::new(ca, e))?
+        .with_root_certificates(roots);
+    let config = match certs.and_then(|c| c.client_tls.as_ref()) {
+        Some(client) => {
+            let cert = Path::new("redis.tls_cert_file");
+            let key = PrivateKeyDer::from_pem_slice(&client.client_key).map_err(|e| {
+                TlsError::new(
+                    Path::new("redis.tls_key_file"),
+                    format!("no PEM private key ({e})"),
+                )
+            })?;
+            builder
+                .with_client_auth_cert(certificates(cert, &client.client_cert)?, key)
+                .map_err(|e| TlsError::new(cert, e))?
+        }
+        None => builder.with_no_client_auth(),
+    };
+    Ok(TlsConnector::from(Arc::new(config)))
+}
+
 /// The roots trusted for upstreams: those in `ca_file` alone when given,
 /// else the system's.
 fn roots(ca_file: Option<&Path>) -> Result<RootCertStore, TlsError> {

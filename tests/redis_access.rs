@@ -7,6 +7,7 @@
 
 mod common;
 
+use std::num::NonZeroU32;
 use std::process::Command;
 use std::time::Duration;
 
@@ -15,6 +16,11 @@ use common::{
     Access, Gateway, GatewayConfig, GatewayProcess, RedisCluster, RedisSentinel, RedisServer,
     SENTINEL_MASTER, TempDir, TlsAccess, Upstream, eventually, get, ready,
 };
+use tollgate::bucket::{Ask, BucketSpec, RedisBucket};
+use tollgate::clock::SystemClock;
+use tollgate::config::{RedisCredentials, RedisSettings, RedisTarget, RedisTlsFiles};
+use tollgate::redis_client::{NodeAddr, RedisConnector};
+use tollgate::telemetry::{self, Metrics};
 
 /// A TLS-only Redis whose certificate the test CA signed, for
 /// `localhost` and 127.0.0.1; clients must show a certificate when
@@ -231,6 +237,70 @@ async fn an_acl_user_with_a_password_file_is_used_and_its_password_shown_nowhere
             gw.name
         );
     }
+}
+
+#[actix_web::test]
+async fn script_calls_ride_their_own_lines_over_mutual_tls_as_the_acl_user() {
+    const PASSWORD: &str = "pw-lines-51c2";
+    let dir = TempDir::new("redis-lines");
+    let pki = TestPki::make(&dir.0);
+    let redis = RedisServer::start_as(
+        Access {
+            tls: Some(TlsAccess {
+                ca: pki.ca.clone(),
+                server: pki.server.clone(),
+                client: pki.client.clone(),
+                require_client_cert: true,
+            }),
+            user: Some(("tollgate".into(), PASSWORD.into())),
+        },
+        Vec::new(),
+    );
+    telemetry::install();
+    let timeout = Duration::from_secs(2);
+    let settings = RedisSettings {
+        target: RedisTarget::Single(redis.url()),
+        timeout,
+        connect_timeout: timeout,
+        max_keys_per_call: 16,
+        max_calls_in_flight: 1,
+        credentials: RedisCredentials {
+            username: Some("tollgate".into()),
+            password_file: Some(dir.file("redis.password", &format!("{PASSWORD}\n"))),
+        },
+        sentinel_credentials: RedisCredentials::default(),
+        tls: RedisTlsFiles {
+            ca_file: Some(pki.ca.clone()),
+            client: Some(pki.client.clone()),
+        },
+    };
+    let conn = RedisConnector::new(&settings).unwrap().unwrap().connect();
+    let bucket = RedisBucket::new(conn.clone(), timeout, Metrics::new(), SystemClock::shared());
+    let spec = BucketSpec {
+        capacity: NonZeroU32::new(50).unwrap(),
+        refill_per_second: 0.001,
+    };
+    let take = async || {
+        bucket
+            .take("rl2:{line-tls}:r", &spec, Ask::single(1))
+            .await
+            .unwrap()
+            .decision
+    };
+    assert!(take().await.allowed);
+    let addr = NodeAddr::new("127.0.0.1", redis.port);
+    assert!(common::wait_until(Duration::from_secs(5), || conn
+        .lines_open(&addr)
+        == 1));
+    let ids = redis.client_ids();
+    assert_eq!(ids.len(), 2, "the shared connection and one line: {ids:?}");
+    // The shared connection gone, the calls ride the line alone.
+    redis.cmd(&["CLIENT", "KILL", "ID", &ids[0].to_string()]);
+    for _ in 0..3 {
+        assert!(take().await.allowed);
+    }
+    assert_eq!(redis.client_ids(), &ids[1..]);
+    assert_eq!(take().await.remaining, 45);
 }
 
 /// `tollgate check-config` on `toml`: exit code and stderr.

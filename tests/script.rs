@@ -18,11 +18,17 @@ use tollgate::bucket::packed;
 use tollgate::bucket::{Ask, BucketSpec, Decision, RedisBucket};
 use tollgate::clock::{Clock, SystemClock};
 use tollgate::config::{RedisSettings, RedisTarget};
-use tollgate::redis_client::{RedisCallError, RedisConnector};
+use tollgate::redis_client::{NodeAddr, RedisCallError, RedisConn, RedisConnector, Reply};
 use tollgate::rules::Window;
 use tollgate::telemetry::{self, Metrics};
 
 fn bucket(redis: &RedisServer, timeout: Duration) -> RedisBucket {
+    let conn = connection(redis, timeout);
+    RedisBucket::new(conn, timeout, Metrics::new(), SystemClock::shared())
+}
+
+/// A connection to `redis` whose calls are bounded by `timeout`.
+fn connection(redis: &RedisServer, timeout: Duration) -> RedisConn {
     telemetry::install();
     let settings = RedisSettings {
         target: RedisTarget::Single(redis.url()),
@@ -34,8 +40,7 @@ fn bucket(redis: &RedisServer, timeout: Duration) -> RedisBucket {
         sentinel_credentials: Default::default(),
         tls: Default::default(),
     };
-    let conn = RedisConnector::new(&settings).unwrap().unwrap().connect();
-    RedisBucket::new(conn, timeout, Metrics::new(), SystemClock::shared())
+    RedisConnector::new(&settings).unwrap().unwrap().connect()
 }
 
 /// A fresh Redis, and a bucket client on it with a 2 s timeout.
@@ -77,7 +82,7 @@ async fn eval<'a>(
         call.arg(key_args.as_ref());
     }
     let reply: redis::Value = call.query_async(conn).await.unwrap();
-    packed::integers(reply).expect("a reply of integers")
+    packed::integers(Reply::of_value(&reply)).expect("a reply of integers")
 }
 
 /// Redis's clock in microseconds since the Unix epoch.
@@ -312,7 +317,10 @@ async fn a_packed_reply_reads_as_the_plain_array_of_the_same_numbers() {
         .unwrap();
     assert!(matches!(packed_reply, redis::Value::BulkString(_)));
     assert_eq!(plain.len(), 20);
-    assert_eq!(packed::integers(packed_reply), Some(plain));
+    assert_eq!(
+        packed::integers(Reply::of_value(&packed_reply)),
+        Some(plain)
+    );
 
     let mut call = async |key: &str, ask: &str| -> redis::Value {
         redis::cmd("EVAL")
@@ -331,10 +339,13 @@ async fn a_packed_reply_reads_as_the_plain_array_of_the_same_numbers() {
         matches!(compact, redis::Value::BulkString(_)),
         "{compact:?}"
     );
-    assert_eq!(packed::integers(compact), Some(vec![9]));
+    assert_eq!(packed::integers(Reply::of_value(&compact)), Some(vec![9]));
     let plain = call("rl2:{p}:b", "1").await;
     assert!(matches!(plain, redis::Value::Array(_)), "{plain:?}");
-    assert_eq!(packed::integers(plain), Some(vec![1, 9, 0]));
+    assert_eq!(
+        packed::integers(Reply::of_value(&plain)),
+        Some(vec![1, 9, 0])
+    );
 
     // A server whose Lua has no cmsgpack (its globals stood in for here by
     // an empty table) gets the plain array for a compact call too.
@@ -352,7 +363,7 @@ async fn a_packed_reply_reads_as_the_plain_array_of_the_same_numbers() {
         .await
         .unwrap();
     assert!(matches!(without, redis::Value::Array(_)), "{without:?}");
-    assert_eq!(packed::integers(without), Some(vec![9]));
+    assert_eq!(packed::integers(Reply::of_value(&without)), Some(vec![9]));
 }
 
 /// A short ask ('=' and a single ask, the key's only argument) is decided
@@ -681,6 +692,49 @@ async fn a_flushed_script_cache_is_reloaded_on_noscript() {
         0,
         "the script is never sent by body per call"
     );
+}
+
+#[actix_web::test]
+async fn script_calls_ride_the_clients_own_line_and_a_dead_line_falls_back_to_the_shared_connection()
+ {
+    let redis = RedisServer::start();
+    let timeout = Duration::from_secs(2);
+    let conn = connection(&redis, timeout);
+    let b = RedisBucket::new(conn.clone(), timeout, Metrics::new(), SystemClock::shared());
+    let addr = NodeAddr::new("127.0.0.1", redis.port);
+    let key = "rl2:{line}:r";
+    // A negligible refill, so only takes move the count.
+    let s = BucketSpec {
+        capacity: NonZeroU32::new(100).unwrap(),
+        refill_per_second: 0.001,
+    };
+    // The first call takes the shared connection and has a line opened.
+    assert!(decide(&b, key, &s, 1).await.allowed);
+    assert!(wait_until(Duration::from_secs(5), || conn
+        .lines_open(&addr)
+        == 1));
+    let ids = redis.client_ids();
+    assert_eq!(ids.len(), 2, "the shared connection and one line: {ids:?}");
+
+    // With the shared connection gone, calls still go out, on the line,
+    // and nothing reopens the shared connection.
+    redis.cmd(&["CLIENT", "KILL", "ID", &ids[0].to_string()]);
+    for _ in 0..5 {
+        assert!(decide(&b, key, &s, 1).await.allowed);
+    }
+    assert_eq!(redis.client_ids(), &ids[1..], "only the line is connected");
+    assert_eq!(conn.lines_open(&addr), 1);
+
+    // A line that died (every client killed, as a restart would) hands its
+    // call to the shared connection, which reconnects; another line opens.
+    redis.cmd(&["CLIENT", "KILL", "TYPE", "normal"]);
+    let d = decide(&b, key, &s, 1).await;
+    assert!(d.allowed);
+    assert_eq!(d.remaining, 93, "each of seven takes counted once");
+    assert!(wait_until(Duration::from_secs(5), || conn
+        .lines_open(&addr)
+        == 1));
+    assert_eq!(redis.client_ids().len(), 2);
 }
 
 #[actix_web::test]

@@ -11,16 +11,16 @@
 //! anything missing, malformed or left over, reads as `None`, never as
 //! part of its integers.
 
-use redis::Value;
+use crate::redis_client::Reply;
 
 /// The integers of a reply of the token bucket script, in order: a RESP
 /// array of integers, or a string packing them (see the module comment).
 /// `None` for anything else.
-pub fn integers(reply: Value) -> Option<Vec<i64>> {
+pub fn integers(reply: Reply<'_>) -> Option<Vec<i64>> {
     match reply {
-        Value::BulkString(bytes) => unpack(&bytes),
-        array @ Value::Array(_) => redis::from_redis_value(array).ok(),
-        _ => None,
+        Reply::Bulk(bytes) => unpack(bytes),
+        Reply::Integers(integers) => Some(integers),
+        Reply::Integer(_) | Reply::Other => None,
     }
 }
 
@@ -152,11 +152,9 @@ mod tests {
 
     #[test]
     fn a_resp_array_of_integers_is_read_as_it_is() {
-        let array = Value::Array(vec![Value::Int(1), Value::Int(-2)]);
-        assert_eq!(integers(array), Some(vec![1, -2]));
-        let mixed = Value::Array(vec![Value::Int(1), Value::Nil]);
-        assert_eq!(integers(mixed), None);
-        assert_eq!(integers(Value::BulkString(vec![0x91, 0x05])), Some(vec![5]));
-        assert_eq!(integers(Value::Int(1)), None);
+        assert_eq!(integers(Reply::Integers(vec![1, -2])), Some(vec![1, -2]));
+        assert_eq!(integers(Reply::Other), None);
+        assert_eq!(integers(Reply::Bulk(&[0x91, 0x05])), Some(vec![5]));
+        assert_eq!(integers(Reply::Integer(1)), None);
     }
 }

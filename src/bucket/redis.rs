@@ -13,20 +13,18 @@ use std::sync::LazyLock;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use redis::{Cmd, Script};
-
 use super::decision::{Ask, AskKind, BucketSpec, Decision, Grant, GroupGrant, GroupLimit};
 use super::packed;
 use super::store::{Answer, Item};
 use crate::clock::SharedClock;
-use crate::redis_client::{RedisCallError, RedisConn, Route, evalsha};
+use crate::redis_client::{LuaScript, RedisCallError, RedisConn, Route, ScriptCall};
 use crate::telemetry::Metrics;
 
 /// The token bucket script's source, compiled into the binary.
 const TOKEN_BUCKET_SOURCE: &str = include_str!("../../lua/token_bucket.lua");
 
 /// The token bucket script, called by SHA.
-static TOKEN_BUCKET: LazyLock<Script> = LazyLock::new(|| Script::new(TOKEN_BUCKET_SOURCE));
+static TOKEN_BUCKET: LazyLock<LuaScript> = LazyLock::new(|| LuaScript::new(TOKEN_BUCKET_SOURCE));
 
 /// Longest pause between warm-up attempts.
 const MAX_WARM_UP_BACKOFF: Duration = Duration::from_secs(2);
@@ -95,7 +93,7 @@ impl RedisBucket {
     /// counts this worker in `workers`.
     pub async fn warm_up(&self, attempt_timeout: Duration, workers: &WarmWorkers) {
         let mut load = redis::cmd("SCRIPT");
-        load.arg("LOAD").arg(TOKEN_BUCKET_SOURCE);
+        load.arg("LOAD").arg(TOKEN_BUCKET.code());
         let mut backoff = Duration::from_millis(50);
         while let Err(e) = self.conn.query_each(&load, attempt_timeout).await {
             tracing::debug!(error = %e, "Redis not ready for this worker yet; retrying.");
@@ -141,15 +139,21 @@ impl RedisBucket {
 
     /// Runs `eval`, a call of the token bucket script, on the primary
     /// serving `key` under the timeout, timing it.
-    async fn call(&self, key: &str, eval: &Cmd) -> Result<Vec<i64>, RedisCallError> {
+    async fn call(&self, key: &str, call: &ScriptCall) -> Result<Vec<i64>, RedisCallError> {
         let started = self.clock.now_micros();
         let reply = self
             .conn
-            .invoke(Route::Key(key), &TOKEN_BUCKET, eval, self.timeout)
-            .await?;
+            .script_call(
+                Route::Key(key),
+                &TOKEN_BUCKET,
+                call,
+                self.timeout,
+                packed::integers,
+            )
+            .await;
         let elapsed = self.clock.now_micros().saturating_sub(started);
         self.metrics.redis_call(elapsed as f64 / 1e6);
-        packed::integers(reply).ok_or(RedisCallError::BadReply)
+        reply
     }
 
     /// Takes tokens from several buckets in one script call (one reading
@@ -183,9 +187,9 @@ impl RedisBucket {
     /// [`RedisCallError`] on timeout, connection or server failure, or a
     /// reply of the wrong shape; then no answer is known.
     pub async fn take_batch(&self, batch: &[Item<'_>]) -> Result<Vec<Answer>, RedisCallError> {
-        let eval = eval_cmd(batch);
+        let call = script_call(batch);
         let first = batch.first().map_or("", Item::first_key);
-        let reply = self.call(first, &eval).await?;
+        let reply = self.call(first, &call).await?;
         let mut rest = reply.as_slice();
         let mut answers = Vec::with_capacity(batch.len());
         for item in batch {
@@ -226,12 +230,13 @@ impl RedisBucket {
     }
 }
 
-/// The `EVALSHA` call of the token bucket script deciding `batch`: every
-/// key first, then each key's three arguments (or a short ask alone, one
-/// for a run of keys), written straight into the command's one buffer.
-fn eval_cmd(batch: &[Item<'_>]) -> Cmd {
+/// The call of the token bucket script deciding `batch`: every key
+/// first, then each key's three arguments (or a short ask alone, one for
+/// a run of keys), written straight into the call's one buffer.
+fn script_call(batch: &[Item<'_>]) -> ScriptCall {
     let keys = batch.iter().map(Item::key_count).sum();
-    let mut eval = evalsha(&TOKEN_BUCKET, keys, 3 * keys);
+    // About 16 bytes a key or argument on the wire, 4 more for its length.
+    let mut eval = ScriptCall::new(keys, 20 * 4 * keys);
     for key in batch.iter().flat_map(Item::keys) {
         eval.arg(key);
     }
@@ -298,7 +303,7 @@ fn eval_cmd(batch: &[Item<'_>]) -> Cmd {
 /// `want:min:need`, a charge as
 /// `c<n>`, a refund as `c-<n>`, a release as `r` and a renewal as `n`; a
 /// group's with `*<keys>` after it.
-fn arg_ask(eval: &mut Cmd, ask: Ask, keys: Option<usize>) {
+fn arg_ask(eval: &mut ScriptCall, ask: Ask, keys: Option<usize>) {
     if keys.is_none() && compact(ask) {
         arg_plain(eval, None, ask.need);
         return;
@@ -321,7 +326,7 @@ fn arg_ask(eval: &mut Cmd, ask: Ask, keys: Option<usize>) {
 /// is every shared decision's): `+<cost>` for a key sent with its rule,
 /// or for `short` keys in a row under the rule of the single key before
 /// them, the short ask `=+<cost>` (one key) or `<keys>=+<cost>`.
-fn arg_plain(eval: &mut Cmd, short: Option<usize>, cost: u32) {
+fn arg_plain(eval: &mut ScriptCall, short: Option<usize>, cost: u32) {
     let mut text = [0; 32];
     let mut end = 0;
     let mut write = |bytes: &[u8]| {
@@ -387,7 +392,7 @@ fn width(ask: Ask) -> usize {
 /// case: a rule's own rate, or an even share of it) as an integer, whose
 /// digits cost far less to write than a float's shortest form; any other
 /// in full precision.
-fn arg_rate(eval: &mut Cmd, rate: f64) {
+fn arg_rate(eval: &mut ScriptCall, rate: f64) {
     // Whole numbers below 2^53 are exact in both forms.
     if rate.fract() == 0.0 && (1.0..9_007_199_254_740_992.0).contains(&rate) {
         eval.arg(rate as u64);
@@ -471,20 +476,13 @@ fn plain_grant(decision: Decision, spec: &BucketSpec, ask: Ask) -> Grant {
 mod tests {
     use std::num::NonZeroU32;
 
-    use redis::Arg;
-
     use super::*;
 
-    /// The arguments `eval_cmd` writes for `batch` after EVALSHA, the
-    /// script's hash and the key count.
+    /// The keys and arguments `script_call` writes for `batch`.
     fn args_of(batch: &[Item<'_>]) -> Vec<String> {
-        eval_cmd(batch)
-            .args_iter()
-            .skip(3)
-            .map(|arg| match arg {
-                Arg::Simple(bytes) => String::from_utf8_lossy(bytes).into_owned(),
-                _ => "<not bytes>".to_owned(),
-            })
+        script_call(batch)
+            .args()
+            .map(|arg| String::from_utf8_lossy(arg).into_owned())
             .collect()
     }
 

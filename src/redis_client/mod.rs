@@ -6,9 +6,11 @@
 //! [`Topology`]: which primary serves each key, each with its own
 //! breaker gate, kept current by a watcher actor for a Cluster or
 //! Sentinel (`watch`, `discover`). [`RedisConnector::connect`] hands
-//! out a [`RedisConn`]: one lazily opened, self-reconnecting connection
-//! per primary, driven by the calling thread's runtime (each proxy
-//! worker gets its own, so a reply wakes the worker that asked).
+//! out a [`RedisConn`]: per primary, one lazily opened, self-reconnecting
+//! shared connection, and lines of tollgate's own that carry script calls
+//! one at a time (`line`), all driven by the calling thread's runtime
+//! (each proxy worker gets its own, so a reply wakes the worker that
+//! asked).
 //!
 //! A call goes to the primary serving its key (on a Cluster, the owner of
 //! its slot, from tollgate's own slot table: a node that fails holds up
@@ -29,6 +31,7 @@
 
 mod discover;
 mod error;
+mod line;
 mod node;
 pub mod topology;
 mod watch;
@@ -41,6 +44,7 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Cmd, ErrorKind, FromRedisValue, RedisResult, Script, ServerErrorKind};
 
 pub use error::RedisCallError;
+pub use line::{LuaScript, Reply, ScriptCall};
 pub use node::{NodeAddr, SetupError};
 pub use topology::{Health, Layout, Mode, Topology};
 
@@ -180,13 +184,23 @@ impl RedisConnector {
     }
 }
 
+/// How one primary is reached: the shared (multiplexed) connection, and
+/// the lines that carry script calls one at a time.
+#[derive(Clone)]
+struct Node {
+    /// Every kind of call; script calls when no line is idle.
+    shared: ConnectionManager,
+    /// Script calls.
+    lines: Arc<line::Lines>,
+}
+
 /// One connection per primary of one layout.
 #[derive(Default)]
 struct Conns {
     /// The layout they were made for.
     generation: u64,
     /// In the layout's shard order.
-    by_shard: Vec<(NodeAddr, ConnectionManager)>,
+    by_shard: Vec<(NodeAddr, Node)>,
 }
 
 /// Connections (shared by clones) to every primary, usable for bounded
@@ -226,7 +240,8 @@ impl RedisConn {
         eval: &Cmd,
         timeout: Duration,
     ) -> Result<T, RedisCallError> {
-        self.call(route, timeout, |mut c| async move {
+        self.call(route, timeout, |node| async move {
+            let mut c = node.shared;
             match eval.query_async(&mut c).await {
                 Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
                     script.load_async(&mut c).await?;
@@ -248,10 +263,57 @@ impl RedisConn {
         cmd: &Cmd,
         timeout: Duration,
     ) -> Result<T, RedisCallError> {
-        self.call(route, timeout, |mut c| async move {
-            cmd.query_async(&mut c).await
+        self.call(route, timeout, |node| async move {
+            cmd.query_async(&mut node.shared.clone()).await
         })
         .await
+    }
+
+    /// Calls `script` with `call`'s keys and arguments on `route`'s
+    /// primary, bounded by `timeout`, and reads the reply with `read`: on
+    /// one of this connection's own lines to that primary when one is
+    /// idle, else on the shared connection. A `NOSCRIPT` reply loads the
+    /// script there and repeats the call once.
+    ///
+    /// # Errors
+    /// [`RedisCallError`] on timeout, connection or server failure;
+    /// [`RedisCallError::BadReply`] when `read` finds nothing in the reply.
+    pub async fn script_call<T>(
+        &self,
+        route: Route<'_>,
+        script: &LuaScript,
+        call: &ScriptCall,
+        timeout: Duration,
+        read: impl Fn(Reply<'_>) -> Option<T>,
+    ) -> Result<T, RedisCallError> {
+        let read = &read;
+        self.call(route, timeout, |node| async move {
+            if let Some(result) = node.lines.call(script, call, read).await {
+                return result;
+            }
+            let mut c = node.shared;
+            let eval = call.to_cmd(script);
+            let value: redis::Value = match eval.query_async(&mut c).await {
+                Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                    script.script().load_async(&mut c).await?;
+                    eval.query_async(&mut c).await?
+                }
+                result => result?,
+            };
+            Ok(read(Reply::of_value(&value)))
+        })
+        .await?
+        .ok_or(RedisCallError::BadReply)
+    }
+
+    /// How many of this connection's own lines are open to `addr`.
+    pub fn lines_open(&self, addr: &NodeAddr) -> usize {
+        self.conns
+            .load()
+            .by_shard
+            .iter()
+            .find(|(a, _)| a == addr)
+            .map_or(0, |(_, node)| node.lines.open())
     }
 
     /// Runs `cmd` on every primary of the current layout, each bounded by
@@ -278,7 +340,7 @@ impl RedisConn {
         &self,
         route: Route<'_>,
         timeout: Duration,
-        call: impl Fn(ConnectionManager) -> F,
+        call: impl Fn(Node) -> F,
     ) -> Result<T, RedisCallError> {
         let topology = &self.shared.topology;
         let layout = topology.layout();
@@ -334,7 +396,7 @@ impl RedisConn {
     /// connection set when the layout is newer than it (connections to
     /// primaries still in the layout are kept). A call that read an older
     /// layout than the set's finds its primary by address.
-    fn connection(&self, layout: &Layout, index: usize) -> ConnectionManager {
+    fn connection(&self, layout: &Layout, index: usize) -> Node {
         let addr = &layout.shards[index].addr;
         let by_addr = |conns: &Conns| {
             conns
@@ -379,8 +441,21 @@ impl RedisConn {
     }
 
     /// A connection to `addr`, opened on first use and reopened in the
-    /// background after failures.
-    fn open(&self, addr: &NodeAddr) -> ConnectionManager {
+    /// background after failures, and its lines (none open yet).
+    fn open(&self, addr: &NodeAddr) -> Node {
+        let shared = &self.shared;
+        Node {
+            shared: self.open_shared(addr),
+            lines: line::Lines::new(
+                shared
+                    .endpoints
+                    .line(addr, shared.db, shared.connect_timeout),
+            ),
+        }
+    }
+
+    /// The shared connection to `addr`.
+    fn open_shared(&self, addr: &NodeAddr) -> ConnectionManager {
         let config = ConnectionManagerConfig::new()
             .set_number_of_retries(1)
             .set_max_delay(Duration::from_millis(200))

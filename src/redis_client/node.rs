@@ -14,12 +14,16 @@
 use std::fmt;
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
 use redis::io::tcp::TcpSettings;
 use redis::{
     ConnectionAddr, ConnectionInfo, IntoConnectionInfo, RedisConnectionInfo, TlsCertificates,
 };
 
+use tokio_rustls::TlsConnector;
+
+use super::line::Connect;
 use crate::config::{RedisCredentials, RedisSettings, RedisTarget, redact_url};
 use crate::tls;
 
@@ -101,6 +105,9 @@ pub(crate) struct Endpoints {
     sentinel: Profile,
     /// The CA and client certificate, when files name them.
     certs: Option<TlsCertificates>,
+    /// TLS for tollgate's own connections to the data nodes, when they
+    /// are reached over TLS.
+    line_tls: Option<TlsConnector>,
     /// Socket options.
     tcp: TcpSettings,
 }
@@ -214,6 +221,13 @@ impl Endpoints {
                     )
                 })?;
         }
+        let line_tls = if tls {
+            let connector = tls::redis_connector(certs.as_ref())
+                .map_err(|e| SetupError::new("redis.ca_file", e.to_string()))?;
+            Some(connector)
+        } else {
+            None
+        };
         let endpoints = Self {
             data: Profile {
                 tls,
@@ -228,6 +242,7 @@ impl Endpoints {
                 )?,
             },
             certs,
+            line_tls,
             tcp: tcp_settings(),
         };
         Ok(Some((endpoints, infos)))
@@ -250,6 +265,27 @@ impl Endpoints {
                 ..self.data.clone()
             },
         )
+    }
+
+    /// How tollgate's own connections to the data node at `addr` are
+    /// opened, in database `db`, each within `timeout`: as
+    /// [`Endpoints::data_client`]'s are. `None` when `addr`'s host cannot
+    /// be checked against a certificate.
+    pub(crate) fn line(&self, addr: &NodeAddr, db: i64, timeout: Duration) -> Option<Connect> {
+        let tls = match &self.line_tls {
+            Some(connector) => Some((connector.clone(), tls::server_name(&addr.host).ok()?)),
+            None => None,
+        };
+        let redis = &self.data.redis;
+        Some(Connect {
+            addr: addr.clone(),
+            tls,
+            auth: redis
+                .password()
+                .map(|password| (redis.username().map(str::to_owned), password.to_owned())),
+            db,
+            timeout,
+        })
     }
 
     /// A client for the sentinel at `addr`.

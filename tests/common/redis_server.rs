@@ -89,6 +89,20 @@ impl RedisServer {
         self.try_cmd(args).expect("redis answers")
     }
 
+    /// The ids of the clients connected, in the order they connected,
+    /// other than the one asking.
+    pub fn client_ids(&self) -> Vec<u64> {
+        let mut ids: Vec<u64> = self
+            .cmd(&["CLIENT", "LIST", "TYPE", "normal"])
+            .lines()
+            .filter(|line| !line.contains("cmd=client|list"))
+            .filter_map(|line| line.split(' ').find_map(|f| f.strip_prefix("id=")))
+            .map(|id| id.parse().expect("a client id"))
+            .collect();
+        ids.sort_unstable();
+        ids
+    }
+
     /// [`RedisServer::cmd`], `None` when the server cannot be reached or
     /// the command fails.
     pub(super) fn try_cmd(&self, args: &[&str]) -> Option<String> {
