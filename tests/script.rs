@@ -738,6 +738,23 @@ async fn script_calls_ride_the_clients_own_line_and_a_dead_line_falls_back_to_th
 }
 
 #[actix_web::test]
+async fn a_line_the_server_turns_away_is_never_used() {
+    // Room for one client: the shared connection. A line's connection is
+    // accepted, answered an error and closed.
+    let redis = RedisServer::start_with(vec!["--maxclients".into(), "1".into()]);
+    let timeout = Duration::from_secs(2);
+    let conn = connection(&redis, timeout);
+    let b = RedisBucket::new(conn.clone(), timeout, Metrics::new(), SystemClock::shared());
+    for _ in 0..10 {
+        let grant = b.take("rl2:{full}:r", &spec(100, 1), Ask::single(1)).await;
+        assert!(grant.unwrap().decision.allowed);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let addr = NodeAddr::new("127.0.0.1", redis.port);
+    assert_eq!(conn.lines_open(&addr), 0);
+}
+
+#[actix_web::test]
 async fn whole_and_fractional_rates_are_read_alike() {
     let (_redis, b) = redis_and_bucket();
     // A whole rate travels to the script as an integer, any other as a

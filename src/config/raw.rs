@@ -143,7 +143,7 @@ impl Default for RawRedis {
             cluster_nodes: Vec::new(),
             timeout_ms: 5,
             connect_timeout_ms: 200,
-            max_keys_per_call: 16,
+            max_keys_per_call: 32,
             max_calls_in_flight: 1,
             sentinel_nodes: Vec::new(),
             sentinel_master: String::new(),

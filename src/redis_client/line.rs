@@ -401,24 +401,28 @@ impl Line {
                 output: Vec::with_capacity(4096),
                 _alive: Alive::new(count),
             };
-            let mut asked = 0;
             if let Some((user, password)) = &connect.auth {
                 let mut args: Vec<&[u8]> = vec![b"AUTH"];
                 args.extend(user.as_deref().map(str::as_bytes));
                 args.push(password.as_bytes());
                 command(&mut line.output, &args);
-                asked += 1;
             }
             if connect.db != 0 {
                 let db = itoa::Buffer::new().format(connect.db).to_owned();
                 command(&mut line.output, &[b"SELECT", db.as_bytes()]);
-                asked += 1;
             }
-            if asked > 0 {
-                line.io.write_all(&line.output).await?;
-                for _ in 0..asked {
-                    line.next_reply().await??;
-                }
+            // A PING last: the line is used only once the server has
+            // answered on it (a server at `maxclients` answers an error and
+            // closes), whatever the user may run (`NOPERM` is an answer).
+            command(&mut line.output, &[b"PING"]);
+            line.io.write_all(&line.output).await?;
+            let asked = usize::from(connect.auth.is_some()) + usize::from(connect.db != 0);
+            for _ in 0..asked {
+                line.next_reply().await??;
+            }
+            match line.next_reply().await? {
+                Err(e) if e.code() != Some("NOPERM") => return Err(e),
+                _ => {}
             }
             Ok::<_, redis::RedisError>(line)
         };
@@ -673,6 +677,8 @@ mod tests {
         assert_eq!(e.redirect_node(), Some(("127.0.0.1:6381", 3999)));
         let e = reply(b"-WRONGTYPE Operation against a key\r\n").unwrap_err();
         assert_eq!(e.code(), Some("WRONGTYPE"));
+        let e = reply(b"-NOPERM User u has no permissions to run the 'ping' command\r\n");
+        assert_eq!(e.unwrap_err().code(), Some("NOPERM"));
     }
 
     #[test]
