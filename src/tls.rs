@@ -78,14 +78,32 @@ fn certified_key(
     (key_path, key): (&Path, &[u8]),
 ) -> Result<CertifiedKey, TlsError> {
     let chain = certificates(cert_path, cert)?;
-    let key = PrivateKeyDer::from_pem_slice(key)
-        .map_err(|e| TlsError::new(key_path, format!("no PEM private key ({e})")))?;
+    let key = private_key(key_path, key)?;
     CertifiedKey::from_der(chain, key, &provider()).map_err(|e| {
         TlsError::new(
             key_path,
             format!("not the key of {}: {e}", cert_path.display()),
         )
     })
+}
+
+/// The private key in the PEM text `pem`, read from `path`.
+fn private_key(path: &Path, pem: &[u8]) -> Result<PrivateKeyDer<'static>, TlsError> {
+    PrivateKeyDer::from_pem_slice(pem)
+        .map_err(|e| TlsError::new(path, format!("no PEM private key ({e})")))
+}
+
+/// A client configuration trusting `roots` (named `source` in errors),
+/// with the provider's safe protocol versions; its client certificate
+/// still to be chosen.
+fn client_config(
+    roots: RootCertStore,
+    source: &Path,
+) -> Result<rustls::ConfigBuilder<ClientConfig, rustls::client::WantsClientCert>, TlsError> {
+    Ok(ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| TlsError::new(source, e))?
+        .with_root_certificates(roots))
 }
 
 /// Checks that `cert` and `key` hold a certificate chain and its private
@@ -160,19 +178,11 @@ pub fn redis_connector(certs: Option<&redis::TlsCertificates>) -> Result<TlsConn
         Some(pem) => roots_from(ca, pem)?,
         None => roots(None)?,
     };
-    let builder = ClientConfig::builder_with_provider(provider())
-        .with_safe_default_protocol_versions()
-        .map_err(|e| TlsError::new(ca, e))?
-        .with_root_certificates(roots);
+    let builder = client_config(roots, ca)?;
     let config = match certs.and_then(|c| c.client_tls.as_ref()) {
         Some(client) => {
             let cert = Path::new("redis.tls_cert_file");
-            let key = PrivateKeyDer::from_pem_slice(&client.client_key).map_err(|e| {
-                TlsError::new(
-                    Path::new("redis.tls_key_file"),
-                    format!("no PEM private key ({e})"),
-                )
-            })?;
+            let key = private_key(Path::new("redis.tls_key_file"), &client.client_key)?;
             builder
                 .with_client_auth_cert(certificates(cert, &client.client_cert)?, key)
                 .map_err(|e| TlsError::new(cert, e))?
@@ -373,11 +383,7 @@ impl UpstreamTls {
     pub fn new(ca_file: Option<&Path>) -> Result<Self, TlsError> {
         let roots = roots(ca_file)?;
         let source = ca_file.unwrap_or(Path::new("tls"));
-        let mut config = ClientConfig::builder_with_provider(provider())
-            .with_safe_default_protocol_versions()
-            .map_err(|e| TlsError::new(source, e))?
-            .with_root_certificates(roots)
-            .with_no_client_auth();
+        let mut config = client_config(roots, source)?.with_no_client_auth();
         config.alpn_protocols = vec![b"http/1.1".to_vec()];
         Ok(Self(TlsConnector::from(Arc::new(config))))
     }

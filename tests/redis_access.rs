@@ -19,7 +19,7 @@ use common::{
 use tollgate::bucket::{Ask, BucketSpec, RedisBucket};
 use tollgate::clock::SystemClock;
 use tollgate::config::{RedisCredentials, RedisSettings, RedisTarget, RedisTlsFiles};
-use tollgate::redis_client::{NodeAddr, RedisConnector};
+use tollgate::redis_client::RedisConnector;
 use tollgate::telemetry::{self, Metrics};
 
 /// A TLS-only Redis whose certificate the test CA signed, for
@@ -287,19 +287,8 @@ async fn script_calls_ride_their_own_lines_over_mutual_tls_as_the_acl_user() {
             .unwrap()
             .decision
     };
-    assert!(take().await.allowed);
-    let addr = NodeAddr::new("127.0.0.1", redis.port);
-    assert!(common::wait_until(Duration::from_secs(5), || conn
-        .lines_open(&addr)
-        == 1));
-    let ids = redis.client_ids();
-    assert_eq!(ids.len(), 2, "the shared connection and one line: {ids:?}");
     // The shared connection gone, the calls ride the line alone.
-    redis.cmd(&["CLIENT", "KILL", "ID", &ids[0].to_string()]);
-    for _ in 0..3 {
-        assert!(take().await.allowed);
-    }
-    assert_eq!(redis.client_ids(), &ids[1..]);
+    redis.assert_calls_ride_a_line(&conn, 3, &take).await;
     assert_eq!(take().await.remaining, 45);
 }
 

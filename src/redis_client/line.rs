@@ -85,7 +85,7 @@ impl LuaScript {
 
 /// The keys and arguments of one `EVALSHA`, each written as a RESP bulk
 /// string into one buffer as it is added: the keys first, `keys` of them.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct ScriptCall {
     /// The keys and arguments on the wire, one after the other.
     wire: Vec<u8>,
@@ -199,16 +199,6 @@ fn bulk(out: &mut Vec<u8>, bytes: &[u8]) {
     out.extend_from_slice(b"\r\n");
 }
 
-/// Appends a command of `args` to `out`.
-fn command(out: &mut Vec<u8>, args: &[&[u8]]) {
-    out.push(b'*');
-    out.extend_from_slice(itoa::Buffer::new().format(args.len()).as_bytes());
-    out.extend_from_slice(b"\r\n");
-    for arg in args {
-        bulk(out, arg);
-    }
-}
-
 /// A script's reply as the caller reads it.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Reply<'a> {
@@ -250,11 +240,7 @@ fn malformed() -> io::Error {
 /// while more bytes are needed.
 fn complete(buf: &[u8], depth: u8) -> io::Result<Option<usize>> {
     let Some(line_end) = buf.windows(2).position(|w| w == b"\r\n") else {
-        return if buf.len() > MAX_REPLY {
-            Err(malformed())
-        } else {
-            Ok(None)
-        };
+        return Ok(None);
     };
     let after = line_end + 2;
     match buf[0] {
@@ -312,9 +298,8 @@ fn reply(frame: &[u8]) -> RedisResult<Reply<'_>> {
             _ => Reply::Other,
         },
         b'*' => {
-            let mut lines = body.split(|&b| b == b'\n').skip(1);
             let mut out = Vec::new();
-            for line in lines.by_ref() {
+            for line in body.split(|&b| b == b'\n').skip(1) {
                 match line.strip_prefix(b":") {
                     Some(text) => match integer(text.strip_suffix(b"\r").unwrap_or(text)) {
                         Some(n) => out.push(n),
@@ -401,23 +386,26 @@ impl Line {
                 output: Vec::with_capacity(4096),
                 _alive: Alive::new(count),
             };
+            let mut handshake = Vec::new();
             if let Some((user, password)) = &connect.auth {
-                let mut args: Vec<&[u8]> = vec![b"AUTH"];
-                args.extend(user.as_deref().map(str::as_bytes));
-                args.push(password.as_bytes());
-                command(&mut line.output, &args);
+                let mut auth = redis::cmd("AUTH");
+                auth.arg(user.as_deref()).arg(password);
+                handshake.push(auth);
             }
             if connect.db != 0 {
-                let db = itoa::Buffer::new().format(connect.db).to_owned();
-                command(&mut line.output, &[b"SELECT", db.as_bytes()]);
+                let mut select = redis::cmd("SELECT");
+                select.arg(connect.db);
+                handshake.push(select);
+            }
+            for command in &handshake {
+                command.write_packed_command(&mut line.output);
             }
             // A PING last: the line is used only once the server has
             // answered on it (a server at `maxclients` answers an error and
             // closes), whatever the user may run (`NOPERM` is an answer).
-            command(&mut line.output, &[b"PING"]);
+            redis::cmd("PING").write_packed_command(&mut line.output);
             line.io.write_all(&line.output).await?;
-            let asked = usize::from(connect.auth.is_some()) + usize::from(connect.db != 0);
-            for _ in 0..asked {
+            for _ in &handshake {
                 line.next_reply().await??;
             }
             match line.next_reply().await? {
@@ -440,6 +428,10 @@ impl Line {
                 && let Some(len) = complete(&self.input, MAX_DEPTH)?
             {
                 return Ok(len);
+            }
+            // What one reply may hold in all, however it is nested.
+            if self.input.len() > MAX_REPLY {
+                return Err(malformed());
             }
             if self.io.read_buf(&mut self.input).await? == 0 {
                 return Err(io::ErrorKind::UnexpectedEof.into());
@@ -475,10 +467,10 @@ impl Line {
         if self.input.starts_with(b"-NOSCRIPT") {
             self.input.advance(len);
             self.output.clear();
-            command(
-                &mut self.output,
-                &[b"SCRIPT", b"LOAD", script.code().as_bytes()],
-            );
+            redis::cmd("SCRIPT")
+                .arg("LOAD")
+                .arg(script.code())
+                .write_packed_command(&mut self.output);
             call.write_command(script.hash(), &mut self.output);
             self.io.write_all(&self.output).await?;
             let loaded = self.next_reply().await?;

@@ -240,17 +240,8 @@ impl RedisConn {
         eval: &Cmd,
         timeout: Duration,
     ) -> Result<T, RedisCallError> {
-        self.call(route, timeout, |node| async move {
-            let mut c = node.shared;
-            match eval.query_async(&mut c).await {
-                Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                    script.load_async(&mut c).await?;
-                    eval.query_async(&mut c).await
-                }
-                result => result,
-            }
-        })
-        .await
+        self.call(route, timeout, |node| evaluate(node.shared, script, eval))
+            .await
     }
 
     /// Runs one command on `route`'s primary, bounded by `timeout`.
@@ -264,7 +255,8 @@ impl RedisConn {
         timeout: Duration,
     ) -> Result<T, RedisCallError> {
         self.call(route, timeout, |node| async move {
-            cmd.query_async(&mut node.shared.clone()).await
+            let mut shared = node.shared;
+            cmd.query_async(&mut shared).await
         })
         .await
     }
@@ -291,15 +283,8 @@ impl RedisConn {
             if let Some(result) = node.lines.call(script, call, read).await {
                 return result;
             }
-            let mut c = node.shared;
             let eval = call.to_cmd(script);
-            let value: redis::Value = match eval.query_async(&mut c).await {
-                Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                    script.script().load_async(&mut c).await?;
-                    eval.query_async(&mut c).await?
-                }
-                result => result?,
-            };
+            let value: redis::Value = evaluate(node.shared, script.script(), &eval).await?;
             Ok(read(Reply::of_value(&value)))
         })
         .await?
@@ -473,6 +458,22 @@ impl RedisConn {
             .data_client(addr, self.shared.db)
             .and_then(|client| client.get_connection_manager_lazy(config))
             .expect("a client for a checked endpoint")
+    }
+}
+
+/// Runs `eval`, an `EVALSHA` of `script`, on `shared`; a `NOSCRIPT` reply
+/// loads `script` there and runs it once more.
+async fn evaluate<T: FromRedisValue>(
+    mut shared: ConnectionManager,
+    script: &Script,
+    eval: &Cmd,
+) -> RedisResult<T> {
+    match eval.query_async(&mut shared).await {
+        Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+            script.load_async(&mut shared).await?;
+            eval.query_async(&mut shared).await
+        }
+        result => result,
     }
 }
 

@@ -106,7 +106,7 @@ pub(crate) struct Endpoints {
     /// The CA and client certificate, when files name them.
     certs: Option<TlsCertificates>,
     /// TLS for tollgate's own connections to the data nodes, when they
-    /// are reached over TLS.
+    /// are reached over TLS and it could be built.
     line_tls: Option<TlsConnector>,
     /// Socket options.
     tcp: TcpSettings,
@@ -221,13 +221,13 @@ impl Endpoints {
                     )
                 })?;
         }
-        let line_tls = if tls {
-            let connector = tls::redis_connector(certs.as_ref())
-                .map_err(|e| SetupError::new("redis.ca_file", e.to_string()))?;
-            Some(connector)
-        } else {
-            None
-        };
+        // The files were checked above; what is left to fail (no system
+        // roots without `redis.ca_file`) leaves script calls on the shared
+        // connection, which reports its own failures, rather than failing
+        // a configuration the shared connection accepts.
+        let line_tls = tls
+            .then(|| tls::redis_connector(certs.as_ref()).ok())
+            .flatten();
         let endpoints = Self {
             data: Profile {
                 tls,
@@ -269,12 +269,15 @@ impl Endpoints {
 
     /// How tollgate's own connections to the data node at `addr` are
     /// opened, in database `db`, each within `timeout`: as
-    /// [`Endpoints::data_client`]'s are. `None` when `addr`'s host cannot
-    /// be checked against a certificate.
+    /// [`Endpoints::data_client`]'s are. `None` when they cannot be: TLS
+    /// that could not be built, or a host that cannot be checked against
+    /// a certificate.
     pub(crate) fn line(&self, addr: &NodeAddr, db: i64, timeout: Duration) -> Option<Connect> {
-        let tls = match &self.line_tls {
-            Some(connector) => Some((connector.clone(), tls::server_name(&addr.host).ok()?)),
-            None => None,
+        let tls = if self.data.tls {
+            let connector = self.line_tls.clone()?;
+            Some((connector, tls::server_name(&addr.host).ok()?))
+        } else {
+            None
         };
         let redis = &self.data.redis;
         Some(Connect {

@@ -5,6 +5,9 @@
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use tollgate::bucket::Decision;
+use tollgate::redis_client::{NodeAddr, RedisConn};
+
 use super::redis_access::cli;
 use super::{Access, KillOnDrop, free_port, spawn_from, wait_until};
 
@@ -101,6 +104,31 @@ impl RedisServer {
             .collect();
         ids.sort_unstable();
         ids
+    }
+
+    /// Asserts that the script calls `take` makes through `conn` ride
+    /// `conn`'s own line: the first takes the shared connection and has
+    /// one line opened; with the shared connection killed, `more` calls
+    /// are each allowed and nothing reopens it.
+    pub async fn assert_calls_ride_a_line(
+        &self,
+        conn: &RedisConn,
+        more: usize,
+        take: impl AsyncFn() -> Decision,
+    ) {
+        let addr = NodeAddr::new("127.0.0.1", self.port);
+        assert!(take().await.allowed);
+        assert!(wait_until(Duration::from_secs(5), || conn
+            .lines_open(&addr)
+            == 1));
+        let ids = self.client_ids();
+        assert_eq!(ids.len(), 2, "the shared connection and one line: {ids:?}");
+        self.cmd(&["CLIENT", "KILL", "ID", &ids[0].to_string()]);
+        for _ in 0..more {
+            assert!(take().await.allowed);
+        }
+        assert_eq!(self.client_ids(), &ids[1..], "only the line is connected");
+        assert_eq!(conn.lines_open(&addr), 1);
     }
 
     /// [`RedisServer::cmd`], `None` when the server cannot be reached or
