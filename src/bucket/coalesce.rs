@@ -4,11 +4,13 @@
 //! needs Redis takes a ticket in this worker's [`Coalesced`] client, a
 //! queue kept on the worker's own thread (no message crosses threads, no
 //! channel, no lock). When fewer calls than `redis.max_calls_in_flight`
-//! (1 by default) are in flight, the decision goes out at once, with
-//! whatever waits: no added wait at low load. Decisions arriving while
-//! that many are in flight queue up and ride the next call together, up
-//! to `redis.max_keys_per_call` keys in one script call with one reading
-//! of Redis's clock. On a Redis Cluster a call holds the keys of one hash
+//! (1 by default) are in flight, the decision goes out in the worker's
+//! current turn, once the tasks it was already woken for have run: the
+//! decisions of requests that arrived together ride one call, and a lone
+//! one waits for nothing. Decisions arriving while that many calls are in
+//! flight queue up and ride the next call together, up to
+//! `redis.max_keys_per_call` keys in one script call with one reading of
+//! Redis's clock. On a Redis Cluster a call holds the keys of one hash
 //! slot (every bucket of a tenant shares its slot through the `{tenant}`
 //! hash tag; sub-bucket keys have their own): each slot has its own calls
 //! in flight and its own queue.
@@ -20,10 +22,11 @@
 //!
 //! A decision costs no allocation, channel or timer of its own once the
 //! worker is warm: tickets, key buffers and batches are reused, a decision
-//! waits on its ticket (the call's task wakes it), and only a call has a
-//! task and a timer. Each call is bounded by `redis.timeout_ms` and
-//! reported (by the store) to the breaker of the primary it went to, once,
-//! success or failure; when it fails every decision in it hears
+//! waits on its ticket (the sender's task wakes it), only a call has a
+//! timer, and one task sends a group's calls back to back while decisions
+//! wait. Each call is bounded by `redis.timeout_ms` and reported (by the
+//! store) to the breaker of the primary it went to, once, success or
+//! failure; when it fails every decision in it hears
 //! [`RedisCallError::CallFailed`] and is decided locally. A decision waits
 //! less than two timeouts in all: one that has waited a timeout by the
 //! time its call would go out (the calls ahead of it were slow) is decided
@@ -297,8 +300,8 @@ impl<B: BatchStore> Coalesced<B> {
         .await
     }
 
-    /// Queues the job `make` builds and sends its group's next call if
-    /// none is in flight; the ticket to wait on.
+    /// Queues the job `make` builds and starts its group's sender if
+    /// fewer than allowed run; the ticket to wait on.
     fn enqueue(&self, make: impl FnOnce(&mut Pool) -> Job) -> Result<usize, RedisCallError> {
         let mut state = self.inner.state.borrow_mut();
         if state.pool.in_use() >= MAX_WAITING {
@@ -313,27 +316,53 @@ impl<B: BatchStore> Coalesced<B> {
             Group::Server
         };
         let id = state.pool.issue(job);
-        state.queues.entry(group).waiting.push_back(id);
+        let queue = state.queues.entry(group);
+        queue.waiting.push_back(id);
+        let start = queue.in_flight < self.inner.limits.max_in_flight;
+        if start {
+            queue.in_flight += 1;
+        }
         drop(state);
-        self.dispatch(group);
+        if start {
+            let client = self.clone();
+            tokio::task::spawn_local(async move { client.send(group).await });
+        }
         Ok(id)
     }
 
-    /// Sends `group`'s next call, unless as many as allowed are in
-    /// flight: its oldest decisions still waiting, up to the cap.
-    /// Decisions that are gone are freed, and those that have waited a
-    /// timeout are decided locally, neither sent. A group with nothing
-    /// waiting and no call in flight is forgotten.
-    fn dispatch(&self, group: Group) {
+    /// One sender of `group`: makes calls one after the other while
+    /// decisions wait, then ends. Its first call takes its decisions when
+    /// the task first runs, after the tasks the worker was already woken
+    /// for: the decisions of requests that arrived together ride one call
+    /// instead of the first going alone. A finished call's successor
+    /// leaves once the decisions it answered have run on (the next turn
+    /// of the worker), with what queued meanwhile: under load the
+    /// answered requests reach their upstreams first, and the next call
+    /// carries more.
+    async fn send(&self, group: Group) {
+        while let Some((batch, keys)) = self.next_batch(group) {
+            self.inner.metrics.redis_keys_per_call(keys);
+            let answers = {
+                let items: Vec<Item<'_>> = batch.iter().map(|(_, job)| job.item()).collect();
+                answers_for(&self.inner.redis, &self.inner.metrics, &items, keys).await
+            };
+            self.settle(batch, answers);
+            // The next call leaves after the decisions just answered have
+            // run on, and with whatever arrived meanwhile.
+            tokio::task::yield_now().await;
+        }
+    }
+
+    /// `group`'s next call: its oldest decisions still waiting, up to the
+    /// cap, and their key count. Decisions that are gone are freed, and
+    /// those that have waited a timeout are decided locally, neither sent.
+    /// None when nothing is left to send: the sender then ends, and a
+    /// group with nothing waiting and no sender is forgotten.
+    fn next_batch(&self, group: Group) -> Option<(Vec<(usize, Job)>, usize)> {
         let inner = &*self.inner;
         let mut guard = inner.state.borrow_mut();
         let state = &mut *guard;
-        let Some(queue) = state.queues.get_mut(group) else {
-            return;
-        };
-        if queue.in_flight >= inner.limits.max_in_flight {
-            return;
-        }
+        let queue = state.queues.get_mut(group)?;
         let pool = &mut state.pool;
         let (now, timeout) = (Instant::now(), inner.redis.timeout());
         let mut batch = pool.spare_batches.pop().unwrap_or_default();
@@ -370,32 +399,17 @@ impl<B: BatchStore> Coalesced<B> {
         }
         if batch.is_empty() {
             pool.spare_batches.push(batch);
+            queue.in_flight -= 1;
             if queue.in_flight == 0 {
                 state.queues.forget(group);
             }
-            return;
+            return None;
         }
-        queue.in_flight += 1;
-        drop(guard);
-        inner.metrics.redis_keys_per_call(keys);
-        let client = self.clone();
-        tokio::task::spawn_local(async move {
-            let answers = {
-                let items: Vec<Item<'_>> = batch.iter().map(|(_, job)| job.item()).collect();
-                answers_for(&client.inner.redis, &client.inner.metrics, &items, keys).await
-            };
-            client.settle(group, batch, answers);
-        });
+        Some((batch, keys))
     }
 
-    /// Gives each decision of a finished call its answer, and sends the
-    /// group's next call.
-    fn settle(
-        &self,
-        group: Group,
-        mut batch: Vec<(usize, Job)>,
-        answers: Vec<Result<Answer, RedisCallError>>,
-    ) {
+    /// Gives each decision of a finished call its answer.
+    fn settle(&self, mut batch: Vec<(usize, Job)>, answers: Vec<Result<Answer, RedisCallError>>) {
         let mut state = self.inner.state.borrow_mut();
         let pool = &mut state.pool;
         for ((id, job), answer) in batch.drain(..).zip(answers) {
@@ -403,11 +417,6 @@ impl<B: BatchStore> Coalesced<B> {
             pool.answer(id, answer);
         }
         pool.spare_batches.push(batch);
-        if let Some(queue) = state.queues.get_mut(group) {
-            queue.in_flight -= 1;
-        }
-        drop(state);
-        self.dispatch(group);
     }
 }
 
@@ -642,6 +651,22 @@ mod tests {
     }
 
     #[actix_web::test]
+    async fn decisions_of_requests_that_arrive_together_ride_one_call() {
+        tokio::time::pause();
+        let (store, gate, client) = setup(16, false);
+        let started = tokio::time::Instant::now();
+        let together: Vec<_> = (0..5)
+            .map(|i| send(&client, &format!("rl2:{{t{i}}}:r")))
+            .collect();
+        for decision in together {
+            assert!(decision.await.unwrap().unwrap().decision.allowed);
+        }
+        assert_eq!(started.elapsed(), Duration::ZERO, "no added wait");
+        assert_eq!(store.batch_sizes(), [5], "no call in flight, yet one call");
+        assert_eq!(gate.drain().successes, 1);
+    }
+
+    #[actix_web::test]
     async fn decisions_arriving_during_a_call_ride_the_next_one_together() {
         tokio::time::pause();
         let (store, gate, client) = setup(16, false);
@@ -673,9 +698,9 @@ mod tests {
             "none waited for the slow call"
         );
         assert!(first.await.unwrap().is_ok());
-        // The first rider went out beside the slow call, alone; the other
-        // two waited for it and rode the next call together.
-        assert_eq!(store.batch_sizes(), [1, 1, 2]);
+        // The riders, queued in one turn of the worker, went out together
+        // beside the slow call.
+        assert_eq!(store.batch_sizes(), [1, 3]);
     }
 
     /// Sends the three limits of one request (tenant `t`) from a task of
@@ -842,6 +867,8 @@ mod tests {
             assert!(rider.await.unwrap().unwrap().decision.allowed);
         }
         assert_eq!(store.batches().concat(), ["rl2:{first}:r", "rl2:{t1}:r"]);
+        // The sender ends when it next finds nothing to send.
+        tokio::task::yield_now().await;
         let state = client.inner.state.borrow();
         assert_eq!(state.pool.in_use(), 0, "every ticket is free again");
         assert!(
