@@ -33,11 +33,12 @@
 //! locally instead and never sent, and so is one whose request is gone, so
 //! neither spends tokens nobody uses.
 
+mod tickets;
+
 use std::cell::RefCell;
-use std::collections::{HashMap, VecDeque};
 use std::pin::Pin;
 use std::rc::Rc;
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use futures_util::future::join_all;
@@ -49,178 +50,7 @@ use super::redis::RedisBucket;
 use super::store::{Answer, BatchStore, Item, SharedStore};
 use crate::redis_client::RedisCallError;
 use crate::telemetry::{Metrics, RedisErrorKind};
-
-/// Which calls may share a script call: every key on a single server, the
-/// keys of one hash slot on a Cluster.
-#[derive(Debug, Clone, Copy)]
-enum Group {
-    /// One Redis server: one group.
-    Server,
-    /// One slot of a Redis Cluster.
-    Slot(Slot),
-}
-
-/// A decision waiting for a call, owning what the call needs of it.
-enum Job {
-    /// One bucket: its key, the bucket in force, what to take.
-    One(String, BucketSpec, Ask),
-    /// Every limit of one request (each limit's key, and the limit in
-    /// force), and what to take from each.
-    Group(Vec<(String, GroupLimit)>, Ask),
-}
-
-impl Job {
-    /// What the store is asked for it.
-    fn item(&self) -> Item<'_> {
-        match self {
-            Self::One(key, spec, ask) => Item::One(key, *spec, *ask),
-            Self::Group(limits, ask) => Item::Group(limits, *ask),
-        }
-    }
-}
-
-/// One decision's place in the client.
-#[derive(Default)]
-struct Ticket {
-    /// Its job, until its call goes out.
-    job: Option<Job>,
-    /// When it queued.
-    queued_at: Option<Instant>,
-    /// What its call answered, until the decision reads it.
-    answer: Option<Result<Answer, RedisCallError>>,
-    /// Who to wake when the answer comes.
-    waker: Option<Waker>,
-    /// Whether the decision stopped waiting (its request is gone).
-    gone: bool,
-}
-
-/// The decisions of one group, and its calls in flight.
-#[derive(Default)]
-struct Queue {
-    /// Tickets not sent yet, oldest first.
-    waiting: VecDeque<usize>,
-    /// How many calls of this group are in flight.
-    in_flight: usize,
-}
-
-/// Everything the client keeps between calls.
-#[derive(Default)]
-struct State {
-    /// Each group with decisions waiting or a call in flight.
-    queues: Queues,
-    /// The tickets and the buffers kept for reuse.
-    pool: Pool,
-}
-
-/// The queue of each group: one for a single server, found without
-/// hashing; one per slot with work on a Cluster.
-#[derive(Default)]
-struct Queues {
-    /// The single server's.
-    server: Queue,
-    /// Each slot's with decisions waiting or a call in flight.
-    slots: HashMap<Slot, Queue>,
-}
-
-impl Queues {
-    /// `group`'s queue, made when it has none.
-    fn entry(&mut self, group: Group) -> &mut Queue {
-        match group {
-            Group::Server => &mut self.server,
-            Group::Slot(slot) => self.slots.entry(slot).or_default(),
-        }
-    }
-
-    /// `group`'s queue, if it has one.
-    fn get_mut(&mut self, group: Group) -> Option<&mut Queue> {
-        match group {
-            Group::Server => Some(&mut self.server),
-            Group::Slot(slot) => self.slots.get_mut(&slot),
-        }
-    }
-
-    /// Forgets `group`'s queue, which holds nothing.
-    fn forget(&mut self, group: Group) {
-        if let Group::Slot(slot) = group {
-            self.slots.remove(&slot);
-        }
-    }
-}
-
-/// Tickets, and the buffers of finished jobs and calls kept for the next.
-#[derive(Default)]
-struct Pool {
-    /// Every ticket, in use or free.
-    tickets: Vec<Ticket>,
-    /// Tickets free for the next decisions.
-    free: Vec<usize>,
-    /// Key buffers of finished jobs.
-    spare_keys: Vec<String>,
-    /// Limit lists of finished group jobs.
-    spare_limits: Vec<Vec<(String, GroupLimit)>>,
-    /// Batches of finished calls.
-    spare_batches: Vec<Vec<(usize, Job)>>,
-}
-
-impl Pool {
-    /// A ticket for `job`.
-    fn issue(&mut self, job: Job) -> usize {
-        let ticket = Ticket {
-            job: Some(job),
-            queued_at: Some(Instant::now()),
-            ..Ticket::default()
-        };
-        match self.free.pop() {
-            Some(id) => {
-                self.tickets[id] = ticket;
-                id
-            }
-            None => {
-                self.tickets.push(ticket);
-                self.tickets.len() - 1
-            }
-        }
-    }
-
-    /// Tickets in use.
-    fn in_use(&self) -> usize {
-        self.tickets.len() - self.free.len()
-    }
-
-    /// Frees ticket `id`, keeping its job's buffers.
-    fn release(&mut self, id: usize) {
-        let ticket = std::mem::take(&mut self.tickets[id]);
-        if let Some(job) = ticket.job {
-            self.recycle(job);
-        }
-        self.free.push(id);
-    }
-
-    /// Keeps `job`'s buffers for the next jobs.
-    fn recycle(&mut self, job: Job) {
-        match job {
-            Job::One(mut key, ..) => {
-                key.clear();
-                self.spare_keys.push(key);
-            }
-            Job::Group(limits, _) => self.spare_limits.push(limits),
-        }
-    }
-
-    /// Answers ticket `id` with `answer` and wakes its decision, or frees
-    /// the ticket when its decision is gone.
-    fn answer(&mut self, id: usize, answer: Result<Answer, RedisCallError>) {
-        let ticket = &mut self.tickets[id];
-        if ticket.gone {
-            self.release(id);
-            return;
-        }
-        ticket.answer = Some(answer);
-        if let Some(waker) = ticket.waker.take() {
-            waker.wake();
-        }
-    }
-}
+use tickets::{Group, Job, Pool, State};
 
 /// What one worker's client keeps.
 struct Inner<B> {
