@@ -177,10 +177,28 @@ impl<B: BatchStore> Coalesced<B> {
                 answers_for(&self.inner.redis, &self.inner.metrics, &items, keys).await
             };
             self.settle(batch, answers);
+            if self.ends_if_idle(group) {
+                return;
+            }
             // The next call leaves after the decisions just answered have
             // run on, and with whatever arrived meanwhile.
             tokio::task::yield_now().await;
         }
+    }
+
+    /// Ends this sender of `group` when no decision waits: a lone call
+    /// (low load) costs no extra turn of the worker, and a decision that
+    /// comes later starts a sender of its own. Whether it ended.
+    fn ends_if_idle(&self, group: Group) -> bool {
+        let mut state = self.inner.state.borrow_mut();
+        let idle = state
+            .queues
+            .get_mut(group)
+            .is_none_or(|queue| queue.waiting.is_empty());
+        if idle {
+            state.queues.sender_ends(group);
+        }
+        idle
     }
 
     /// `group`'s next call: its oldest decisions still waiting, up to the
@@ -229,10 +247,7 @@ impl<B: BatchStore> Coalesced<B> {
         }
         if batch.is_empty() {
             pool.spare_batches.push(batch);
-            queue.in_flight -= 1;
-            if queue.in_flight == 0 {
-                state.queues.forget(group);
-            }
+            state.queues.sender_ends(group);
             return None;
         }
         Some((batch, keys))

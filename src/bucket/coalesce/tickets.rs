@@ -107,9 +107,16 @@ impl Queues {
         }
     }
 
-    /// Forgets `group`'s queue, which holds nothing.
-    pub(super) fn forget(&mut self, group: Group) {
-        if let Group::Slot(slot) = group {
+    /// One of `group`'s senders ends, nothing waiting for it: the queue
+    /// is forgotten once no sender is left.
+    pub(super) fn sender_ends(&mut self, group: Group) {
+        let Some(queue) = self.get_mut(group) else {
+            return;
+        };
+        queue.in_flight -= 1;
+        if queue.in_flight == 0
+            && let Group::Slot(slot) = group
+        {
             self.slots.remove(&slot);
         }
     }
