@@ -3,11 +3,11 @@
 //! `tests/fixtures/usage_upstream.py`): the reservation up front, usage
 //! from the answer's head or from the trailers of a chunked event stream,
 //! refunds, a reservation header, answers that report nothing or break
-//! off, a budget that goes into debt, Redis failing between the
-//! reservation and the settlement, a client that leaves mid-stream, a
-//! client speaking HTTP/2, a gateway
-//! killed mid-answer, and hyper's server (the demo's upstream), which
-//! sends trailers only when asked.
+//! off, a budget that goes into debt, a rule in shadow mode, Redis
+//! failing between the reservation and the settlement, a client that
+//! leaves mid-stream, a client speaking HTTP/2, a gateway killed
+//! mid-answer, and hyper's server (the demo's upstream), which sends
+//! trailers only when asked.
 
 #![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
 
@@ -31,8 +31,13 @@ fn rules() -> String {
 /// A gateway with route llm (usage in `X-Usage`, 10 reserved, or what
 /// `X-Reserve` asks up to 100) in front of the fixture, and the check.
 fn stack(tag: &str, up: &UsageUpstream) -> Stack {
+    stack_under(tag, up, &rules())
+}
+
+/// The same gateway under `rules`.
+fn stack_under(tag: &str, up: &UsageUpstream, rules: &str) -> Stack {
     let port = up.port;
-    Stack::start(tag, &rules(), |c, _| {
+    Stack::start(tag, rules, |c, _| {
         c.extra = format!(
             "[[routes]]\nid = \"llm\"\npath_prefix = \"/llm\"\n\
              upstream = \"http://127.0.0.1:{port}\"\nusage_header = \"x-usage\"\n\
@@ -182,6 +187,29 @@ fn an_answer_that_reports_nothing_or_breaks_off_keeps_its_reservation() {
         (1..=common::STEADY_WINDOW_SECONDS).contains(&wait),
         "Retry-After {wait}"
     );
+}
+
+#[test]
+fn a_request_let_through_in_shadow_mode_is_charged_its_whole_usage() {
+    let up = UsageUpstream::start();
+    let rules = format!(
+        "[[rule]]\ntenant = \"acme\"\nroute = \"llm\"\nmode = \"shadow\"\n{}",
+        common::steady_quota(100)
+    );
+    let s = stack_under("usage-shadow", &up, &rules);
+    let (addr, check) = (s.gw.addr, s.gw.check.unwrap());
+    // Admitted: 10 reserved, 70 used.
+    assert_eq!(get(addr, "header?used=70", "").status, 200);
+    settles_at(check, 30);
+    // 50 asked of 30 left: refused in shadow mode only, so it goes on
+    // having taken nothing, and its 20 used are charged whole (not 20 − 50
+    // given back).
+    let res = get(addr, "header?used=20", "X-Reserve: 50\r\n");
+    assert_eq!(res.status, 200, "{}", res.body);
+    settles_at(check, 10);
+    // Reporting nothing, such a request costs nothing.
+    assert_eq!(get(addr, "none", "X-Reserve: 50\r\n").status, 200);
+    assert_eq!(left(check), 10);
 }
 
 #[test]

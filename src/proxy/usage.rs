@@ -86,20 +86,21 @@ struct Parts {
     route: RouteId,
     /// The usage header, looked up in the trailers when the head has none.
     header: hyper::header::HeaderName,
-    /// Tokens taken up front.
-    reserved: NonZeroU32,
+    /// Tokens taken up front: none for a request let through in shadow
+    /// mode, which took nothing.
+    reserved: u32,
 }
 
 impl Settlement {
     /// The settlement of a request by `tenant` on `route` (whose answers
-    /// report usage under `header`) that reserved `reserved`.
+    /// report usage under `header`) that took `reserved` tokens up front.
     pub(super) fn new(
         limiter: &Limiter,
         state: &Arc<ProxyState>,
         tenant: &TenantId,
         route: &RouteId,
         header: &hyper::header::HeaderName,
-        reserved: NonZeroU32,
+        reserved: u32,
     ) -> Self {
         Self {
             parts: Some(Parts {
@@ -136,9 +137,10 @@ impl Settlement {
 impl Drop for Settlement {
     fn drop(&mut self) {
         if let Some(parts) = &self.parts
+            && parts.reserved > 0
             && let Ok(route) = parts.state.routes.named(parts.route.as_str())
         {
-            let reserved = u64::from(parts.reserved.get());
+            let reserved = u64::from(parts.reserved);
             route.metrics.usage(UsageKind::Expired, reserved);
         }
     }
@@ -150,7 +152,7 @@ impl Parts {
     fn settle(self, used: u64) {
         let amount = i64::try_from(used)
             .unwrap_or(i64::MAX)
-            .saturating_sub(i64::from(self.reserved.get()));
+            .saturating_sub(i64::from(self.reserved));
         if amount == 0 {
             return;
         }

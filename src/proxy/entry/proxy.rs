@@ -123,10 +123,13 @@ pub(super) async fn handle(
         if let Some(note) = note.as_deref_mut() {
             note.source = Some(source);
         }
-        if route.spec.usage.is_some() && !refused {
+        // A request let through in shadow mode took nothing: its usage is
+        // charged whole when settled.
+        let reserved = if shadowed { 0 } else { cost.get() };
+        if route.spec.usage.is_some() && !refused && reserved > 0 {
             route
                 .metrics
-                .usage(UsageKind::Reserved, u64::from(cost.get()));
+                .usage(UsageKind::Reserved, u64::from(reserved));
         }
         if refused {
             count(Outcome::Rejected);
@@ -139,7 +142,14 @@ pub(super) async fn handle(
         // is counted as expired.
         let settlement = route.spec.usage.as_ref().map(|usage| {
             let limiter = &worker.limiter;
-            Settlement::new(limiter, state, &tenant, &route.spec.id, &usage.header, cost)
+            Settlement::new(
+                limiter,
+                state,
+                &tenant,
+                &route.spec.id,
+                &usage.header,
+                reserved,
+            )
         });
         let started = state.clock.now_micros();
         // A failed exchange may leave some of the body unread.
