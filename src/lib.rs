@@ -24,7 +24,8 @@
 //! ```
 //!
 //! Layers, lowest first; a module uses only its own layer or lower ones:
-//! 1. [`config`], [`clock`], [`key`], [`path`], [`telemetry`], [`tls`]
+//! 1. [`config`], [`clock`], [`key`], [`path`], [`json_body`], [`telemetry`],
+//!    [`tls`]
 //! 2. [`db`], [`rules`], [`breaker`], [`redis_client`], [`cluster`], [`region`]
 //! 3. [`bucket`]
 //! 4. [`proxy`], [`admin`]
@@ -44,6 +45,7 @@ pub mod cluster;
 pub mod config;
 pub mod db;
 pub mod demo;
+pub mod json_body;
 pub mod key;
 pub mod path;
 pub mod proxy;

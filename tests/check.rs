@@ -67,7 +67,7 @@ fn post_v1_check_answers_the_decision_and_refuses_bad_input() {
     for (body, expected) in [
         (
             r#"{"tenant": "acme", "rout": "api"}"#,
-            "unknown field `rout`",
+            "rout: is not a field here (the fields: tenant, route, cost, request_id)",
         ),
         (
             r#"{"tenant": "acme", "route": "nope"}"#,
@@ -81,7 +81,7 @@ fn post_v1_check_answers_the_decision_and_refuses_bad_input() {
             r#"{"tenant": "acme", "route": "api", "cost": 0}"#,
             "cost must be between 1",
         ),
-        ("not json", "body:"),
+        ("not json", "body: is not valid JSON"),
     ] {
         let res = ask(body);
         assert_eq!(res.status, 400, "{body}: {}", res.body);
@@ -140,7 +140,7 @@ fn post_v1_charge_takes_usage_past_zero_and_a_negative_cost_gives_it_back() {
         ),
         (
             r#"{"tenant": "acme", "route": "api", "cost": 1.5}"#,
-            "body:",
+            "cost: holds a value this field does not take",
         ),
         (
             r#"{"tenant": "acme", "route": "nope", "cost": 1}"#,

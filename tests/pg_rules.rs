@@ -254,12 +254,12 @@ async fn invalid_writes_are_refused_with_the_field_and_change_nothing() {
         (
             "/admin/rules/keep/api",
             r#"{"capacity": 5, "refill_per_second": 1, "capacity": 5000}"#,
-            "body",
+            "capacity",
         ),
         (
             "/admin/rules/keep/api",
             r#"{"capacity": 5, "refill_per_second": 1, "limits": [{"quota": 9, "window": "day", "quota": 1}]}"#,
-            "body",
+            "limits[0].quota",
         ),
         ("/admin/rules/ke%7Bep/api", ok, "tenant"),
         (

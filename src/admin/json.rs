@@ -6,88 +6,115 @@
 //! `capacity` would otherwise let whatever wrote the body, or a proxy that
 //! rewrote part of it, decide which limit is stored.
 
+use std::cell::RefCell;
 use std::fmt;
 
-use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
+use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::{Map, Value};
 
-/// A [`Value`] whose objects name each key once.
-struct Strict(Value);
+use crate::json_body::{self, Fault};
 
-impl<'de> Deserialize<'de> for Strict {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        deserializer.deserialize_any(StrictVisitor)
+/// Builds a [`Value`] whose objects name each key once; the first key
+/// named twice is kept in `twice`, for the fault to name it.
+#[derive(Clone, Copy)]
+struct Strict<'a> {
+    /// The key named twice, once met.
+    twice: &'a RefCell<Option<String>>,
+}
+
+impl<'de> DeserializeSeed<'de> for Strict<'_> {
+    type Value = Value;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Value, D::Error> {
+        deserializer.deserialize_any(self)
     }
 }
 
-/// Builds a [`Strict`] value, refusing repeated keys.
-struct StrictVisitor;
-
-impl<'de> Visitor<'de> for StrictVisitor {
-    type Value = Strict;
+impl<'de> Visitor<'de> for Strict<'_> {
+    type Value = Value;
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("a JSON value")
     }
 
-    fn visit_bool<E>(self, v: bool) -> Result<Strict, E> {
-        Ok(Strict(Value::Bool(v)))
+    fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
+        Ok(Value::Bool(v))
     }
 
-    fn visit_i64<E>(self, v: i64) -> Result<Strict, E> {
-        Ok(Strict(Value::from(v)))
+    fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
+        Ok(Value::from(v))
     }
 
-    fn visit_u64<E>(self, v: u64) -> Result<Strict, E> {
-        Ok(Strict(Value::from(v)))
+    fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
+        Ok(Value::from(v))
     }
 
-    fn visit_f64<E>(self, v: f64) -> Result<Strict, E> {
-        Ok(Strict(Value::from(v)))
+    fn visit_f64<E>(self, v: f64) -> Result<Value, E> {
+        Ok(Value::from(v))
     }
 
-    fn visit_str<E>(self, v: &str) -> Result<Strict, E> {
-        Ok(Strict(Value::String(v.to_owned())))
+    fn visit_str<E>(self, v: &str) -> Result<Value, E> {
+        Ok(Value::String(v.to_owned()))
     }
 
-    fn visit_string<E>(self, v: String) -> Result<Strict, E> {
-        Ok(Strict(Value::String(v)))
+    fn visit_string<E>(self, v: String) -> Result<Value, E> {
+        Ok(Value::String(v))
     }
 
-    fn visit_unit<E>(self) -> Result<Strict, E> {
-        Ok(Strict(Value::Null))
+    fn visit_unit<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
     }
 
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Strict, A::Error> {
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
         let mut list = Vec::new();
-        while let Some(Strict(item)) = seq.next_element()? {
+        while let Some(item) = seq.next_element_seed(self)? {
             list.push(item);
         }
-        Ok(Strict(Value::Array(list)))
+        Ok(Value::Array(list))
     }
 
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Strict, A::Error> {
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
         let mut object = Map::new();
         while let Some(key) = map.next_key::<String>()? {
             if object.contains_key(&key) {
-                return Err(de::Error::custom(format_args!(
-                    "the key \"{}\" comes twice",
-                    key.escape_debug()
-                )));
+                *self.twice.borrow_mut() = Some(key);
+                return Err(de::Error::custom("a key comes twice"));
             }
-            let Strict(value) = map.next_value()?;
+            let value = map.next_value_seed(self)?;
             object.insert(key, value);
         }
-        Ok(Strict(Value::Object(object)))
+        Ok(Value::Object(object))
     }
 }
 
 /// Parses `body` as JSON whose objects name every key once.
 ///
 /// # Errors
-/// `serde_json`'s error for malformed JSON, or one naming the repeated key.
-pub(super) fn parse(body: &[u8]) -> Result<Value, serde_json::Error> {
-    serde_json::from_slice::<Strict>(body).map(|Strict(value)| value)
+/// A [`Fault`] naming where the JSON is malformed, or the key named twice
+/// (with the path of its object).
+pub(super) fn parse(body: &[u8]) -> Result<Value, Fault> {
+    let twice = RefCell::new(None);
+    let mut track = serde_path_to_error::Track::new();
+    let mut json = serde_json::Deserializer::from_slice(body);
+    let parsed = Strict { twice: &twice }
+        .deserialize(serde_path_to_error::Deserializer::new(
+            &mut json, &mut track,
+        ))
+        .and_then(|value| json.end().map(|()| value));
+    parsed.map_err(|e| {
+        let path = track.path().to_string();
+        match twice.take() {
+            Some(key) => Fault {
+                field: if path == "." {
+                    key
+                } else {
+                    format!("{path}.{key}")
+                },
+                problem: "comes twice in one object".to_owned(),
+            },
+            None => json_body::fault_of(path, &e),
+        }
+    })
 }
 
 #[cfg(test)]
@@ -96,12 +123,20 @@ mod tests {
 
     #[test]
     fn a_key_named_twice_at_any_depth_is_refused() {
-        let refused = |body: &str| parse(body.as_bytes()).unwrap_err().to_string();
-        assert!(
-            refused(r#"{"capacity": 5, "capacity": 500}"#).contains("\"capacity\" comes twice")
+        let refused = |body: &str| parse(body.as_bytes()).unwrap_err().field;
+        assert_eq!(refused(r#"{"capacity": 5, "capacity": 500}"#), "capacity");
+        assert_eq!(
+            refused(r#"{"shares": {"eu": 0.5, "eu": 0.7}}"#),
+            "shares.eu"
         );
-        assert!(refused(r#"{"shares": {"eu": 0.5, "eu": 0.7}}"#).contains("\"eu\" comes twice"));
-        assert!(refused(r#"{"limits": [{"quota": 1, "quota": 2}]}"#).contains("\"quota\""));
+        assert_eq!(
+            refused(r#"{"limits": [{"quota": 1, "quota": 2}]}"#),
+            "limits[0].quota"
+        );
+        assert_eq!(
+            parse(br#"{"a": 1, "a": 2}"#).unwrap_err().to_string(),
+            "a: comes twice in one object"
+        );
     }
 
     #[test]

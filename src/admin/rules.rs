@@ -16,6 +16,7 @@ use super::error::AdminError;
 use super::{AdminState, authorize_read, authorize_write, read_body, refuse};
 use crate::config::unknown_route;
 use crate::db::{RuleStore, StoredRule};
+use crate::json_body;
 use crate::key::{RouteId, TenantId, tenant_label};
 use crate::rules::model::Rule;
 use crate::rules::spec::RuleSpec;
@@ -214,7 +215,7 @@ fn parse_rule(tenant: &str, route: &str, body: &[u8]) -> Result<Rule, AdminError
     let example = "expected a JSON object such as {\"capacity\": 200, \"refill_per_second\": 100} \
                    (optional: \"limits\": [{\"quota\": 10000, \"window\": \"day\"}], \"shards\": 1..64, \"exact\": true|false, \"mode\": \"enforce\"|\"shadow\", \"name\": \"Acme\")";
     let value = super::json::parse(body)
-        .map_err(|e| AdminError::invalid("body", format!("not valid JSON ({e}); {example}")))?;
+        .map_err(|f| AdminError::invalid(f.field, format!("{}; {example}", f.problem)))?;
     let Value::Object(mut fields) = value else {
         return Err(AdminError::invalid("body", example));
     };
@@ -226,10 +227,8 @@ fn parse_rule(tenant: &str, route: &str, body: &[u8]) -> Result<Rule, AdminError
             ));
         }
     }
-    let spec: RuleSpec = serde_path_to_error::deserialize(Value::Object(fields)).map_err(|e| {
-        let field = e.path().to_string();
-        AdminError::invalid(field, e.into_inner().to_string())
-    })?;
+    let spec: RuleSpec = json_body::from_value(Value::Object(fields))
+        .map_err(|f| AdminError::invalid(f.field, f.problem))?;
     spec.validate().map_err(|problems| {
         // validate() reports at least one problem whenever it fails.
         problems.into_iter().next().map_or_else(

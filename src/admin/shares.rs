@@ -91,8 +91,7 @@ async fn put(
         Err(e) => return Err(refuse(body, e).await),
     };
     let body = read_body(body).await?;
-    let value = super::json::parse(&body)
-        .map_err(|e| AdminError::invalid("body", format!("not valid JSON: {e}")))?;
+    let value = super::json::parse(&body).map_err(|f| AdminError::invalid(f.field, f.problem))?;
     let object = value.as_object().ok_or_else(|| {
         AdminError::invalid(
             "body",

@@ -37,6 +37,7 @@ use hyper::{Method, Request, Response, StatusCode};
 use serde::Deserialize;
 
 use super::{identify_counted, request_id};
+use crate::json_body;
 use crate::key::TenantId;
 use crate::proxy::Worker;
 use crate::proxy::body::{ProxyBody, SmallBodyError, read_small};
@@ -242,8 +243,9 @@ async fn question<'a>(
             return Err(response);
         }
     };
-    let asked: CheckRequest = serde_json::from_slice(&body)
-        .map_err(|e| invalid(StatusCode::BAD_REQUEST, &format!("body: {e}")))?;
+    let fields = ["tenant", "route", "cost", "request_id"];
+    let asked: CheckRequest = json_body::read_fields(&body, &fields)
+        .map_err(|fault| invalid(StatusCode::BAD_REQUEST, &fault.to_string()))?;
     let tenant = TenantId::parse(&asked.tenant).map_err(|e| {
         let message = format!("tenant {}: {e}", quoted(&asked.tenant));
         invalid(StatusCode::BAD_REQUEST, &message)

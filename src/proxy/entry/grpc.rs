@@ -183,7 +183,7 @@ fn decode<M: prost::Message + Default>(body: &[u8]) -> Result<M, Status> {
     if message.len() != len {
         return Err(invalid("a unary call carries exactly one whole message"));
     }
-    M::decode(message).map_err(|e| invalid(&format!("the request message does not decode: {e}")))
+    M::decode(message).map_err(|_| invalid("the request message is not the method's request"))
 }
 
 #[cfg(test)]
