@@ -33,6 +33,7 @@ mod discover;
 mod error;
 mod line;
 mod node;
+mod script_call;
 pub mod topology;
 mod watch;
 
@@ -44,8 +45,8 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Cmd, ErrorKind, FromRedisValue, RedisResult, Script, ServerErrorKind};
 
 pub use error::RedisCallError;
-pub use line::{LuaScript, Reply, ScriptCall};
 pub use node::{NodeAddr, SetupError};
+pub use script_call::{LuaScript, Reply, ScriptCall};
 pub use topology::{Health, Layout, Mode, Topology};
 
 use crate::clock::SharedClock;
