@@ -48,7 +48,7 @@ impl RouteTable {
                 .enumerate()
                 .map(|(index, spec)| Route {
                     index,
-                    metrics: RouteMetrics::new(spec.id.as_str()),
+                    metrics: RouteMetrics::new(&spec.id),
                     spec: spec.clone(),
                 })
                 .collect(),

@@ -13,7 +13,7 @@ use arc_swap::ArcSwap;
 use metrics::{Counter, Histogram};
 
 use super::{REQUESTS_TOTAL, UPSTREAM_SECONDS, USAGE_TOKENS_TOTAL, UsageKind};
-use crate::key::{TenantName, full_fingerprint, tenant_label};
+use crate::key::{RouteId, TenantName, full_fingerprint, tenant_label};
 
 /// Number of [`Outcome`]s.
 const OUTCOMES: usize = 10;
@@ -112,7 +112,8 @@ pub struct RouteMetrics {
 
 impl RouteMetrics {
     /// Registers the series of `route`.
-    pub fn new(route: &str) -> Self {
+    pub fn new(route: &RouteId) -> Self {
+        let route = route.as_str();
         Self {
             upstream: metrics::histogram!(UPSTREAM_SECONDS, "route" => route.to_owned()),
             usage: UsageKind::ALL.map(|kind| {
