@@ -192,20 +192,22 @@ fn demo_banner(dir: &std::path::Path) -> String {
 
     // Port 0 everywhere: the banner is all this reads, and no port is
     // taken from under another test.
-    let mut child = tollgate()
-        .arg("demo")
-        .current_dir(dir)
-        .env("TMPDIR", dir)
-        .env("TOLLGATE__SERVER__LISTEN", "127.0.0.1:0")
-        .env("TOLLGATE__SERVER__ADMIN_LISTEN", "127.0.0.1:0")
-        .env("TOLLGATE__REDIS__URL", "")
-        .env("TOLLGATE__ROUTES__0__UPSTREAM", "http://127.0.0.1:0")
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = common::KillOnDrop(
+        tollgate()
+            .arg("demo")
+            .current_dir(dir)
+            .env("TMPDIR", dir)
+            .env("TOLLGATE__SERVER__LISTEN", "127.0.0.1:0")
+            .env("TOLLGATE__SERVER__ADMIN_LISTEN", "127.0.0.1:0")
+            .env("TOLLGATE__REDIS__URL", "")
+            .env("TOLLGATE__ROUTES__0__UPSTREAM", "http://127.0.0.1:0")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
     let mut seen = String::new();
-    for line in BufReader::new(child.stdout.take().unwrap()).lines() {
+    for line in BufReader::new(child.0.stdout.take().unwrap()).lines() {
         let line = line.unwrap();
         seen.push_str(&line);
         seen.push('\n');
@@ -213,8 +215,7 @@ fn demo_banner(dir: &std::path::Path) -> String {
             break;
         }
     }
-    let _ = child.kill();
-    let _ = child.wait();
+    child.kill();
     seen
 }
 

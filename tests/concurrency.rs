@@ -14,10 +14,9 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use common::{Fleet, GatewayProcess, RawResponse, RedisServer, Stack, TempDir, Upstream};
-use common::{GatewayConfig, metric, wait_until};
+use common::{GatewayConfig, eventually, eventually_timed, metric, wait_until};
 use common::{raw_http, raw_http_with_body};
 use redis::AsyncCommands;
-use tollgate::clock::{Clock, SystemClock};
 
 /// Three of acme's requests at once, and plenty of tokens.
 const RULES: &str = "[[rule]]\ntenant = \"acme\"\nroute = \"api\"\n\
@@ -58,8 +57,8 @@ async fn at_most_n_requests_are_in_flight_across_gateways_until_their_answers_en
     assert_eq!(fleet.up.most_slow_at_once(), 3);
     // Every slot comes back with its answer (given back just after its
     // last byte has gone): three more pass at once.
-    let mut redis = fleet.redis.conn().await;
-    released(&mut redis).await;
+    let redis = fleet.redis.conn().await;
+    released(&redis).await;
     let calls: Vec<_> = (0..3)
         .map(|i| {
             let addr = addrs[i % 2];
@@ -69,24 +68,29 @@ async fn at_most_n_requests_are_in_flight_across_gateways_until_their_answers_en
     for call in calls {
         assert_eq!(call.join().unwrap().status, 200);
     }
-    released(&mut redis).await;
+    released(&redis).await;
     // The gauge is this process's, which other tests share for a moment.
-    let mut tries = 0;
-    while metric(&fleet.gateways[0], "tollgate_slots_held").await != Some(0.0) {
-        tries += 1;
-        assert!(tries < 100, "tollgate_slots_held never came back to 0");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let gw = &fleet.gateways[0];
+    assert!(
+        eventually(Duration::from_secs(2), || async {
+            metric(gw, "tollgate_slots_held").await == Some(0.0)
+        })
+        .await,
+        "tollgate_slots_held never came back to 0"
+    );
 }
 
 /// Waits (up to 2 s) until acme holds no slot.
-async fn released(redis: &mut redis::aio::MultiplexedConnection) {
-    let mut tries = 0;
-    while redis.zcard::<_, u64>(SLOTS_KEY).await.unwrap() > 0 {
-        tries += 1;
-        assert!(tries < 100, "acme's slots were not given back");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+async fn released(redis: &redis::aio::MultiplexedConnection) {
+    assert!(
+        eventually(Duration::from_secs(2), || async { held(redis).await == 0 }).await,
+        "acme's slots were not given back"
+    );
+}
+
+/// How many slots acme holds.
+async fn held(redis: &redis::aio::MultiplexedConnection) -> u64 {
+    redis.clone().zcard(SLOTS_KEY).await.unwrap()
 }
 
 /// A gateway process on `redis` and `up`, acme's slots leased for 1 s.
@@ -114,32 +118,24 @@ async fn the_slots_of_a_killed_gateway_come_back_within_the_lease() {
         // Cut off when its gateway dies: no answer to check.
         std::panic::catch_unwind(|| slow(doomed_addr, 30_000)).ok()
     });
-    let mut conn = redis.conn().await;
-    let mut tries = 0;
-    while conn.zcard::<_, u64>(SLOTS_KEY).await.unwrap() == 0 {
-        tries += 1;
-        assert!(tries < 100, "the long request never took acme's one slot");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let conn = redis.conn().await;
+    assert!(
+        eventually(Duration::from_secs(5), || async { held(&conn).await > 0 }).await,
+        "the long request never took acme's one slot"
+    );
     // Held past two leases: the doomed gateway renews it.
     tokio::time::sleep(Duration::from_millis(2_500)).await;
     let refused = slow(at(&survivor), 10);
     assert_eq!(refused.status, 429, "{refused:?}");
     doomed.kill();
-    let clock = SystemClock::new();
-    let killed = clock.now_ms();
-    let mut back = None;
-    while clock.now_ms() - killed < 5_000 {
-        if slow(at(&survivor), 10).status == 200 {
-            back = Some(clock.now_ms() - killed);
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let back = back.expect("the killed gateway's slot never came back");
+    let back = eventually_timed(Duration::from_secs(5), || async {
+        slow(at(&survivor), 10).status == 200
+    })
+    .await
+    .expect("the killed gateway's slot never came back");
     // Within the lease (1 s) after its last renewal, which came before
     // the kill (with room for a loaded machine's polling).
-    assert!(back <= 1_800, "back after {back} ms");
+    assert!(back <= Duration::from_millis(1_800), "back after {back:?}");
     let _ = long.join();
 }
 

@@ -18,8 +18,8 @@ use std::time::Duration;
 
 use common::peers::{Listening, assert_acme_gets_three, shipped_config};
 use common::{
-    GatewayConfig, GatewayProcess, RawResponse, RedisServer, TempDir, Upstream, raw_http,
-    wait_until,
+    GatewayConfig, GatewayProcess, RawResponse, RedisServer, TempDir, Upstream, eventually,
+    raw_http, wait_until,
 };
 use tollgate::clock::{Clock, SystemClock};
 
@@ -367,18 +367,17 @@ async fn a_concurrency_slot_is_held_until_envoys_stream_is_done() {
             })
         })
         .collect();
-    let mut conn = redis.conn().await;
-    let key = "rl2:{acme}:api#1c";
-    let mut tries = 0;
-    while redis::AsyncCommands::zcard::<_, u64>(&mut conn, key)
-        .await
-        .unwrap()
-        < 2
-    {
-        tries += 1;
-        assert!(tries < 100, "the two streams never held both slots");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let conn = redis.conn().await;
+    let held = || async {
+        let mut conn = conn.clone();
+        redis::AsyncCommands::zcard::<_, u64>(&mut conn, "rl2:{acme}:api#1c")
+            .await
+            .unwrap()
+    };
+    assert!(
+        eventually(Duration::from_secs(2), || async { held().await >= 2 }).await,
+        "the two streams never held both slots"
+    );
     let refused = envoy.get("/v1/header?used=1", Some("acme"));
     assert_eq!(refused.status, 429, "{refused:?}");
     for stream in streams {
@@ -387,16 +386,10 @@ async fn a_concurrency_slot_is_held_until_envoys_stream_is_done() {
         assert!(res.body.contains("data: token 4"), "{}", res.body);
     }
     // Envoy releases each slot when its stream is done.
-    let mut tries = 0;
-    while redis::AsyncCommands::zcard::<_, u64>(&mut conn, key)
-        .await
-        .unwrap()
-        > 0
-    {
-        tries += 1;
-        assert!(tries < 100, "the slots were not released");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    assert!(
+        eventually(Duration::from_secs(2), || async { held().await == 0 }).await,
+        "the slots were not released"
+    );
     for _ in 0..3 {
         assert_eq!(envoy.get("/v1/header?used=1", Some("acme")).status, 200);
     }

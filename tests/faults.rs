@@ -11,58 +11,42 @@ mod common;
 use std::time::Duration;
 
 use common::{
-    Gateway, GatewayConfig, RedisCluster, RedisServer, Stack, TempDir, Upstream,
-    assert_limit_becomes, client, eventually, get, get_as, limit_of, ready,
+    Fleet, Gateway, GatewayConfig, RedisCluster, RedisServer, Stack, TempDir, assert_limit_becomes,
+    client, eventually, get, get_as, limit_of, ready,
 };
+use tollgate::clock::{Clock, SystemClock};
 
 /// Limit of every tenant: 20 tokens, refilled slowly so counts are exact.
 const CAPACITY: u32 = 20;
 
-struct Setup {
-    gateways: Vec<Gateway>,
-    _up: Upstream,
-    _dir: TempDir,
-}
-
-/// Two gateways on `redis_url` (or a cluster), with fast failure detection.
-fn gateways(redis_url: &str, cluster_nodes: Vec<String>) -> Setup {
-    let up = Upstream::start();
-    let dir = TempDir::new("faults");
-    let mut config = GatewayConfig::new(redis_url, dir.file("rules.toml", ""), &up.url());
-    config.cluster_nodes = cluster_nodes;
+/// Fast failure detection: Redis calls bounded at 100 ms, a breaker that
+/// opens after 3 failures for 3 s, and heartbeats every 200 ms.
+fn fast_detection(_: usize, config: &mut GatewayConfig, _: &TempDir) {
     config.redis_timeout_ms = 100;
     config.extra = format!(
         "[default_rule]\ncapacity = {CAPACITY}\nrefill_per_second = 1\n\
          [breaker]\nfailure_threshold = 3\ncooldown_ms = 3000\n\
          [instance]\nheartbeat_ms = 200\n"
     );
-    let gateways = vec![Gateway::start(&config), Gateway::start(&config)];
-    Setup {
-        gateways,
-        _up: up,
-        _dir: dir,
-    }
 }
 
-/// Waits until `field` of `/ready` equals `value` on every gateway.
-async fn all_ready(setup: &Setup, field: &str, value: serde_json::Value, within: Duration) {
-    let clock = tollgate::clock::SystemClock::new();
-    let start = tollgate::clock::Clock::now_ms(&clock);
-    for (i, gw) in setup.gateways.iter().enumerate() {
-        loop {
+/// Waits until `field` of `/ready` equals `value` on every gateway, all
+/// within `within`.
+async fn all_ready(gateways: &[Gateway], field: &str, value: serde_json::Value, within: Duration) {
+    let clock = SystemClock::new();
+    for (i, gw) in gateways.iter().enumerate() {
+        let left = within.saturating_sub(Duration::from_millis(clock.now_ms()));
+        let became = eventually(left, || async {
             // Traffic feeds the breaker too (besides its own probes).
             get(&gw.url("/probe"), Some("prober")).await;
-            if ready(gw).await[field] == value {
-                break;
-            }
-            let waited = tollgate::clock::Clock::now_ms(&clock) - start;
-            assert!(
-                waited < within.as_millis() as u64,
-                "gateway {i}: /ready {field} never became {value}: {}",
-                ready(gw).await
-            );
-            actix_web::rt::time::sleep(Duration::from_millis(25)).await;
-        }
+            ready(gw).await[field] == value
+        })
+        .await;
+        assert!(
+            became,
+            "gateway {i}: /ready {field} never became {value}: {}",
+            ready(gw).await
+        );
     }
 }
 
@@ -82,11 +66,10 @@ async fn burst(gw: &Gateway, tenant: &str, n: usize) -> usize {
 }
 
 /// Healthy start: both instances see each other and limits are shared.
-async fn healthy(setup: &Setup) {
-    all_ready(setup, "live_instances", 2.into(), Duration::from_secs(5)).await;
-    all_ready(setup, "breaker", "closed".into(), Duration::from_secs(5)).await;
-    let shared = burst(&setup.gateways[0], "before", 15).await
-        + burst(&setup.gateways[1], "before", 15).await;
+async fn healthy(gateways: &[Gateway]) {
+    all_ready(gateways, "live_instances", 2.into(), Duration::from_secs(5)).await;
+    all_ready(gateways, "breaker", "closed".into(), Duration::from_secs(5)).await;
+    let shared = burst(&gateways[0], "before", 15).await + burst(&gateways[1], "before", 15).await;
     assert_eq!(
         shared, CAPACITY as usize,
         "one shared bucket across both gateways"
@@ -96,9 +79,9 @@ async fn healthy(setup: &Setup) {
 /// During the fault: the breaker opens (every primary's, on a Cluster
 /// that refuses every slot once one is lost), each instance holds 1/N,
 /// and no request waits on Redis any more.
-async fn degraded(setup: &Setup, tenant: &str) {
-    all_ready(setup, "redis", "down".into(), Duration::from_secs(5)).await;
-    for gw in &setup.gateways {
+async fn degraded(gateways: &[Gateway], tenant: &str) {
+    all_ready(gateways, "redis", "down".into(), Duration::from_secs(5)).await;
+    for gw in gateways {
         assert_eq!(ready(gw).await["breaker"], "open");
         assert_eq!(
             limit_of(gw, tenant).await.as_deref(),
@@ -107,7 +90,7 @@ async fn degraded(setup: &Setup, tenant: &str) {
         );
     }
     // limit_of took one token on each gateway; 9 are left on each.
-    for gw in &setup.gateways {
+    for gw in gateways {
         let admitted = burst(gw, tenant, 15).await;
         assert!(
             (9..=10).contains(&admitted),
@@ -117,7 +100,7 @@ async fn degraded(setup: &Setup, tenant: &str) {
     // The cool-down (3 s) outlasts this phase: the breaker of the gateway
     // that opened last is still open, and its own failure count must not
     // move.
-    let gw = &setup.gateways[1];
+    let gw = &gateways[1];
     let failures = ready(gw).await["redis_failures"].as_u64().unwrap();
     burst(gw, "open-breaker", 10).await;
     let after = ready(gw).await;
@@ -130,53 +113,57 @@ async fn degraded(setup: &Setup, tenant: &str) {
 }
 
 /// After recovery: the breaker closes and limits are shared again.
-async fn recovered(setup: &Setup) {
-    all_ready(setup, "breaker", "closed".into(), Duration::from_secs(10)).await;
-    for gw in &setup.gateways {
+async fn recovered(gateways: &[Gateway]) {
+    all_ready(
+        gateways,
+        "breaker",
+        "closed".into(),
+        Duration::from_secs(10),
+    )
+    .await;
+    for gw in gateways {
         // Limits are Redis-backed again.
         assert_limit_becomes(gw, "after", "20", Duration::from_secs(2)).await;
     }
-    let shared = burst(&setup.gateways[0], "after-shared", 15).await
-        + burst(&setup.gateways[1], "after-shared", 15).await;
+    let shared = burst(&gateways[0], "after-shared", 15).await
+        + burst(&gateways[1], "after-shared", 15).await;
     assert_eq!(shared, CAPACITY as usize);
 }
 
 #[actix_web::test]
 async fn a_paused_redis_opens_the_breaker_and_its_return_closes_it() {
-    let redis = RedisServer::start();
-    let setup = gateways(&redis.url(), Vec::new());
-    healthy(&setup).await;
+    let fleet = Fleet::on(RedisServer::start(), "faults", 2, "", fast_detection);
+    healthy(&fleet.gateways).await;
 
-    redis.pause();
-    degraded(&setup, "paused").await;
-    redis.resume();
+    fleet.redis.pause();
+    degraded(&fleet.gateways, "paused").await;
+    fleet.redis.resume();
 
-    recovered(&setup).await;
+    recovered(&fleet.gateways).await;
 }
 
 #[actix_web::test]
 async fn a_killed_redis_restarted_empty_serves_full_buckets_again() {
-    let mut redis = RedisServer::start();
-    let setup = gateways(&redis.url(), Vec::new());
-    healthy(&setup).await;
+    let mut fleet = Fleet::on(RedisServer::start(), "faults", 2, "", fast_detection);
+    healthy(&fleet.gateways).await;
     assert_eq!(
-        get(&setup.gateways[0].url("/x"), Some("before")).await.0,
+        get(&fleet.gateways[0].url("/x"), Some("before")).await.0,
         429,
         "bucket empty"
     );
 
-    redis.kill();
-    degraded(&setup, "killed").await;
-    redis.restart();
+    fleet.redis.kill();
+    degraded(&fleet.gateways, "killed").await;
+    fleet.redis.restart();
 
-    recovered(&setup).await;
+    recovered(&fleet.gateways).await;
     // The restarted server lost every bucket and every script: the emptied
     // bucket comes back full, and the script is reloaded on NOSCRIPT. (The
     // over-limit cache honours the last rejection's retry delay, at most 1 s
     // at 1 token/s, so wait that out first.)
     // Rejections from the cache take no token, so the first admission
     // shows the full bucket minus its own token.
-    let gw = &setup.gateways[0];
+    let gw = &fleet.gateways[0];
     let first_admission = std::cell::RefCell::new(None);
     let admitted = eventually(Duration::from_secs(3), || async {
         let (status, remaining) = get(&gw.url("/x"), Some("before")).await;
@@ -189,7 +176,7 @@ async fn a_killed_redis_restarted_empty_serves_full_buckets_again() {
         first_admission.into_inner().flatten().as_deref(),
         Some("19")
     );
-    assert!(redis.command_calls("script|load") >= 1);
+    assert!(fleet.redis.command_calls("script|load") >= 1);
 }
 
 /// Without replicas, a Cluster that loses a primary refuses every slot
@@ -198,20 +185,20 @@ async fn a_killed_redis_restarted_empty_serves_full_buckets_again() {
 /// serves.
 #[actix_web::test]
 async fn a_cluster_losing_a_master_falls_back_and_recovers() {
-    let mut cluster = RedisCluster::start();
-    let setup = gateways("", cluster.seeds());
-    healthy(&setup).await;
+    let mut fleet = Fleet::on(RedisCluster::start(), "faults", 2, "", fast_detection);
+    healthy(&fleet.gateways).await;
 
-    cluster.nodes[1].kill();
-    degraded(&setup, "cluster-down").await;
-    cluster.nodes[1].restart();
-    cluster.wait_healthy();
+    fleet.redis.nodes[1].kill();
+    degraded(&fleet.gateways, "cluster-down").await;
+    fleet.redis.nodes[1].restart();
+    fleet.redis.wait_healthy();
 
-    recovered(&setup).await;
+    recovered(&fleet.gateways).await;
     let c = client();
-    let res = get_as(&c, &setup.gateways[0].url("/x"), "tagged").await;
+    let res = get_as(&c, &fleet.gateways[0].url("/x"), "tagged").await;
     assert_eq!(res.status(), 200);
-    let owner = cluster
+    let owner = fleet
+        .redis
         .nodes
         .iter()
         .filter(|n| n.cmd(&["EXISTS", "rl2:{tagged}:api"]).trim() == ":1")

@@ -16,7 +16,7 @@ use std::net::TcpStream;
 use std::time::Duration;
 
 use common::peers::h2_client;
-use common::{GatewayProcess, TempDir, Upstream, eventually, raw_http_with_body};
+use common::{GatewayProcess, TempDir, Upstream, eventually, raw_http_with_body, wait_until};
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
@@ -117,22 +117,33 @@ fn a_malformed_header_field_ends_its_connection_as_the_http2_library_does() {
 #[actix_web::test]
 async fn unfinished_bodies_hold_no_more_than_the_budgets_and_others_are_served() {
     // Budgets far below the defaults, so the bound is plain to see.
-    let (_up, _dir, gw) = gateway(
+    let (_up, dir, gw) = gateway(
         "flood",
         "body_buffer_bytes_per_connection = 131072\nbody_buffer_bytes = 4194304",
     );
     let rls_port = gw.rls.unwrap();
     let before = gw.rss_bytes();
+    let open_fds = || gw.metric("tollgate_process_open_fds").unwrap();
+    let fds_before = open_fds();
     // 40 connections × 100 streams, each sending 60 KiB of a gRPC message
     // and never its end: 240 MiB if all were taken.
+    let sent_once = dir.0.join("flood-sent");
+    let flag = sent_once.to_str().unwrap().to_owned();
     let flood = std::thread::spawn(move || {
         h2_client(
             "hold",
             rls_port,
-            &["40", "100", "61440", "4", SHOULD_RATE_LIMIT],
+            &["40", "100", "61440", "4", SHOULD_RATE_LIMIT, &flag],
         )
     });
-    std::thread::sleep(Duration::from_millis(1500));
+    // The flood is on once the gateway holds its 40 connections and each
+    // has sent its first round of bodies.
+    assert!(
+        wait_until(Duration::from_secs(10), || sent_once.exists()
+            && open_fds() >= fds_before + 40.0),
+        "the flood did not start: {} files open, {fds_before} before",
+        open_fds()
+    );
     // Meanwhile an RLS call and a check from other connections are
     // answered at once.
     let clock = SystemClock::new();
@@ -171,7 +182,13 @@ async fn unfinished_bodies_hold_no_more_than_the_budgets_and_others_are_served()
     assert_eq!(check.status, 200, "{}", check.body);
     let waited = seconds(&clock, started);
     assert!(waited < 1.0, "the victims waited {waited} s");
-    let during = gw.rss_bytes();
+    // The most the gateway held while the flood lasted.
+    let mut during = gw.rss_bytes();
+    let ended = wait_until(Duration::from_secs(30), || {
+        during = during.max(gw.rss_bytes());
+        flood.is_finished()
+    });
+    assert!(ended, "the flood did not end");
     let report = flood.join().unwrap();
     // What the gateway let in: at most each connection's budget plus its
     // HTTP/2 window (128 + 256 KiB), 15 MiB for 40.
@@ -200,21 +217,21 @@ async fn resets_and_failed_accepts_are_summarised_not_logged_one_by_one() {
     let hogs: Vec<TcpStream> = (0..400)
         .filter_map(|_| TcpStream::connect(("127.0.0.1", gw.proxy)).ok())
         .collect();
-    std::thread::sleep(Duration::from_millis(500));
+    // Held until an accept has failed and been summarised (the admin
+    // listener cannot take a scrape meanwhile: no file descriptor is left).
+    let failed = "Accepting client connections failed";
+    let summarised = wait_until(Duration::from_secs(12), || {
+        std::fs::read_to_string(&gw.log).is_ok_and(|log| log.contains(failed))
+    });
     drop(hogs);
+    let log = || std::fs::read_to_string(&gw.log).unwrap();
+    assert!(summarised, "no failed accept in the log:\n{}", log());
     let counted = eventually(Duration::from_secs(12), || async {
-        let metrics = gw.admin_text("/metrics");
-        let value = |name: &str| {
-            metrics
-                .lines()
-                .find_map(|l| l.strip_prefix(name)?.trim().parse::<f64>().ok())
-                .unwrap_or(0.0)
-        };
-        value("tollgate_malformed_requests_total ") > 0.0
-            && value("tollgate_accept_errors_total ") > 0.0
+        let counts = |series| gw.metric(series).is_some_and(|n| n > 0.0);
+        counts("tollgate_malformed_requests_total") && counts("tollgate_accept_errors_total")
     })
     .await;
-    let log = std::fs::read_to_string(&gw.log).unwrap();
+    let log = log();
     assert!(counted, "not counted in /metrics; log:\n{log}");
     let warnings: Vec<&str> = log
         .lines()
@@ -226,7 +243,7 @@ async fn resets_and_failed_accepts_are_summarised_not_logged_one_by_one() {
         warnings.len(),
         warnings.join("\n")
     );
-    assert!(log.contains("Accepting client connections failed"), "{log}");
+    assert!(log.contains(failed), "{log}");
 }
 
 /// Regression: streams reset before their answer freed their in-flight

@@ -129,11 +129,7 @@ async fn metrics_text(gw: &GatewayProcess) -> String {
 async fn sum_metric(gateways: &[GatewayProcess], series: &str) -> f64 {
     let mut values = Vec::new();
     for gw in gateways {
-        let text = metrics_text(gw).await;
-        values.extend(
-            text.lines()
-                .find_map(|l| l.strip_prefix(series)?.trim().parse::<f64>().ok()),
-        );
+        values.extend(common::series_value(&metrics_text(gw).await, series));
     }
     // A gateway exports some series only once they count (the rebalancer's
     // rounds on the leader); a name no gateway exports is misspelt.

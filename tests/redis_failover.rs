@@ -17,8 +17,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{
-    Gateway, GatewayConfig, RedisCluster, RedisSentinel, RedisServer, SENTINEL_MASTER, TempDir,
-    Upstream, client, get, header, ready, wait_until,
+    Fleet, Gateway, GatewayConfig, RedisCluster, RedisSentinel, RedisServer, TempDir, Upstream,
+    client, eventually, get, header, ready,
 };
 use tollgate::clock::{Clock, SystemClock};
 
@@ -96,47 +96,18 @@ impl Load {
     }
 }
 
-/// Two gateways on `configure`'s Redis, every limit `CAPACITY` at 50/s;
-/// `probe` has a rule of 5 tokens at 1/s for the check that limits hold.
-fn gateways(dir: &TempDir, up: &Upstream, configure: impl Fn(&mut GatewayConfig)) -> Vec<Gateway> {
-    let rules = dir.file(
-        "rules.toml",
-        "[[rule]]\ntenant = \"probe\"\nroute = \"api\"\ncapacity = 5\nrefill_per_second = 1\n",
-    );
-    let mut config = GatewayConfig::new("", rules, &up.url());
+/// `probe`'s rule of 5 tokens at 1/s, for the check that limits hold.
+const RULES: &str =
+    "[[rule]]\ntenant = \"probe\"\nroute = \"api\"\ncapacity = 5\nrefill_per_second = 1\n";
+
+/// Every other limit `CAPACITY` at 50/s, Redis calls bounded at 50 ms, a
+/// breaker cooling down in 500 ms and heartbeats every 200 ms.
+fn shared_limits(_: usize, config: &mut GatewayConfig, _: &TempDir) {
     config.redis_timeout_ms = 50;
     config.extra = format!(
         "[default_rule]\ncapacity = {CAPACITY}\nrefill_per_second = 50\n\
          [breaker]\ncooldown_ms = 500\n[instance]\nheartbeat_ms = 200\n"
     );
-    configure(&mut config);
-    let gateways = vec![Gateway::start(&config), Gateway::start(&config)];
-    for gw in &gateways {
-        assert!(
-            wait_until(
-                Duration::from_secs(5),
-                || blocking_ready(gw)["live_instances"] == 2
-            ),
-            "the gateways did not see each other"
-        );
-    }
-    gateways
-}
-
-/// [`gateways`] on the primary `deployment`'s sentinels name.
-fn sentinel_gateways(dir: &TempDir, up: &Upstream, deployment: &RedisSentinel) -> Vec<Gateway> {
-    let nodes = deployment.nodes();
-    gateways(dir, up, |c| {
-        c.redis_url = String::new();
-        c.redis_extra =
-            format!("sentinel_nodes = {nodes:?}\nsentinel_master = \"{SENTINEL_MASTER}\"\n");
-    })
-}
-
-/// `/ready` from outside a runtime.
-fn blocking_ready(gw: &Gateway) -> serde_json::Value {
-    let res = common::raw_http(gw.admin, "GET /ready HTTP/1.1\r\nHost: t\r\n");
-    serde_json::from_str(&res.body).unwrap_or_default()
 }
 
 /// What held after the failover: the probe tenant's limit of 5 across
@@ -203,21 +174,20 @@ fn last_local(samples: &[Sample], tenants: &[usize]) -> Option<u64> {
 async fn a_cluster_primary_killed_under_load_fails_over_for_its_slots_alone() {
     // Each primary keeps serving its slots while another's are failed
     // over (with the default `yes`, Redis refuses every slot in between).
-    let mut cluster = RedisCluster::start_shaped(
+    let cluster = RedisCluster::start_shaped(
         1,
         &["--cluster-require-full-coverage", "no"],
         &Default::default(),
     );
-    let dir = TempDir::new("cluster-failover");
-    let up = Upstream::start();
-    let seeds = cluster.seeds();
-    let gws = gateways(&dir, &up, |c| {
-        c.cluster_nodes = seeds.clone();
+    let mut fleet = Fleet::on(cluster, "cluster-failover", 2, RULES, |i, c, dir| {
+        shared_limits(i, c, dir);
         // Long enough that a healthy primary's calls never time out while
         // the binary's other failovers load the machine (a killed
         // primary's calls fail at once, refused, whatever the timeout).
         c.redis_timeout_ms = 250;
     });
+    fleet.assert_all_live(Duration::from_secs(5));
+    let (gws, cluster) = (&fleet.gateways, &mut fleet.redis);
     // Tenants on every primary; the first primary is the victim.
     let primaries: Vec<usize> = (0..cluster.nodes.len())
         .filter(|&i| cluster.nodes[i].is_primary())
@@ -249,7 +219,7 @@ async fn a_cluster_primary_killed_under_load_fails_over_for_its_slots_alone() {
         .expect("the victim has a replica");
 
     let clock = Arc::new(SystemClock::new());
-    let load = Load::start(&gws, &tenants, &clock);
+    let load = Load::start(gws, &tenants, &clock);
     actix_web::rt::time::sleep(Duration::from_secs(1)).await;
     let killed_at = clock.now_ms();
     cluster.nodes[victim].kill();
@@ -321,15 +291,20 @@ async fn a_cluster_primary_killed_under_load_fails_over_for_its_slots_alone() {
         topology["last_failover_unix"].as_u64().is_some(),
         "{topology}"
     );
-    limits_hold(&gws).await;
+    limits_hold(gws).await;
 }
 
 #[actix_web::test]
 async fn a_primary_killed_under_load_is_followed_through_sentinel() {
-    let mut deployment = RedisSentinel::start();
-    let dir = TempDir::new("sentinel-failover");
-    let up = Upstream::start();
-    let gws = sentinel_gateways(&dir, &up, &deployment);
+    let mut fleet = Fleet::on(
+        RedisSentinel::start(),
+        "sentinel-failover",
+        2,
+        RULES,
+        shared_limits,
+    );
+    fleet.assert_all_live(Duration::from_secs(5));
+    let (gws, deployment) = (&fleet.gateways, &mut fleet.redis);
     let first = ready(&gws[0]).await;
     assert_eq!(first["redis_topology"]["mode"], "sentinel", "{first}");
     let old_port = deployment.servers[0].port;
@@ -341,21 +316,18 @@ async fn a_primary_killed_under_load_is_followed_through_sentinel() {
     let every: Vec<usize> = (0..tenants.len()).collect();
 
     let clock = Arc::new(SystemClock::new());
-    let load = Load::start(&gws, &tenants, &clock);
+    let load = Load::start(gws, &tenants, &clock);
     actix_web::rt::time::sleep(Duration::from_secs(1)).await;
     let killed_at = clock.now_ms();
     deployment.servers[0].kill();
-    let mut promoted_at = None;
-    for _ in 0..600 {
-        actix_web::rt::time::sleep(Duration::from_millis(25)).await;
-        if promoted_at.is_none() && deployment.primary_port() == Some(deployment.servers[1].port) {
-            promoted_at = Some(clock.now_ms());
-        }
-        if promoted_at.is_some_and(|t| clock.now_ms() > t + 5000) {
-            break;
-        }
-    }
-    let promoted_at = promoted_at.expect("Sentinel promoted the replica within 15 s");
+    let promoted = eventually(Duration::from_secs(15), || async {
+        deployment.primary_port() == Some(deployment.servers[1].port)
+    })
+    .await;
+    assert!(promoted, "Sentinel promoted the replica within 15 s");
+    let promoted_at = clock.now_ms();
+    // The load goes on for 5 s after the promotion.
+    actix_web::rt::time::sleep(Duration::from_secs(5)).await;
     // The old primary comes back, empty: Sentinel makes it a replica. No
     // decision may be written to it.
     deployment.servers[0].restart();
@@ -398,15 +370,20 @@ async fn a_primary_killed_under_load_is_followed_through_sentinel() {
         replica.command_calls("evalsha") > 0,
         "decisions reach the new primary"
     );
-    limits_hold(&gws).await;
+    limits_hold(gws).await;
 }
 
 #[actix_web::test]
 async fn a_frozen_sentinel_does_not_keep_a_failover_from_being_followed() {
-    let mut deployment = RedisSentinel::start();
-    let dir = TempDir::new("sentinel-frozen");
-    let up = Upstream::start();
-    let gws = sentinel_gateways(&dir, &up, &deployment);
+    let mut fleet = Fleet::on(
+        RedisSentinel::start(),
+        "sentinel-frozen",
+        2,
+        RULES,
+        shared_limits,
+    );
+    fleet.assert_all_live(Duration::from_secs(5));
+    let (gws, deployment) = (&fleet.gateways, &mut fleet.redis);
     // The first sentinel listed freezes, connections open; the other two
     // still make a quorum and promote the replica.
     deployment.pause_sentinel(0);
@@ -414,8 +391,8 @@ async fn a_frozen_sentinel_does_not_keep_a_failover_from_being_followed() {
     let new_primary = format!("127.0.0.1:{}", deployment.servers[1].port);
     // Every gateway must follow before the limits are checked across them:
     // one still deciding alone would add its local share.
-    for gw in &gws {
-        let followed = common::eventually(Duration::from_secs(20), || async {
+    for gw in gws {
+        let followed = eventually(Duration::from_secs(20), || async {
             get(&gw.url("/x"), Some("frozen")).await;
             let seen = ready(gw).await;
             seen["redis"] == "up"
@@ -424,7 +401,7 @@ async fn a_frozen_sentinel_does_not_keep_a_failover_from_being_followed() {
         .await;
         assert!(followed, "{}", ready(gw).await);
     }
-    limits_hold(&gws).await;
+    limits_hold(gws).await;
 }
 
 #[actix_web::test]

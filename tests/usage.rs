@@ -166,16 +166,13 @@ fn an_answer_that_reports_nothing_or_breaks_off_keeps_its_reservation() {
     assert_eq!(left(check), 980);
     // Both reservations expired unsettled, and are counted so. (Metrics
     // are this process's: no other test leaves one unsettled.)
-    let series = "tollgate_usage_tokens_total{route=\"llm\",kind=\"expired\"} ";
-    let mut expired = 0.0;
+    let series = "tollgate_usage_tokens_total{route=\"llm\",kind=\"expired\"}";
+    let mut expired = None;
     let counted = wait_until(Duration::from_secs(5), || {
-        expired = common::metrics_text(&s.gw)
-            .lines()
-            .find_map(|l| l.strip_prefix(series)?.parse().ok())
-            .unwrap_or(0.0);
-        expired == 20.0
+        expired = common::series_value(&common::metrics_text(&s.gw), series);
+        expired == Some(20.0)
     });
-    assert!(counted, "{expired} tokens counted as expired");
+    assert!(counted, "{expired:?} tokens counted as expired");
     // Well past the budget: the quota goes into debt, and the next
     // request waits for the window's end.
     get(addr, "header?used=5000", "");
@@ -340,9 +337,9 @@ fn a_client_that_leaves_mid_stream_keeps_the_reservation_charged() {
     drop(stream);
     // The answer would have ended 1.5 s in: the reservation stands, and
     // it is counted as expired.
-    let series = "tollgate_usage_tokens_total{route=\"gone\",kind=\"expired\"} 10\n";
+    let series = "tollgate_usage_tokens_total{route=\"gone\",kind=\"expired\"}";
     let counted = wait_until(Duration::from_secs(5), || {
-        common::metrics_text(&s.gw).contains(series)
+        common::series_value(&common::metrics_text(&s.gw), series) == Some(10.0)
     });
     assert!(counted, "the reservation expired unsettled");
     // Counted as expired when its settlement was dropped: none can follow.

@@ -10,10 +10,9 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use tollgate::app::{self, Listeners};
-use tollgate::clock::{Clock, SystemClock};
 use tollgate::config;
 
-use super::{client, header, http_status, raw_http, wait_until};
+use super::{client, eventually_timed, header, http_status, raw_http, wait_until};
 
 /// Builds gateway configs for tests; both listeners bind port 0.
 #[derive(Clone)]
@@ -205,17 +204,11 @@ pub async fn wait_for_limit(
     expected: &str,
     within: Duration,
 ) -> Option<u64> {
-    let clock = SystemClock::new();
-    let start = clock.now_ms();
-    loop {
-        if limit_of(gw, tenant).await.as_deref() == Some(expected) {
-            return Some(clock.now_ms() - start);
-        }
-        if clock.now_ms() - start > within.as_millis() as u64 {
-            return None;
-        }
-        actix_web::rt::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually_timed(within, || async {
+        limit_of(gw, tenant).await.as_deref() == Some(expected)
+    })
+    .await
+    .map(|waited| waited.as_millis() as u64)
 }
 
 /// Fails unless `tenant`'s limit on `gw` becomes `expected` within
@@ -282,9 +275,12 @@ pub async fn ready(gw: &Gateway) -> serde_json::Value {
 /// exported (a misspelt name is never 0).
 pub async fn metric(gw: &Gateway, series: &str) -> Option<f64> {
     let (_, text) = admin(gw, "GET", "/metrics", None, None).await;
-    text.as_str()
-        .unwrap_or_default()
-        .lines()
+    series_value(text.as_str().unwrap_or_default(), series)
+}
+
+/// The value of `series` in a `/metrics` text; `None` when the text does not hold it.
+pub fn series_value(text: &str, series: &str) -> Option<f64> {
+    text.lines()
         .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
 }
 

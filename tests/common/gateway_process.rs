@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use super::{KillOnDrop, RawResponse, TempDir, http_status, raw_http, wait_until};
+use super::{KillOnDrop, RawResponse, TempDir, http_status, raw_http, series_value, wait_until};
 
 /// A gateway running as its own `tollgate serve` process (its own metrics
 /// registry, as in production); killed on drop.
@@ -116,6 +116,11 @@ impl GatewayProcess {
             &format!("GET {path} HTTP/1.1\r\nHost: t\r\n"),
         )
         .body
+    }
+
+    /// One series' value in its `/metrics` (a blocking read); `None` when it is not exported.
+    pub fn metric(&self, series: &str) -> Option<f64> {
+        series_value(&self.admin_text("/metrics"), series)
     }
 
     /// `GET /ready` as JSON.

@@ -126,7 +126,16 @@ pub fn wait_until(limit: Duration, mut check: impl FnMut() -> bool) -> bool {
 
 /// Polls the async `check` every 20 ms until it holds; `false` after
 /// `within`.
-pub async fn eventually<F, Fut>(within: Duration, mut check: F) -> bool
+pub async fn eventually<F, Fut>(within: Duration, check: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    eventually_timed(within, check).await.is_some()
+}
+
+/// As [`eventually`]; returns how long `check` took to hold, `None` after `within`.
+pub async fn eventually_timed<F, Fut>(within: Duration, mut check: F) -> Option<Duration>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
@@ -134,10 +143,10 @@ where
     let clock = SystemClock::new();
     loop {
         if check().await {
-            return true;
+            return Some(Duration::from_micros(clock.now_micros()));
         }
         if clock.now_ms() > within.as_millis() as u64 {
-            return false;
+            return None;
         }
         actix_web::rt::time::sleep(Duration::from_millis(20)).await;
     }

@@ -2,7 +2,12 @@
 //! rules file and one gateway ([`Stack`]) or several ([`Fleet`]) in front
 //! of them.
 
-use super::{Gateway, GatewayConfig, RedisServer, TempDir, Upstream};
+use std::time::Duration;
+
+use super::{
+    Gateway, GatewayConfig, RedisCluster, RedisSentinel, RedisServer, SENTINEL_MASTER, TempDir,
+    Upstream, raw_http, wait_until,
+};
 
 /// A Redis, the mock upstream, a rules file and one gateway in front of
 /// them: the set most gateway tests need.
@@ -34,12 +39,14 @@ impl Stack {
 }
 
 /// A Redis, the mock upstream, a rules file and several gateways sharing
-/// them.
-pub struct Fleet {
-    pub redis: RedisServer,
+/// them. The gateways stop first, while what they use still runs.
+pub struct Fleet<R = RedisServer> {
+    pub gateways: Vec<Gateway>,
     pub up: Upstream,
     pub dir: TempDir,
-    pub gateways: Vec<Gateway>,
+    /// The Redis deployment: a server of the fleet's own, or the one
+    /// [`Fleet::on`] was given.
+    pub redis: R,
 }
 
 impl Fleet {
@@ -52,7 +59,23 @@ impl Fleet {
         rules: &str,
         configure: impl Fn(usize, &mut GatewayConfig, &TempDir),
     ) -> Self {
-        let (redis, up, dir, config) = parts(tag, rules);
+        Self::on(RedisServer::start(), tag, n, rules, configure)
+    }
+}
+
+impl<R: Deployment> Fleet<R> {
+    /// As [`Fleet::start`], on the Redis deployment the caller brings (kept in `redis`).
+    pub fn on(
+        redis: R,
+        tag: &str,
+        n: usize,
+        rules: &str,
+        configure: impl Fn(usize, &mut GatewayConfig, &TempDir),
+    ) -> Self {
+        let up = Upstream::start();
+        let dir = TempDir::new(tag);
+        let mut config = GatewayConfig::new("", dir.file("rules.toml", rules), &up.url());
+        redis.aim(&mut config);
         let gateways = (0..n)
             .map(|i| {
                 let mut config = config.clone();
@@ -61,11 +84,58 @@ impl Fleet {
             })
             .collect();
         Self {
-            redis,
+            gateways,
             up,
             dir,
-            gateways,
+            redis,
         }
+    }
+}
+
+impl<R> Fleet<R> {
+    /// Fails unless each gateway's `/ready` counts the whole fleet live within `within`.
+    pub fn assert_all_live(&self, within: Duration) {
+        let n = self.gateways.len();
+        for gw in &self.gateways {
+            let ready = || {
+                let res = raw_http(gw.admin, "GET /ready HTTP/1.1\r\nHost: t\r\n");
+                serde_json::from_str::<serde_json::Value>(&res.body).unwrap_or_default()
+            };
+            assert!(
+                wait_until(within, || ready()["live_instances"] == n),
+                "the gateways did not see each other: {}",
+                ready()
+            );
+        }
+    }
+}
+
+/// A Redis deployment gateways can be pointed at.
+pub trait Deployment {
+    /// Points `config`'s `[redis]` at this deployment.
+    fn aim(&self, config: &mut GatewayConfig);
+}
+
+impl Deployment for RedisServer {
+    fn aim(&self, config: &mut GatewayConfig) {
+        config.redis_url = self.url();
+    }
+}
+
+impl Deployment for RedisCluster {
+    fn aim(&self, config: &mut GatewayConfig) {
+        config.redis_url = String::new();
+        config.cluster_nodes = self.seeds();
+    }
+}
+
+impl Deployment for RedisSentinel {
+    fn aim(&self, config: &mut GatewayConfig) {
+        config.redis_url = String::new();
+        config.redis_extra.push_str(&format!(
+            "sentinel_nodes = {:?}\nsentinel_master = \"{SENTINEL_MASTER}\"\n",
+            self.nodes()
+        ));
     }
 }
 
