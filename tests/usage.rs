@@ -3,7 +3,7 @@
 //! `tests/fixtures/usage_upstream.py`): the reservation up front, usage
 //! from the answer's head or from the trailers of a chunked event stream,
 //! refunds, a reservation header, answers that report nothing or break
-//! off, a budget that goes into debt, a rule in shadow mode, Redis
+//! off, an upstream that cannot be reached, a budget that goes into debt, a rule in shadow mode, Redis
 //! failing between the reservation and the settlement, a client that
 //! leaves mid-stream, a client speaking HTTP/2, a gateway killed
 //! mid-answer, and hyper's server (the demo's upstream), which sends
@@ -184,6 +184,38 @@ fn an_answer_that_reports_nothing_or_breaks_off_keeps_its_reservation() {
         (1..=common::STEADY_WINDOW_SECONDS).contains(&wait),
         "Retry-After {wait}"
     );
+}
+
+#[test]
+fn an_upstream_that_cannot_be_reached_keeps_the_reservation_charged() {
+    let up = UsageUpstream::start();
+    let port = up.port;
+    let rules = format!(
+        "[[rule]]\ntenant = \"acme\"\nroute = \"down\"\n{}",
+        common::steady_quota(1000)
+    );
+    // Its own route, so that no other test's expired tokens count here.
+    let s = Stack::start("usage-down", &rules, |c, _| {
+        c.extra = format!(
+            "[[routes]]\nid = \"down\"\npath_prefix = \"/down\"\n\
+             upstream = \"http://127.0.0.1:{port}\"\nusage_header = \"x-usage\"\n\
+             reserve = 40\n[check]\nlisten = \"127.0.0.1:0\"\n"
+        );
+    });
+    let (addr, check) = (s.gw.addr, s.gw.check.unwrap());
+    // The upstream is gone before any connection to it was made.
+    drop(up);
+    let res = raw_http(
+        addr,
+        "GET /down/header?used=30 HTTP/1.1\r\nHost: api\r\nX-Api-Key: acme\r\n",
+    );
+    assert_eq!(res.status, 502, "{}", res.body);
+    assert_eq!(charge_nothing_on(check, "down")["remaining"], 960);
+    let series = "tollgate_usage_tokens_total{route=\"down\",kind=\"expired\"}";
+    let counted = wait_until(Duration::from_secs(5), || {
+        common::series_value(&common::metrics_text(&s.gw), series) == Some(40.0)
+    });
+    assert!(counted, "the reservation expired unsettled");
 }
 
 #[test]
