@@ -3,11 +3,11 @@
 //! `tests/fixtures/usage_upstream.py`): the reservation up front, usage
 //! from the answer's head or from the trailers of a chunked event stream,
 //! refunds, a reservation header, answers that report nothing or break
-//! off, an upstream that cannot be reached, a budget that goes into debt, a rule in shadow mode, Redis
-//! failing between the reservation and the settlement, a client that
-//! leaves mid-stream, a client speaking HTTP/2, a gateway killed
-//! mid-answer, and hyper's server (the demo's upstream), which sends
-//! trailers only when asked.
+//! off, an upstream that cannot be reached, a budget that goes into debt,
+//! a rule in shadow mode, Redis failing between the reservation and the
+//! settlement, a client that leaves mid-stream, a client speaking HTTP/2,
+//! a gateway killed mid-answer, and hyper's server (the demo's upstream),
+//! which sends trailers only when asked.
 
 #![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
 
