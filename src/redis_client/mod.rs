@@ -9,9 +9,8 @@
 //! out a [`RedisConn`] (`conn`): per primary, one lazily opened,
 //! self-reconnecting shared connection, and lines of tollgate's own that
 //! carry script calls one at a time (`line`), all driven by the calling
-//! thread's runtime
-//! (each proxy worker gets its own, so a reply wakes the worker that
-//! asked).
+//! thread's runtime (each proxy worker gets its own, so a reply wakes the
+//! worker that asked).
 //!
 //! A call goes to the primary serving its key (on a Cluster, the owner of
 //! its slot, from tollgate's own slot table: a node that fails holds up
