@@ -196,6 +196,22 @@ async fn a_rule_in_shadow_mode_forwards_its_refusals_and_counts_them() {
 }
 
 #[actix_web::test]
+async fn a_shadow_rule_never_switches_off_the_enforced_rule_beside_it() {
+    // A tenant-wide rule in shadow mode with room for 1, and the route's
+    // rule, enforced, with room for 3.
+    let rules = "[[rule]]\ntenant = \"mix\"\nroute = \"*\"\ncapacity = 1\nrefill_per_second = 1\n\
+                 mode = \"shadow\"\n\n\
+                 [[rule]]\ntenant = \"mix\"\nroute = \"api\"\ncapacity = 3\nrefill_per_second = 1\n";
+    let s = Stack::start("shadow-beside", rules, |_, _| {});
+    let seen = statuses(&s.gw, "mix", 5).await;
+    let codes: Vec<u16> = seen.iter().map(|(status, _, _)| *status).collect();
+    // The shadow rule refuses from the second request on; the enforced
+    // one still pays for each and refuses once its 3 are spent.
+    assert_eq!(codes, [200, 200, 200, 429, 429], "{seen:?}");
+    assert_eq!(seen[3].2.as_deref(), Some("1"), "{seen:?}");
+}
+
+#[actix_web::test]
 async fn limits_shadow_puts_every_rule_in_shadow_mode() {
     let s = Stack::start("shadow-all", "", |c, _| {
         c.extra.push_str("[limits]\nshadow = true\n");

@@ -25,6 +25,10 @@ pub(super) struct Decided {
     pub(super) refused: bool,
     /// Refused by limits in shadow mode only: let through, and counted.
     pub(super) shadowed: bool,
+    /// Whether the request's cost was taken: when admitted, and when let
+    /// through in shadow mode beside enforced limits that took it (not
+    /// when every limit in force refused or is in shadow mode).
+    pub(super) took: bool,
     /// Which limiter decided.
     pub(super) source: DecisionSource,
     /// The headers that report it.
@@ -79,6 +83,7 @@ pub(super) async fn decide(
         Decided {
             refused: refused && !shadowed,
             shadowed,
+            took: !refused,
             source: verdict.source,
             headers: RateLimitHeaders::new(route.as_str(), &verdict, shadowed),
             held: None,
@@ -90,9 +95,16 @@ pub(super) async fn decide(
             .await;
         let refused = !verdict.allowed;
         let shadowed = refused && (state.shadow || verdict.refused_in_shadow_only());
+        let took = !refused
+            || (shadowed
+                && verdict
+                    .limits
+                    .iter()
+                    .any(|l| l.mode == Mode::Enforce && l.decision.allowed));
         Decided {
             refused: refused && !shadowed,
             shadowed,
+            took,
             source: verdict.source,
             headers: RateLimitHeaders::for_group(route.as_str(), &verdict, shadowed),
             held: verdict.held,
@@ -156,6 +168,7 @@ fn after_the_fact(route: &RouteId, mut verdict: GroupVerdict) -> Decided {
     Decided {
         refused: false,
         shadowed: false,
+        took: false,
         source: verdict.source,
         headers: RateLimitHeaders::for_group(route.as_str(), &verdict, false),
         held: None,

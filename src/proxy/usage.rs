@@ -11,7 +11,8 @@
 //! An answer that reports no usage (none, or not a whole number; an
 //! upstream error or timeout; a client that leaves before the trailers)
 //! keeps its reservation charged: what was reserved is what it cost. So
-//! does a request whose gateway dies before settling.
+//! does a request whose gateway dies before settling. A request let
+//! through in shadow mode reserved nothing: its whole usage is charged.
 
 use std::num::NonZeroU32;
 use std::sync::Arc;

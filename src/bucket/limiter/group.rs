@@ -63,7 +63,10 @@ impl GroupVerdict {
             && self
                 .limits
                 .iter()
-                .filter(|l| l.decision.retry_after_ms > 0)
+                // A limit refuses when it lacks the tokens (a group's
+                // verdict is every key's `allowed`; an enforced limit
+                // asked again alone has its own).
+                .filter(|l| !l.decision.allowed && l.decision.retry_after_ms > 0)
                 .all(|l| l.mode == Mode::Shadow)
     }
 }
@@ -257,6 +260,11 @@ impl<S: SharedStore> Limiter<S> {
     /// (this region's `share` of each), or from none when one refuses; a
     /// concurrency limit's slot is held for `holder` (a fresh holder when
     /// `None`; see [`Limiter::release_slots`]).
+    ///
+    /// A refusal by limits in shadow mode alone spares none of the
+    /// enforced ones: those are asked again on their own, so that a
+    /// request let through in shadow mode takes from every enforced limit,
+    /// and is refused when they cannot cover it.
     pub async fn check_group(
         &self,
         tenant: &TenantId,
@@ -269,37 +277,67 @@ impl<S: SharedStore> Limiter<S> {
         let core = &self.core;
         let started = core.clock.now_micros();
         let (mut group, parts) = limits_in_force(tenant, route, in_force, share);
+        let (decisions, source, held) = self.take_group(&mut group, in_force, cost, holder).await;
+        let mut verdict = GroupVerdict {
+            held,
+            ..core.group_verdict(&group, decisions, parts, source, started)
+        };
+        let enforced: Vec<usize> = (0..verdict.limits.len())
+            .filter(|&i| verdict.limits[i].mode == Mode::Enforce)
+            .collect();
+        if verdict.refused_in_shadow_only() && !enforced.is_empty() {
+            let mut alone: Vec<_> = enforced.iter().map(|&i| group[i].clone()).collect();
+            let (decisions, source, held) =
+                self.take_group(&mut alone, in_force, cost, holder).await;
+            for ((&i, (_, limit)), decision) in enforced.iter().zip(alone).zip(decisions) {
+                verdict.limits[i].limit = limit;
+                verdict.limits[i].decision = decision;
+            }
+            (verdict.source, verdict.held) = (source, held);
+        }
+        verdict
+    }
+
+    /// Takes `cost` from every limit of `group` or from none, through
+    /// Redis (sharded when `in_force` says so), or locally when Redis
+    /// cannot be asked; slots are held for `holder`.
+    async fn take_group(
+        &self,
+        group: &mut [(String, GroupLimit)],
+        in_force: &InForce,
+        cost: NonZeroU32,
+        holder: Option<u64>,
+    ) -> (Vec<Decision>, DecisionSource, Option<SlotHold>) {
+        let core = &self.core;
         if group.iter().any(|(_, limit)| limit.is_slots()) {
-            let (decisions, source, held) = self.take_slots(&mut group, cost, holder).await;
-            let verdict = core.group_verdict(&group, decisions, parts, source, started);
-            return GroupVerdict { held, ..verdict };
+            return self.take_slots(group, cost, holder).await;
         }
         let exact =
             in_force.limit.exact || in_force.tenant_wide.as_ref().is_some_and(|(l, _)| l.exact);
         // A sharded rule (never beside a `*` rule) is decided in one of its
         // sub-groups: every limit at 1/k, the keys under a tag of their
         // own. Each must hold at least one request's cost.
-        let shards = shards_for(in_force, &group, cost.get());
+        let shards = shards_for(in_force, group, cost.get());
         let (decisions, source) = match (&self.redis, &core.breaker) {
             (Some(redis), Some(topology)) if shards.get() > 1 => {
-                self.sharded_group(redis, topology, &group, shards, exact, cost)
+                self.sharded_group(redis, topology, group, shards, exact, cost)
                     .await
             }
             (Some(redis), Some(topology)) => {
                 let first = group.first().map_or("", |(key, _)| key.as_str());
                 if topology.allows(first) {
-                    self.shared_group(redis, &group, exact, cost).await
+                    self.shared_group(redis, group, exact, cost).await
                 } else {
-                    self.group_fallback(&group, Ask::single(cost.get()))
+                    self.group_fallback(group, Ask::single(cost.get()))
                 }
             }
-            (Some(_), None) => self.group_fallback(&group, Ask::single(cost.get())),
+            (Some(_), None) => self.group_fallback(group, Ask::single(cost.get())),
             (None, _) => (
-                core.local_group(&group, Ask::single(cost.get())),
+                core.local_group(group, Ask::single(cost.get())),
                 DecisionSource::Local,
             ),
         };
-        core.group_verdict(&group, decisions, parts, source, started)
+        (decisions, source, None)
     }
 
     /// A sharded rule's group, decided in its sub-groups (every limit at

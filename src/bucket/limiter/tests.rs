@@ -585,6 +585,37 @@ async fn without_redis_slots_are_held_locally_at_one_nth_and_given_back() {
 }
 
 #[actix_web::test]
+async fn a_refusal_by_a_shadow_limit_alone_still_takes_from_the_enforced_ones() {
+    tokio::time::pause();
+    let s = setup();
+    // The route's rule (enforced) holds 3; the tenant-wide one, in shadow
+    // mode, holds 1.
+    let mut wide = limit(1, 1);
+    wide.mode = crate::rules::model::Mode::Shadow;
+    let rule = crate::rules::InForce {
+        limit: limit(3, 1),
+        more: None,
+        has_rule: true,
+        tenant_wide: Some((wide, None)),
+    };
+    let mut verdicts = Vec::new();
+    for _ in 0..4 {
+        verdicts.push(check_group(&s, &rule).await);
+    }
+    assert!(verdicts[0].allowed, "{:?}", verdicts[0]);
+    // The shadow limit is empty: let through, and the enforced bucket
+    // still pays, down to 0.
+    for (v, left) in verdicts[1..3].iter().zip([1, 0]) {
+        assert!(!v.allowed && v.refused_in_shadow_only(), "{v:?}");
+        let route = &v.limits[0];
+        assert!(!route.tenant_wide && route.decision.allowed, "{v:?}");
+        assert_eq!(route.decision.remaining, left, "{v:?}");
+    }
+    // The enforced bucket is empty: refused, whatever the shadow limit.
+    assert!(!verdicts[3].refused_in_shadow_only(), "{:?}", verdicts[3]);
+}
+
+#[actix_web::test]
 async fn a_tenant_wide_concurrency_limit_counts_every_route_together() {
     tokio::time::pause();
     let s = setup();

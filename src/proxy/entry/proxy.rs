@@ -114,6 +114,7 @@ pub(super) async fn handle(
         let Decided {
             refused,
             shadowed,
+            took,
             source,
             headers,
             held,
@@ -123,9 +124,10 @@ pub(super) async fn handle(
         if let Some(note) = note.as_deref_mut() {
             note.source = Some(source);
         }
-        // A request let through in shadow mode took nothing: its usage is
-        // charged whole when settled.
-        let reserved = if shadowed { 0 } else { cost.get() };
+        // A request let through in shadow mode took nothing unless enforced
+        // limits beside the refusing ones took it: one that took nothing
+        // has its usage charged whole when settled.
+        let reserved = if took { cost.get() } else { 0 };
         if route.spec.usage.is_some() && !refused && reserved > 0 {
             route
                 .metrics
@@ -139,7 +141,8 @@ pub(super) async fn handle(
         }
 
         // Dropped unsettled (an error, no usage reported), its reservation
-        // is counted as expired.
+        // is counted as expired (a request that reserved nothing counts
+        // none).
         let settlement = route.spec.usage.as_ref().map(|usage| {
             let limiter = &worker.limiter;
             Settlement::new(
