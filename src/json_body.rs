@@ -86,8 +86,8 @@ pub fn fault_of(path: String, e: &serde_json::Error) -> Fault {
         Category::Io => ("body".to_owned(), "could not be read".to_owned()),
         Category::Data if whole => (
             "body".to_owned(),
-            "is not an object with the fields this call takes (one is missing, or \
-             the value is not an object)"
+            "is not an object with the fields this call takes (one is missing or \
+             named twice, or the value is not an object)"
                 .to_owned(),
         ),
         Category::Data => (

@@ -216,6 +216,8 @@ fn an_upstream_that_cannot_be_reached_keeps_the_reservation_charged() {
         common::series_value(&common::metrics_text(&s.gw), series) == Some(40.0)
     });
     assert!(counted, "the reservation expired unsettled");
+    // Nothing given back later either.
+    assert_eq!(charge_nothing_on(check, "down")["remaining"], 960);
 }
 
 #[test]

@@ -105,10 +105,10 @@ pub(super) fn parse(body: &[u8]) -> Result<Value, Fault> {
         let path = track.path().to_string();
         match twice.take() {
             Some(key) => Fault {
-                field: if path == "." {
-                    key
-                } else {
-                    format!("{path}.{key}")
+                field: match (path.as_str(), key.is_empty()) {
+                    (_, true) => "body".to_owned(),
+                    (".", false) => key,
+                    _ => format!("{path}.{key}"),
                 },
                 problem: "comes twice in one object".to_owned(),
             },

@@ -4,9 +4,10 @@
 //! [`RedisConn`](super::RedisConn) (a proxy worker's), the connections
 //! that carry its script calls. A line carries one call at a time: the
 //! call writes its command (a [`ScriptCall`]), reads its one reply and
-//! hands it to the caller as borrowed bytes (a [`Reply`]), with no command object, channel, connection task or
-//! general value in between (the multiplexed connection of the redis
-//! crate spent about 700 instructions on them per coalesced decision).
+//! hands it to the caller as borrowed bytes (a [`Reply`]), with no
+//! command object, channel, connection task or general value in between
+//! (the multiplexed connection of the redis crate spent about 700
+//! instructions on them per coalesced decision).
 //!
 //! A call that finds no idle line takes the primary's shared connection
 //! instead, and has a line opened in the background (one at a time, at

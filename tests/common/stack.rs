@@ -12,12 +12,13 @@ use super::{
 /// A Redis, the mock upstream, a rules file and one gateway in front of
 /// them: the set most gateway tests need.
 pub struct Stack {
+    /// Declared first, so that it stops first, while what it uses runs.
+    pub gw: Gateway,
     pub redis: RedisServer,
     pub up: Upstream,
     pub dir: TempDir,
     /// The gateway's config, to start more gateways like it.
     pub config: GatewayConfig,
-    pub gw: Gateway,
 }
 
 impl Stack {
