@@ -200,6 +200,11 @@ struct CheckRequest {
     request_id: Option<String>,
 }
 
+impl CheckRequest {
+    /// The fields above, named to a client whose body has a stray one.
+    const FIELDS: [&'static str; 4] = ["tenant", "route", "cost", "request_id"];
+}
+
 /// A question of `POST /v1/check`, `/v1/charge` or `/v1/release`,
 /// checked.
 struct Question<'a> {
@@ -243,8 +248,7 @@ async fn question<'a>(
             return Err(response);
         }
     };
-    let fields = ["tenant", "route", "cost", "request_id"];
-    let asked: CheckRequest = json_body::read_fields(&body, &fields)
+    let asked: CheckRequest = json_body::read_fields(&body, &CheckRequest::FIELDS)
         .map_err(|fault| invalid(StatusCode::BAD_REQUEST, &fault.to_string()))?;
     let tenant = TenantId::parse(&asked.tenant).map_err(|e| {
         let message = format!("tenant {}: {e}", quoted(&asked.tenant));
