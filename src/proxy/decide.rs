@@ -95,16 +95,10 @@ pub(super) async fn decide(
             .await;
         let refused = !verdict.allowed;
         let shadowed = refused && (state.shadow || verdict.refused_in_shadow_only());
-        let took = !refused
-            || (shadowed
-                && verdict
-                    .limits
-                    .iter()
-                    .any(|l| l.mode == Mode::Enforce && l.decision.allowed));
         Decided {
             refused: refused && !shadowed,
             shadowed,
-            took,
+            took: verdict.took(),
             source: verdict.source,
             headers: RateLimitHeaders::for_group(route.as_str(), &verdict, shadowed),
             held: verdict.held,

@@ -57,6 +57,13 @@ pub struct GroupVerdict {
 }
 
 impl GroupVerdict {
+    /// Whether the request's cost was taken: from every limit when
+    /// admitted, from the enforced ones when only limits in shadow mode
+    /// refused and the enforced ones, asked alone, admitted.
+    pub fn took(&self) -> bool {
+        self.allowed || self.limits.iter().any(|l| l.decision.allowed)
+    }
+
     /// Whether a refusal comes from limits in shadow mode only.
     pub fn refused_in_shadow_only(&self) -> bool {
         !self.allowed
@@ -282,16 +289,19 @@ impl<S: SharedStore> Limiter<S> {
             held,
             ..core.group_verdict(&group, decisions, parts, source, started)
         };
-        let enforced: Vec<usize> = (0..verdict.limits.len())
-            .filter(|&i| verdict.limits[i].mode == Mode::Enforce)
-            .collect();
-        if verdict.refused_in_shadow_only() && !enforced.is_empty() {
-            let mut alone: Vec<_> = enforced.iter().map(|&i| group[i].clone()).collect();
+        let enforced = |l: &LimitVerdict| l.mode == Mode::Enforce;
+        if verdict.refused_in_shadow_only() && verdict.limits.iter().any(enforced) {
+            let mut alone: Vec<_> = group
+                .iter()
+                .zip(&verdict.limits)
+                .filter(|(_, l)| enforced(l))
+                .map(|(limit, _)| limit.clone())
+                .collect();
             let (decisions, source, held) =
                 self.take_group(&mut alone, in_force, cost, holder).await;
-            for ((&i, (_, limit)), decision) in enforced.iter().zip(alone).zip(decisions) {
-                verdict.limits[i].limit = limit;
-                verdict.limits[i].decision = decision;
+            let asked = verdict.limits.iter_mut().filter(|l| enforced(l));
+            for (l, ((_, limit), decision)) in asked.zip(alone.into_iter().zip(decisions)) {
+                (l.limit, l.decision) = (limit, decision);
             }
             (verdict.source, verdict.held) = (source, held);
         }

@@ -128,7 +128,7 @@ pub(super) async fn handle(
         // limits beside the refusing ones took it: one that took nothing
         // has its usage charged whole when settled.
         let reserved = if took { cost.get() } else { 0 };
-        if route.spec.usage.is_some() && !refused && reserved > 0 {
+        if route.spec.usage.is_some() && reserved > 0 {
             route
                 .metrics
                 .usage(UsageKind::Reserved, u64::from(reserved));
