@@ -110,6 +110,14 @@ fn shared_limits(_: usize, config: &mut GatewayConfig, _: &TempDir) {
     );
 }
 
+/// Two gateways sharing limits through a Sentinel-watched primary and its
+/// replica, each seeing the other.
+fn sentinel_fleet(tag: &str) -> Fleet<RedisSentinel> {
+    let fleet = Fleet::on(RedisSentinel::start(), tag, 2, RULES, shared_limits);
+    fleet.assert_all_live(Duration::from_secs(5));
+    fleet
+}
+
 /// What held after the failover: the probe tenant's limit of 5 across
 /// both gateways, and every worker answering on fresh connections with
 /// shared decisions.
@@ -296,14 +304,7 @@ async fn a_cluster_primary_killed_under_load_fails_over_for_its_slots_alone() {
 
 #[actix_web::test]
 async fn a_primary_killed_under_load_is_followed_through_sentinel() {
-    let mut fleet = Fleet::on(
-        RedisSentinel::start(),
-        "sentinel-failover",
-        2,
-        RULES,
-        shared_limits,
-    );
-    fleet.assert_all_live(Duration::from_secs(5));
+    let mut fleet = sentinel_fleet("sentinel-failover");
     let (gws, deployment) = (&fleet.gateways, &mut fleet.redis);
     let first = ready(&gws[0]).await;
     assert_eq!(first["redis_topology"]["mode"], "sentinel", "{first}");
@@ -375,14 +376,7 @@ async fn a_primary_killed_under_load_is_followed_through_sentinel() {
 
 #[actix_web::test]
 async fn a_frozen_sentinel_does_not_keep_a_failover_from_being_followed() {
-    let mut fleet = Fleet::on(
-        RedisSentinel::start(),
-        "sentinel-frozen",
-        2,
-        RULES,
-        shared_limits,
-    );
-    fleet.assert_all_live(Duration::from_secs(5));
+    let mut fleet = sentinel_fleet("sentinel-frozen");
     let (gws, deployment) = (&fleet.gateways, &mut fleet.redis);
     // The first sentinel listed freezes, connections open; the other two
     // still make a quorum and promote the replica.

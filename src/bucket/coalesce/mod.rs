@@ -436,6 +436,12 @@ mod tests {
         (store, gate, client)
     }
 
+    /// The successes and failures `gate` heard since it was last asked.
+    fn reported(gate: &BreakerGate) -> (u64, u64) {
+        let seen = gate.drain();
+        (seen.successes, seen.failures)
+    }
+
     fn spec() -> BucketSpec {
         BucketSpec::of(NonZeroU32::new(100).unwrap(), NonZeroU32::new(10).unwrap())
     }
@@ -616,12 +622,7 @@ mod tests {
                 "{failed:?}"
             );
         }
-        let seen = gate.drain();
-        assert_eq!(
-            (seen.successes, seen.failures),
-            (1, 1),
-            "one failure for the call"
-        );
+        assert_eq!(reported(&gate), (1, 1), "one failure for the call");
     }
 
     #[actix_web::test]
@@ -640,8 +641,7 @@ mod tests {
             }
         }
         assert_eq!(store.batch_sizes(), [1, 5], "no call was repeated");
-        let seen = gate.drain();
-        assert_eq!((seen.successes, seen.failures), (2, 0));
+        assert_eq!(reported(&gate), (2, 0));
     }
 
     #[actix_web::test]
@@ -656,9 +656,8 @@ mod tests {
             assert!(rider.await.unwrap().unwrap().decision.allowed);
         }
         assert_eq!(store.batch_sizes(), [1, 4, 1, 1, 1, 1]);
-        let seen = gate.drain();
         assert_eq!(
-            (seen.successes, seen.failures),
+            reported(&gate),
             (5, 0),
             "a refused call is no failure of Redis"
         );
