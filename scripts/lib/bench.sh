@@ -57,7 +57,9 @@ wait_port() {
 }
 
 start_redis() {
-  redis-server --port "$1" --bind 127.0.0.1 --save '' --appendonly no >"$work/redis-$1.log" 2>&1 &
+  # --dir: a dump.rdb in the working directory is never loaded.
+  redis-server --port "$1" --bind 127.0.0.1 --save '' --appendonly no --dir "$work" \
+    >"$work/redis-$1.log" 2>&1 &
   pids+=($!)
   REDIS_PID=$!
   wait_port "$1"
@@ -85,7 +87,7 @@ declare -A REDIS_TLS_CA=()
 start_redis_tls() {
   redis-server --port 0 --tls-port "$1" --tls-cert-file "$2/redis.crt" --tls-key-file "$2/redis.key" \
     --tls-ca-cert-file "$2/ca.crt" --tls-auth-clients no --bind 127.0.0.1 --save '' \
-    --appendonly no >"$work/redis-$1.log" 2>&1 &
+    --appendonly no --dir "$work" >"$work/redis-$1.log" 2>&1 &
   pids+=($!)
   REDIS_PID=$!
   REDIS_TLS_CA[$1]=$2/ca.crt

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -64,6 +65,9 @@ class Redis:
         if not shutil.which("redis-server"):
             fail("redis-server not found; install it with: apt-get install -y redis-server")
         self.port = free_port()
+        # A directory of its own, so that it never loads a dump.rdb found
+        # in the working directory (a replica saves what it synced there).
+        self.dir = tempfile.mkdtemp(prefix=f"{name}-", dir=work)
         # A Cluster node's bus port is its port + 10000.
         while self.port >= 55536:
             self.port = free_port()
@@ -77,7 +81,7 @@ class Redis:
     def start(self):
         self.proc = subprocess.Popen(
             self.wrapper + ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
-                            "--save", "", "--appendonly", "no"] + self.args,
+                            "--save", "", "--appendonly", "no", "--dir", self.dir] + self.args,
             stdout=self.log, stderr=self.log)
         wait_for(lambda: port_open(self.port), 60 if self.wrapper else 10, "redis-server start")
 

@@ -9,7 +9,7 @@ use tollgate::bucket::Decision;
 use tollgate::redis_client::{NodeAddr, RedisConn};
 
 use super::redis_access::cli;
-use super::{Access, KillOnDrop, free_port, spawn_from, wait_until};
+use super::{Access, KillOnDrop, TempDir, free_port, spawn_from, wait_until};
 
 /// A `redis-server` on a free port, killed on drop.
 pub struct RedisServer {
@@ -19,6 +19,10 @@ pub struct RedisServer {
     /// How it is reached.
     access: Access,
     child: KillOnDrop,
+    /// Its own working directory, so that it never loads a `dump.rdb` it
+    /// did not write (a replica saves what it synced into its directory).
+    /// Declared after the child: the server is killed before it goes.
+    dir: TempDir,
 }
 
 impl RedisServer {
@@ -40,12 +44,14 @@ impl RedisServer {
     pub fn start_as(access: Access, args: Vec<String>) -> Self {
         for _ in 0..3 {
             let port = free_port();
-            let child = spawn_redis(port, &access, &args);
+            let dir = TempDir::new("redis");
+            let child = spawn_redis(port, &access, &dir, &args);
             let mut server = Self {
                 port,
                 args: args.clone(),
                 access: access.clone(),
                 child,
+                dir,
             };
             if wait_until(Duration::from_secs(5), || server.ping()) {
                 return server;
@@ -63,7 +69,7 @@ impl RedisServer {
     /// Starts the server again on the same port (empty, unless its
     /// arguments name a data directory).
     pub fn restart(&mut self) {
-        self.child = spawn_redis(self.port, &self.access, &self.args);
+        self.child = spawn_redis(self.port, &self.access, &self.dir, &self.args);
         assert!(
             wait_until(Duration::from_secs(5), || self.ping()),
             "redis-server did not come back on port {}",
@@ -182,13 +188,15 @@ impl RedisServer {
 
 /// Spawns `redis-server` on `port` reached as `access` says, keeping
 /// nothing on disk.
-fn spawn_redis(port: u16, access: &Access, args: &[String]) -> KillOnDrop {
+fn spawn_redis(port: u16, access: &Access, dir: &TempDir, args: &[String]) -> KillOnDrop {
     KillOnDrop(spawn_from(
         "redis-server",
         Command::new("redis-server")
             .args(access.server_args(port))
             .args(["--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(&dir.0)
             .args(args)
             .stdout(Stdio::null())
             .stderr(Stdio::null()),
