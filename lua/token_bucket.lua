@@ -109,8 +109,9 @@
 -- gateway reads it without a general reply parser, which cost it about
 -- 850 instructions an integer.
 --
--- Per key: one GET, and one INCRBY or SET when tokens are taken (a
--- rejection writes nothing), each by redis.pcall so that a key's own
+-- Per key: one GET, and when tokens are taken one INCRBY (with a
+-- PEXPIREAT when the TAT moves to another cell of the expiry grid) or SET
+-- (a rejection writes nothing), each by redis.pcall so that a key's own
 -- error is that key's answer, not the call's. Now always comes from
 -- redis.call('TIME'), never from the gateway: gateway clocks drift.
 --
@@ -126,9 +127,8 @@
 -- a grid); an idle bucket therefore vanishes, and comes back full. A
 -- changed rule keeps a bucket's debt (time until full), not its count;
 -- a write under a new rule may keep the expiry set under the old one: the
--- key then vanishes no earlier than the new rule's cell (a quarter of its
--- refill time) before the bucket is full, with at least three quarters of
--- its tokens back.
+-- key then vanishes no earlier than the new rule's cell (half its refill
+-- time) before the bucket is full, with at least half its tokens back.
 
 -- What the loop calls or reads for every key, as locals: a global is a
 -- lookup by name each time.
@@ -151,35 +151,46 @@ local now = time[1] * 1000000 + time[2]
 -- TAT was old (nil for a new key), under a rule whose empty bucket
 -- refills in fill microseconds; returns whether the write succeeded. The
 -- key expires at the start of its TAT's cell on a grid of cells of
--- fill / 4, plus 2 × fill: between 1.75 and 2 fill times after the
--- bucket is full again. A TAT that stays in its cell keeps the expiry
--- already set and moves by INCRBY, the cheapest write Redis has for it:
--- no expiry to set, the stored integer changed in place, and an integer
--- reply where SET's status becomes a Lua table. Turning a number into
--- text costs Redis more than most of a key's arithmetic, and the keys of
--- one call share now, a rule and an ask, so the last step (tat - old:
--- the same for a run of buckets that were not full), the last TAT SET
--- wrote (the same for a run of full buckets) and the last expiry are kept
--- as text for the next key. A value INCRBY cannot add to (a fraction
--- written by an older build, say) is overwritten by SET. (x - x % cell is
--- the start of x's cell, without a call to math.floor.)
+-- fill / 2, plus 2 × fill: between 1.5 and 2 fill times after the
+-- bucket is full again. A stored whole number moves by INCRBY, the
+-- cheapest write Redis has for it: the integer changed in place, and an
+-- integer reply where SET's status becomes a Lua table. A TAT that stays
+-- in its cell keeps the expiry already set; one that moves to another
+-- cell sets it with PEXPIREAT, which costs Redis about a third less than
+-- writing value and expiry with SET ... PXAT (that deletes the key's
+-- expiry and adds it again). Cells of half the refill time make a busy
+-- bucket set its expiry about twice per refill time. Turning a number
+-- into text costs Redis more than most of a key's arithmetic, and the
+-- keys of one call share now, a rule and an ask, so the last step (tat -
+-- old: the same for a run of buckets that were not full), the last TAT
+-- SET wrote (the same for a run of full buckets) and the last expiry are
+-- kept as text for the next key. A new key, or a value INCRBY cannot add
+-- to (a fraction written by an older build, say), is written by SET.
+-- (x - x % cell is the start of x's cell, without a call to math.floor.)
 local put_fill, put_start, put_expiry, put_step, put_step_text, put_tat, put_text
 local function put(key, tat, old, fill)
-  local cell = fill / 4
+  local cell = fill / 2
   local start = tat - tat % cell
-  if old and old % 1 == 0 and old - old % cell == start then
+  -- Whether INCRBY moved the stored TAT to tat.
+  local added = false
+  if old and old % 1 == 0 then
     local step = tat - old
     if step ~= put_step then
       put_step, put_step_text = step, format('%d', step)
     end
     -- INCRBY answers the new value; an error reply is a table, never tat.
-    if redis_pcall('INCRBY', key, put_step_text) == tat then
+    added = redis_pcall('INCRBY', key, put_step_text) == tat
+    if added and old - old % cell == start then
       return true
     end
   end
   if start ~= put_start or fill ~= put_fill then
     put_fill, put_start = fill, start
     put_expiry = format('%d', ceil((start + 2 * fill) / 1000))
+  end
+  -- The TAT moved to another cell, and so does the expiry (1 when set).
+  if added and redis_pcall('PEXPIREAT', key, put_expiry) == 1 then
+    return true
   end
   if tat ~= put_tat then
     put_tat, put_text = tat, format('%d', tat)
@@ -209,7 +220,8 @@ local run = 0
 -- ARGV[c] is the first argument of key i.
 local c = 1
 
-for i = 1, #KEYS do
+local nkeys, i = #KEYS, 1
+while i <= nkeys do
   -- A short ask ('=' (61) and a single ask) is the key's only argument,
   -- and a run's ("<k>=" and a single ask) that of k keys; any other key
   -- has three, the ask at at; a later key of a group has three. The usual
@@ -619,76 +631,86 @@ for i = 1, #KEYS do
         snap = 1e-9 + rate * 5e-7
       end
     end
-    -- The group path's bucket_tokens, inline: this path runs per key.
-    -- allowed stays -1 when the key cannot be decided.
-    local allowed, tokens, granted = -1, 0, 0
-    local key = KEYS[i]
-    local raw = rule_ok and redis_pcall('GET', key)
-    local tat = tonumber(raw)
-    if rule_ok and (tat or not raw) then
+    if rule_ok then
       if want > capacity then want = capacity end
       if min > want then min = want end
       if need > min then need = min end
-      tokens = capacity
-      if tat and tat > now then
-        -- Negative while a charge's debt is being paid back.
-        tokens = capacity - (tat - now) * rate / 1000000
-        -- Whole token counts survive the trip through the TAT despite
-        -- rounding. (x - x % 1 is floor(x), without a function call.)
-        local whole = tokens + 0.5
-        whole = whole - whole % 1
-        if tokens - whole < snap and whole - tokens < snap then
-          tokens = whole
-        end
-      end
-      if tokens < need then
-        -- tokens < need <= min, so both waits are at least 1 ms.
-        allowed = 0
-      else
-        -- want is whole: a bucket holding it grants it.
-        if tokens >= want then
-          granted = want
-        elseif tokens >= min then
-          granted = tokens - tokens % 1
-        else
-          granted = need
-        end
-        local left = tokens - granted
-        local to = now + (capacity - left) * 1000000 / rate + 0.5
-        if put(key, to - to % 1, tat, fill) then
-          allowed, tokens = 1, left
-        end
-      end
     end
-    if allowed < 0 and compact then
-      reply[n + 1] = -1
-      n = n + 1
-    elseif allowed < 0 then
-      reply[n + 1], reply[n + 2], reply[n + 3] = -1, 0, 0
-      n = n + 3
-      if lease then
-        reply[n + 1], reply[n + 2] = 0, 0
-        n = n + 2
+    -- This key and the keys after it that its run covers share the rule
+    -- and the ask: one loop decides them, with nothing to look up again.
+    local last = i + run
+    if last > nkeys then last = nkeys end
+    run = 0
+    for j = i, last do
+      -- The group path's bucket_tokens, inline: this path runs per key.
+      -- allowed stays -1 when the key cannot be decided, and becomes
+      -- false once a compact grant has been answered.
+      local allowed, tokens, granted = -1, 0, 0
+      local key = KEYS[j]
+      local raw = rule_ok and redis_pcall('GET', key)
+      local tat = tonumber(raw)
+      if rule_ok and (tat or not raw) then
+        tokens = capacity
+        if tat and tat > now then
+          -- Negative while a charge's debt is being paid back.
+          tokens = capacity - (tat - now) * rate / 1000000
+          -- Whole token counts survive the trip through the TAT despite
+          -- rounding. (x - x % 1 is floor(x), without a function call.)
+          local whole = tokens + 0.5
+          whole = whole - whole % 1
+          if tokens - whole < snap and whole - tokens < snap then
+            tokens = whole
+          end
+        end
+        -- tokens < need <= min: refused, and both waits are at least 1 ms.
+        allowed = 0
+        if tokens >= need then
+          -- want is whole: a bucket holding it grants it.
+          granted = want
+          if tokens < want then
+            granted = need
+            if tokens >= min then granted = tokens - tokens % 1 end
+          end
+          local left = tokens - granted
+          local to = now + (capacity - left) * 1000000 / rate + 0.5
+          if not put(key, to - to % 1, tat, fill) then
+            allowed = -1
+          elseif compact and left >= need then
+            -- The compact reply of a grant with need tokens left (the
+            -- common answer): its remaining count alone (at least 1).
+            reply[n + 1] = left - left % 1
+            n = n + 1
+            allowed = false
+          else
+            allowed, tokens = 1, left
+          end
+        end
       end
-    else
-      -- wait(need, tokens, rate), inline: in Redis's Lua a call costs
-      -- more than the arithmetic it wraps.
-      local retry, whole = 0, tokens - tokens % 1
-      if tokens < need then
-        retry = ceil((need - tokens) * 1000 / rate)
-      end
-      if compact and allowed == 1 and retry == 0 then
-        -- The compact reply of a grant with need tokens left: its
-        -- remaining count alone (at least 1).
-        reply[n + 1] = whole
+      if not allowed then
+        -- Answered above.
+      elseif allowed < 0 and compact then
+        reply[n + 1] = -1
         n = n + 1
+      elseif allowed < 0 then
+        reply[n + 1], reply[n + 2], reply[n + 3] = -1, 0, 0
+        n = n + 3
+        if lease then
+          reply[n + 1], reply[n + 2] = 0, 0
+          n = n + 2
+        end
       else
         -- Any other compact answer is tagged, then as a plain one.
         if compact then
           reply[n + 1] = -2
           n = n + 1
         end
-        reply[n + 1], reply[n + 2], reply[n + 3] = allowed, whole, retry
+        -- wait(need, tokens, rate), inline: in Redis's Lua a call costs
+        -- more than the arithmetic it wraps.
+        local retry = 0
+        if tokens < need then
+          retry = ceil((need - tokens) * 1000 / rate)
+        end
+        reply[n + 1], reply[n + 2], reply[n + 3] = allowed, tokens - tokens % 1, retry
         n = n + 3
         if lease then
           reply[n + 1] = allowed > 0 and granted or 0
@@ -697,7 +719,9 @@ for i = 1, #KEYS do
         end
       end
     end
+    i = last
   end
+  i = i + 1
 end
 
 -- A Redis-compatible server without cmsgpack gets the plain array, which
