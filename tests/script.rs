@@ -221,7 +221,7 @@ async fn a_write_in_the_cell_adds_the_take_and_a_value_it_cannot_add_to_is_rewri
 }
 
 #[actix_web::test]
-async fn a_replica_holds_the_value_and_expiry_the_primary_wrote_by_set_and_by_incrby() {
+async fn a_replica_holds_the_value_and_expiry_the_primary_wrote_by_set_incrby_and_pexpireat() {
     // No wait before the replica's first sync (Redis waits 5 s by default).
     let primary = RedisServer::start_with(vec!["--repl-diskless-sync-delay".into(), "0".into()]);
     let b = bucket(&primary, Duration::from_secs(2));
@@ -237,28 +237,32 @@ async fn a_replica_holds_the_value_and_expiry_the_primary_wrote_by_set_and_by_in
         "the replica syncs"
     );
     // A new key is written with SET … PXAT, the takes after it in its
-    // cell (a token is 0.1 s, cells 5 s) add their step with INCRBY.
+    // cell (a token is 0.1 s, cells 5 s) add their step with INCRBY; then
+    // a take of 50 moves the TAT 5 s, into the next cell, and its expiry
+    // with PEXPIREAT.
     let (key, s) = ("rl2:{replicated}:r", spec(100, 10));
-    for _ in 0..5 {
-        assert!(decide(&b, key, &s, 1).await.allowed);
-    }
-    let stats = primary.cmd(&["INFO", "commandstats"]);
-    assert!(
-        stats.contains("cmdstat_incrby:calls="),
-        "the takes added in place: {stats}"
-    );
     let mut conn = primary.conn().await;
-    let tat: String = conn.get(key).await.unwrap();
-    let at = expiry_at(&mut conn, key).await.to_string();
-    assert!(
-        wait_until(Duration::from_secs(5), || {
-            replica.cmd(&["GET", key]).contains(&tat)
-                && replica.cmd(&["PEXPIRETIME", key]).contains(&at)
-        }),
-        "the replica holds TAT {tat}, expiring at {at}: {} {}",
-        replica.cmd(&["GET", key]),
-        replica.cmd(&["PEXPIRETIME", key])
-    );
+    for (takes, cost, command) in [(5, 1, "incrby"), (1, 50, "pexpireat")] {
+        for _ in 0..takes {
+            assert!(decide(&b, key, &s, cost).await.allowed);
+        }
+        let stats = primary.cmd(&["INFO", "commandstats"]);
+        assert!(
+            stats.contains(&format!("cmdstat_{command}:calls=")),
+            "the takes used {command}: {stats}"
+        );
+        let tat: String = conn.get(key).await.unwrap();
+        let at = expiry_at(&mut conn, key).await.to_string();
+        assert!(
+            wait_until(Duration::from_secs(5), || {
+                replica.cmd(&["GET", key]).contains(&tat)
+                    && replica.cmd(&["PEXPIRETIME", key]).contains(&at)
+            }),
+            "the replica holds TAT {tat}, expiring at {at}: {} {}",
+            replica.cmd(&["GET", key]),
+            replica.cmd(&["PEXPIRETIME", key])
+        );
+    }
 }
 
 #[actix_web::test]

@@ -186,8 +186,8 @@ impl RedisServer {
     }
 }
 
-/// Spawns `redis-server` on `port` reached as `access` says, keeping
-/// nothing on disk.
+/// Spawns `redis-server` on `port` reached as `access` says, in `dir`,
+/// saving nothing on disk (a replica still saves what it synced there).
 fn spawn_redis(port: u16, access: &Access, dir: &TempDir, args: &[String]) -> KillOnDrop {
     KillOnDrop(spawn_from(
         "redis-server",
