@@ -391,7 +391,20 @@ impl HotKeys {
     /// Records Redis's answer to a call for `key`: the tokens granted, of
     /// which the request spent `cost` (the rest become a lease), and how long
     /// the key must now be blocked. An `owner` call releases the key's slot.
+    ///
+    /// An answer that sets no block and leaves no lease, to a call that
+    /// holds no slot (most calls: a key neither hot nor over its limit),
+    /// is not recorded, and the key is not looked up. Such a call was
+    /// planned for a key with no block (the first call after one holds the
+    /// slot), and what it would record is read only under a block or a
+    /// lease, which their own answers record first. A block recorded
+    /// meanwhile from another call's refusal is left to run out rather
+    /// than lifted by this grant: when the two calls' answers come back in
+    /// another order than Redis ran them, the refusal is the later word.
     pub fn record(&self, key: Hashed<'_>, grant: &Grant, cost: u32, owner: bool) {
+        if !owner && grant.block_ms == 0 && grant.granted <= cost {
+            return;
+        }
         let now = self.clock.now_ms();
         let window = millis(self.settings.window);
         self.keys.get_hashed(key, |s| {
@@ -682,6 +695,28 @@ mod tests {
         // An admission with tokens to spare lifts the block.
         hot.record(hot.key("k"), &grant(1, 3, 0, 0), 1, true);
         assert_eq!(call(plan(&hot, &s, true)), (1, 1, false));
+    }
+
+    #[test]
+    fn a_grant_to_a_call_without_the_slot_leaves_a_block_recorded_meanwhile() {
+        let clock = ManualClock::new(0);
+        let hot = table(&clock);
+        let s = spec(10, 1);
+        // Two requests ask Redis at once; neither holds the key's slot.
+        assert_eq!(call(plan(&hot, &s, true)), (1, 1, false));
+        assert_eq!(call(plan(&hot, &s, true)), (1, 1, false));
+        // One is refused (a block of 250 ms), then the other's admission
+        // comes back.
+        hot.record(hot.key("k"), &grant(0, 0, 250, 250), 1, false);
+        hot.record(hot.key("k"), &grant(1, 2, 0, 0), 1, false);
+        clock.advance(Duration::from_millis(249));
+        let Plan::Local(d, DecisionSource::Cache) = plan(&hot, &s, true) else {
+            panic!("the block still holds");
+        };
+        assert_eq!((d.allowed, d.remaining, d.retry_after_ms), (false, 0, 1));
+        // Once it has run out, one request asks Redis for the key.
+        clock.advance(Duration::from_millis(1));
+        assert_eq!(call(plan(&hot, &s, true)), (1, 1, true));
     }
 
     #[test]
