@@ -5,7 +5,8 @@
 //! it is not, so the client reads the answer rather than a reset. With
 //! raw sockets that send the body in a second write, chunked bodies,
 //! `Expect: 100-continue`, and real clients (Python's `http.client`,
-//! curl `--next`).
+//! curl `--next`). A client that shuts its side of the connection after
+//! its requests still gets their answers.
 
 #![allow(clippy::unwrap_used)] // Test code: a failed unwrap is a failed test.
 
@@ -286,6 +287,44 @@ fn the_check_listener_keeps_or_closes_its_connections_the_same_way() {
     let answer = read_answer(&mut reader).unwrap();
     assert_eq!(answer.status, 413);
     assert!(answer.closes());
+}
+
+/// Regression: a client that shut its side of the connection once its
+/// requests were sent (as `nc -N` and some HTTP/1.0 clients do) got no
+/// answer: the end of its stream, read while the request was served, was
+/// taken for the client going away.
+#[test]
+fn a_client_that_shuts_its_side_after_its_requests_gets_their_answers() {
+    let s = stack("half-close");
+    let check = br#"{"tenant":"hc-check","route":"api"}"#;
+    let listeners = [
+        (
+            s.gw.addr,
+            "GET /api/a HTTP/1.1\r\nHost: t\r\nX-Api-Key: hc\r\n\r\n".to_owned(),
+        ),
+        (
+            s.gw.check.unwrap(),
+            format!(
+                "POST /v1/check HTTP/1.1\r\nHost: t\r\nContent-Length: {}\r\n\r\n{}",
+                check.len(),
+                String::from_utf8_lossy(check)
+            ),
+        ),
+    ];
+    for (addr, request) in listeners {
+        let (mut stream, mut reader) = connect(addr);
+        // Two requests in one write, then the client's end of the stream.
+        stream.write_all(request.repeat(2).as_bytes()).unwrap();
+        stream.shutdown(std::net::Shutdown::Write).unwrap();
+        for n in 0..2 {
+            let answer = read_answer(&mut reader)
+                .unwrap_or_else(|| panic!("{addr}: no answer to request {n}"));
+            assert_eq!(answer.status, 200, "{addr}: request {n}: {answer:?}");
+        }
+        let mut rest = Vec::new();
+        reader.read_to_end(&mut rest).unwrap();
+        assert!(rest.is_empty(), "{addr}: then the connection ends");
+    }
 }
 
 /// Runs `script` with python3; its stdout.

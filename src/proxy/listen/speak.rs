@@ -75,6 +75,18 @@ pub(super) enum Protocols {
 impl Protocols {
     /// HTTP/1.1 with `header_timeout`, and HTTP/2 beside it when `http2`,
     /// at most `max_streams` streams per connection, with `windows`.
+    ///
+    /// An HTTP/1.1 connection is read for requests only (`half_close`).
+    /// Otherwise hyper reads it again while a request is served, to see
+    /// whether the client went away: that takes a fresh read buffer for
+    /// every request (the request still holds the one it was read into),
+    /// and it drops the request of a client that shut its side of the
+    /// connection once it had sent it, which then gets no answer. A request
+    /// whose client went away is therefore served to the end and its
+    /// answer dropped; its upstream exchange, once begun, would hold its
+    /// slot until the answer's head in any case, and what a client leaves
+    /// behind is bounded by its in-flight slots and the upstream's
+    /// timeouts.
     pub(super) fn new(
         header_timeout: Duration,
         http2: bool,
@@ -87,7 +99,8 @@ impl Protocols {
                 .timer(CoarseTimer)
                 .header_read_timeout(header_timeout)
                 .max_buf_size(CLIENT_BUFFER)
-                .writev(false);
+                .writev(false)
+                .half_close(true);
             // Pings find a peer that vanished without closing; an HTTP/2
             // connection has no header deadline to end it otherwise.
             auto.http2()
@@ -104,7 +117,8 @@ impl Protocols {
                 .timer(CoarseTimer)
                 .header_read_timeout(header_timeout)
                 .max_buf_size(CLIENT_BUFFER)
-                .writev(false);
+                .writev(false)
+                .half_close(true);
             Self::Http1(http1)
         }
     }
