@@ -509,6 +509,15 @@ mod tests {
         }
     }
 
+    /// The decision of a plan the over-limit cache answered; `why` says,
+    /// on a failure, what the test expected.
+    fn cached(p: Plan, why: &str) -> Decision {
+        match p {
+            Plan::Local(d, DecisionSource::Cache) => d,
+            other => panic!("{why}: expected a cached rejection, got {other:?}"),
+        }
+    }
+
     /// `n` requests, each spent from the lease with nothing else to do.
     fn spend_from_lease(hot: &HotKeys, s: &BucketSpec, n: usize) {
         for i in 0..n {
@@ -664,9 +673,7 @@ mod tests {
         hot.record(hot.key("k"), &grant(0, 0, 250, 250), 1, false);
         for _ in 0..100 {
             clock.advance(Duration::from_millis(2));
-            let Plan::Local(d, DecisionSource::Cache) = plan(&hot, &s, true) else {
-                panic!("expected a cached rejection");
-            };
+            let d = cached(plan(&hot, &s, true), "while the block holds");
             assert!(!d.allowed && d.retry_after_ms <= 250);
         }
         clock.advance(Duration::from_millis(50));
@@ -676,9 +683,7 @@ mod tests {
             "one Redis call per retry interval"
         );
         // While that call is in flight, the others are still turned away.
-        let Plan::Local(d, DecisionSource::Cache) = plan(&hot, &s, true) else {
-            panic!("expected a cached rejection while one request is in flight");
-        };
+        let d = cached(plan(&hot, &s, true), "while one request is in flight");
         assert_eq!(d.retry_after_ms, 250);
         // An admission that took the last token blocks until the next one.
         hot.record(hot.key("k"), &grant(1, 0, 900, 900), 1, true);
@@ -710,9 +715,7 @@ mod tests {
         hot.record(hot.key("k"), &grant(0, 0, 250, 250), 1, false);
         hot.record(hot.key("k"), &grant(1, 2, 0, 0), 1, false);
         clock.advance(Duration::from_millis(249));
-        let Plan::Local(d, DecisionSource::Cache) = plan(&hot, &s, true) else {
-            panic!("the block still holds");
-        };
+        let d = cached(plan(&hot, &s, true), "the block still holds");
         assert_eq!((d.allowed, d.remaining, d.retry_after_ms), (false, 0, 1));
         // Once it has run out, one request asks Redis for the key.
         clock.advance(Duration::from_millis(1));
@@ -728,22 +731,16 @@ mod tests {
         assert!(matches!(ask(20), Plan::Call { .. }));
         // 20 tokens taken: full again in 10 s at 2/s; one token in 0.5 s.
         hot.record(hot.key("k"), &grant(20, 0, 10_000, 10_000), 20, false);
-        let Plan::Local(d, DecisionSource::Cache) = ask(20) else {
-            panic!("the same cost waits for the whole block");
-        };
+        let d = cached(ask(20), "the same cost waits for the whole block");
         assert_eq!(d.retry_after_ms, 10_000);
-        let Plan::Local(d, DecisionSource::Cache) = ask(1) else {
-            panic!("one token is not there yet");
-        };
+        let d = cached(ask(1), "one token is not there yet");
         assert_eq!(d.retry_after_ms, 500, "19 tokens sooner at 2/s");
         clock.advance(Duration::from_millis(500));
         assert!(
             matches!(ask(1), Plan::Call { .. }),
             "a token may exist: Redis is asked"
         );
-        let Plan::Local(d, DecisionSource::Cache) = ask(20) else {
-            panic!("the larger cost is still blocked");
-        };
+        let d = cached(ask(20), "the larger cost is still blocked");
         assert_eq!(d.retry_after_ms, 9_500);
     }
 
