@@ -158,7 +158,9 @@ pub(super) async fn handle(
         // A failed exchange may leave some of the body unread.
         let body_pending = req.version() != Version::HTTP_2 && !req.body().is_end_stream();
         let target = Target::new(route, &path, req.uri().query(), &tenant);
-        let forwarded = forwarder.forward(req, client, target, slot).await;
+        let forwarded = forwarder
+            .forward(req, client, target, slot, started / 1000)
+            .await;
         let elapsed = state.clock.now_micros().saturating_sub(started);
         route.metrics.upstream_seconds(elapsed as f64 / 1e6);
         if let Some(note) = note {

@@ -37,7 +37,8 @@ pub(super) struct Dialer {
 }
 
 impl Dialer {
-    /// Runs `exchange` under `upstream.timeout_ms`, not counting the time
+    /// Runs `exchange` under `upstream.timeout_ms` from `started` (the
+    /// clock's milliseconds as the request set out), not counting the time
     /// `upload` spent waiting on its client; a failed upload is the
     /// client's fault whatever the connection reports.
     ///
@@ -47,8 +48,8 @@ impl Dialer {
         &self,
         mut exchange: Pin<&mut impl Future<Output = Result<T, ProxyError>>>,
         upload: &Upload,
+        started: u64,
     ) -> Result<T, ProxyError> {
-        let started = self.clock.now_ms();
         let limit = millis(self.timeout);
         // A coarse deadline: it almost never fires, and a timer of
         // tokio's costs a request more to arm and drop.
@@ -78,14 +79,16 @@ impl Dialer {
 
     /// Sends `request` on an idle connection to `upstream`, or a new one,
     /// and waits for the answer's head. A request an idle connection
-    /// could not take (the upstream had closed it) goes to the next one.
+    /// could not take (the upstream had closed it) goes to the next one;
+    /// idle connections are judged expired or not at `now_ms`.
     pub(super) async fn exchange(
         &self,
         upstream: &Upstream,
         request: &mut Outgoing,
+        now_ms: u64,
     ) -> Result<(Conn, Head), ProxyError> {
         loop {
-            let (mut conn, reused) = match upstream.take_idle() {
+            let (mut conn, reused) = match upstream.take_idle(now_ms) {
                 Some(conn) => (conn, true),
                 // Boxed: a connection attempt (a TLS handshake's state
                 // above all) is far larger than the rest of an exchange,

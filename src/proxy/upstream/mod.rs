@@ -112,9 +112,9 @@ impl Upstream {
         }
     }
 
-    /// An idle connection still open and not expired, if any.
-    fn take_idle(&self) -> Option<Conn> {
-        self.idle.take(self.clock.now_ms(), Conn::is_open)
+    /// An idle connection still open and not expired at `now_ms`, if any.
+    fn take_idle(&self, now_ms: u64) -> Option<Conn> {
+        self.idle.take(now_ms, Conn::is_open)
     }
 
     /// Keeps `conn` for a later request.
@@ -240,12 +240,17 @@ impl Forwarder {
     /// [`ProxyError::UpstreamUnreachable`] or [`ProxyError::UpstreamTimeout`]
     /// for the upstream's failures, [`ProxyError::ClientTimeout`] or
     /// [`ProxyError::ClientAborted`] when the client failed its upload.
+    ///
+    /// `started_ms` is the clock's reading as the request is forwarded,
+    /// which the caller has just taken: the upstream's time is counted
+    /// from it.
     pub(super) async fn forward(
         &self,
         req: Request<Incoming>,
         client: &Client,
         target: Target<'_>,
         slot: Slot,
+        started_ms: u64,
     ) -> Result<Response<ProxyBody>, ProxyError> {
         let upstream = Rc::clone(&self.upstreams[target.route.index]);
         let head_request = req.method() == Method::HEAD;
@@ -258,7 +263,7 @@ impl Forwarder {
                     .acquire_owned()
                     .await
                     .map_err(upstream_failure)?;
-                let (conn, head) = dialer.exchange(&upstream, &mut request).await?;
+                let (conn, head) = dialer.exchange(&upstream, &mut request, started_ms).await?;
                 let lease = Lease {
                     upstream,
                     _permit: permit,
@@ -266,7 +271,7 @@ impl Forwarder {
                 };
                 Ok((lease, conn, head))
             });
-            dialer.bounded(exchange, &upload).await
+            dialer.bounded(exchange, &upload, started_ms).await
         });
         let (lease, conn, head) = exchange.await?;
 
