@@ -14,6 +14,7 @@
 //! arrived.
 
 use std::io::Write as _;
+use std::mem::MaybeUninit;
 
 use bytes::{Buf as _, Bytes, BytesMut};
 use hyper::header::{HeaderMap, HeaderName, HeaderValue};
@@ -181,9 +182,17 @@ pub(super) fn parse_head(
     max: usize,
 ) -> Result<Option<Head>, FramingError> {
     loop {
-        let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
-        let mut response = httparse::Response::new(&mut slots);
-        let len = match response.parse(buf) {
+        // Left uninitialised: the parser writes the lines it finds, and
+        // filling a hundred slots first would cost a head more than
+        // parsing it.
+        let mut slots = [const { MaybeUninit::uninit() }; MAX_HEADERS];
+        let mut response = httparse::Response::new(&mut []);
+        let parsed = httparse::ParserConfig::default().parse_response_with_uninit_headers(
+            &mut response,
+            buf,
+            &mut slots,
+        );
+        let len = match parsed {
             Ok(httparse::Status::Complete(len)) => len,
             Ok(httparse::Status::Partial) if buf.len() >= max => {
                 return Err(FramingError::TooLarge);
