@@ -17,7 +17,7 @@ use std::io::Write as _;
 use std::mem::MaybeUninit;
 
 use bytes::{Buf as _, Bytes, BytesMut};
-use hyper::header::{HeaderMap, HeaderName, HeaderValue};
+use hyper::header::{HeaderMap, HeaderValue};
 use hyper::{Method, StatusCode, Version};
 
 use super::hop;
@@ -239,7 +239,7 @@ pub(super) fn parse_head(
                 }
                 continue;
             }
-            let name = HeaderName::from_bytes(header.name.as_bytes())
+            let name = hop::field_name(header.name.as_bytes())
                 .map_err(|_| FramingError::Head(httparse::Error::HeaderName))?;
             spans.push((name, start, end));
         }
@@ -471,7 +471,7 @@ impl Chunked {
             Ok(httparse::Status::Complete((len, fields))) => {
                 let mut trailers = HeaderMap::with_capacity(fields.len());
                 for field in fields {
-                    let name = HeaderName::from_bytes(field.name.as_bytes())
+                    let name = hop::field_name(field.name.as_bytes())
                         .map_err(|_| FramingError::Trailers)?;
                     let value =
                         HeaderValue::from_bytes(field.value).map_err(|_| FramingError::Trailers)?;
@@ -489,6 +489,7 @@ impl Chunked {
 
 #[cfg(test)]
 mod tests {
+    use hyper::header::HeaderName;
 
     use super::*;
 

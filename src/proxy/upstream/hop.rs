@@ -9,11 +9,12 @@
 //! written to the upstream with the gateway's own; a response's are
 //! chosen field by field as its head is read.
 
+use std::cell::RefCell;
 use std::collections::HashSet;
 use std::io::Write as _;
 use std::net::IpAddr;
 
-use hyper::header::{self as hy, HeaderMap, HeaderName, HeaderValue};
+use hyper::header::{self as hy, HeaderMap, HeaderName, HeaderValue, InvalidHeaderName};
 
 use crate::key::TenantId;
 
@@ -233,6 +234,45 @@ pub(super) fn write_field(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
     out.extend_from_slice(b"\r\n");
 }
 
+/// How many field names of upstream answers a worker keeps converted.
+const NAMES_KEPT: usize = 16;
+
+thread_local! {
+    /// The field names this thread converted last.
+    static NAMES: RefCell<Names> = RefCell::default();
+}
+
+/// Field names as upstreams spelled them, each with its [`HeaderName`].
+/// Upstreams send the same few names in the same case answer after
+/// answer, so most are found here rather than lowercased and matched
+/// against the standard names again. A fixed set, replaced in turn: an
+/// upstream that sends ever new names costs a lookup each, never memory.
+#[derive(Default)]
+struct Names {
+    /// The names kept, as they arrived.
+    kept: [Option<(Box<[u8]>, HeaderName)>; NAMES_KEPT],
+    /// The entry the next new name replaces.
+    next: usize,
+}
+
+/// The [`HeaderName`] of a field name as an upstream's answer spelled it
+/// (in any case).
+///
+/// # Errors
+/// When `raw` is no field name.
+pub(super) fn field_name(raw: &[u8]) -> Result<HeaderName, InvalidHeaderName> {
+    NAMES.with_borrow_mut(|names| {
+        let kept = names.kept.iter().flatten();
+        if let Some((_, name)) = kept.into_iter().find(|(spelled, _)| **spelled == *raw) {
+            return Ok(name.clone());
+        }
+        let name = HeaderName::from_bytes(raw)?;
+        names.kept[names.next] = Some((raw.into(), name.clone()));
+        names.next = (names.next + 1) % NAMES_KEPT;
+        Ok(name)
+    })
+}
+
 /// Whether a response field named `name` (in any case) may travel on to
 /// the client: it is not hop-by-hop. What its `Connection` lists is taken
 /// out afterwards ([`drop_listed`]).
@@ -331,6 +371,33 @@ mod tests {
             .filter(|(n, _)| n == name)
             .map(|(_, v)| v.as_str())
             .collect()
+    }
+
+    #[test]
+    fn field_names_are_converted_alike_whether_kept_or_not() {
+        let spellings = ["Content-Type", "content-type", "X-Request-Id", "ETag"];
+        // Twice over: converted, then found among the kept.
+        for raw in spellings.iter().chain(&spellings) {
+            let expected = HeaderName::from_bytes(raw.as_bytes()).unwrap();
+            assert_eq!(field_name(raw.as_bytes()).unwrap(), expected, "{raw}");
+        }
+        assert!(field_name(b"bad name").is_err());
+        assert!(field_name(b"").is_err());
+        // Far more names than are kept: each still right, the set bounded.
+        for i in 0..3 * NAMES_KEPT {
+            let raw = format!("X-Field-{i}");
+            let expected = HeaderName::from_bytes(raw.as_bytes()).unwrap();
+            assert_eq!(field_name(raw.as_bytes()).unwrap(), expected);
+        }
+        let kept = NAMES.with_borrow(|names| names.kept.iter().flatten().count());
+        assert_eq!(kept, NAMES_KEPT);
+        assert!(NAMES.with_borrow(|names| {
+            names
+                .kept
+                .iter()
+                .flatten()
+                .all(|(raw, _)| raw.starts_with(b"X-Field-"))
+        }));
     }
 
     #[test]
