@@ -10,7 +10,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// A monotonic clock with microsecond resolution.
 pub trait Clock: Send + Sync + 'static {
@@ -33,17 +33,10 @@ pub trait Clock: Send + Sync + 'static {
 pub type SharedClock = Arc<dyn Clock>;
 
 /// The real monotonic clock, counting from its own creation.
-///
-/// It reads the processor's time-stamp counter where that counter runs at
-/// a constant rate on every core (scaled to nanoseconds by a calibration
-/// made once per process), and the system's monotonic clock elsewhere: a
-/// read then costs a few instructions instead of a call into the
-/// kernel's clock page, and the proxy reads the clock several times a
-/// request.
 #[derive(Debug, Clone, Copy)]
 pub struct SystemClock {
-    /// Origin of the microsecond count.
-    origin: quanta::Instant,
+    /// Origin of the millisecond count.
+    origin: Instant,
     /// The origin in milliseconds since the Unix epoch.
     origin_unix_ms: u64,
 }
@@ -56,7 +49,7 @@ impl SystemClock {
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap_or_default();
         Self {
-            origin: quanta::Instant::now(),
+            origin: Instant::now(),
             origin_unix_ms: u64::try_from(since_epoch.as_millis()).unwrap_or(0),
         }
     }
@@ -74,10 +67,8 @@ impl Default for SystemClock {
 }
 
 impl Clock for SystemClock {
-    #[allow(clippy::disallowed_methods)] // The one place that reads the system clock.
     fn now_micros(&self) -> u64 {
-        let elapsed = quanta::Instant::now().saturating_duration_since(self.origin);
-        u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX)
+        u64::try_from(self.origin.elapsed().as_micros()).unwrap_or(u64::MAX)
     }
 
     /// The wall clock at the origin plus the monotonic time since: it never
