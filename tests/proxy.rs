@@ -321,6 +321,51 @@ async fn an_upstream_closing_kept_connections_fails_no_request() {
     assert_eq!(up.used(), 20, "each request needed a new connection");
 }
 
+/// A request that waited for one of its worker's upstream connection
+/// slots, all held by another upstream's slow exchanges, judges an idle
+/// connection's age after the wait: kept 100 ms and then waiting a second
+/// under a 300 ms idle timeout, the connection is not used again.
+#[actix_web::test]
+async fn an_idle_connection_is_judged_after_the_wait_for_a_connection_slot() {
+    let counted = CountingUpstream::start(false);
+    let rules = ["a", "b", "c"]
+        .map(|t| format!("[[rule]]\ntenant = \"{t}\"\nroute = \"*\"\ncapacity = 100\nrefill_per_second = 100\n"))
+        .concat();
+    let s = Stack::start("idle-after-wait", &rules, |c, up| {
+        c.workers = 1;
+        c.upstream_timeout_ms = 10_000;
+        c.upstream_extra = "max_connections_per_worker = 2\nmax_connections_per_tenant = 1\n\
+                            max_connections_without_rule = 1\nidle_timeout_ms = 300"
+            .into();
+        c.routes = format!(
+            "[[routes]]\nid = \"counted\"\npath_prefix = \"/counted\"\nupstream = \"http://{}\"\n\
+             [[routes]]\nid = \"api\"\npath_prefix = \"/\"\nupstream = \"{up}\"\n",
+            counted.addr
+        );
+    });
+    let c = client();
+    let res = get_as(&c, &s.gw.url("/counted"), "c").await;
+    assert_eq!(res.status(), 200);
+    // Both slots taken by slow exchanges with the other upstream.
+    let slow: Vec<_> = ["a", "b"]
+        .map(|t| {
+            let url = s.gw.url("/slow?ms=1000");
+            actix_web::rt::spawn(async move { get_as(&client(), &url, t).await.status() })
+        })
+        .into();
+    actix_web::rt::time::sleep(std::time::Duration::from_millis(100)).await;
+    let res = get_as(&c, &s.gw.url("/counted"), "c").await;
+    assert_eq!(res.status(), 200);
+    for status in futures_util::future::join_all(slow).await {
+        assert_eq!(status.unwrap(), 200);
+    }
+    assert_eq!(
+        counted.used(),
+        2,
+        "the connection idle past its timeout was used again"
+    );
+}
+
 #[actix_web::test]
 async fn connections_idle_past_their_timeout_are_not_used_again() {
     let up = CountingUpstream::start(false);

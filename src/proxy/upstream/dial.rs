@@ -80,12 +80,14 @@ impl Dialer {
     /// Sends `request` on an idle connection to `upstream`, or a new one,
     /// and waits for the answer's head. A request an idle connection
     /// could not take (the upstream had closed it) goes to the next one;
-    /// idle connections are judged expired or not at `now_ms`.
+    /// idle connections are judged expired or not at `now_ms` (the clock's
+    /// milliseconds as the exchange starts), then at a new reading after
+    /// each failed attempt.
     pub(super) async fn exchange(
         &self,
         upstream: &Upstream,
         request: &mut Outgoing,
-        now_ms: u64,
+        mut now_ms: u64,
     ) -> Result<(Conn, Head), ProxyError> {
         loop {
             let (mut conn, reused) = match upstream.take_idle(now_ms) {
@@ -97,7 +99,8 @@ impl Dialer {
             };
             match conn.send(request).await {
                 Ok(head) => return Ok((conn, head)),
-                Err(failure) if reused && failure.retry => {}
+                // The failed attempt took time of its own.
+                Err(failure) if reused && failure.retry => now_ms = self.clock.now_ms(),
                 Err(failure) => return Err(upstream_failure(failure.error)),
             }
         }

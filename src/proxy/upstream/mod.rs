@@ -77,7 +77,8 @@ struct Upstream {
     host: hy::HeaderValue,
     /// Idle connections.
     idle: IdleList<Conn>,
-    /// When connections become idle and expire.
+    /// When connections become idle (an exchange passes in the time its
+    /// idle connections are judged expired at).
     clock: SharedClock,
 }
 
@@ -259,11 +260,21 @@ impl Forwarder {
         let dialer = Rc::clone(&self.dialer);
         let exchange = Detachable::new(async move {
             let exchange = pin!(async {
-                let permit = Arc::clone(&dialer.connections)
-                    .acquire_owned()
-                    .await
-                    .map_err(upstream_failure)?;
-                let (conn, head) = dialer.exchange(&upstream, &mut request, started_ms).await?;
+                // A slot taken at once leaves the reading as it was; one
+                // waited for (all taken, perhaps by another upstream's
+                // exchanges) needs a new one, or an idle connection's age
+                // would be judged by the time before the wait.
+                let (permit, now_ms) = match Arc::clone(&dialer.connections).try_acquire_owned() {
+                    Ok(permit) => (permit, started_ms),
+                    Err(_) => {
+                        let permit = Arc::clone(&dialer.connections)
+                            .acquire_owned()
+                            .await
+                            .map_err(upstream_failure)?;
+                        (permit, dialer.clock.now_ms())
+                    }
+                };
+                let (conn, head) = dialer.exchange(&upstream, &mut request, now_ms).await?;
                 let lease = Lease {
                     upstream,
                     _permit: permit,
