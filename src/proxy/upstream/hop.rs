@@ -237,6 +237,9 @@ pub(super) fn write_field(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
 /// How many field names of upstream answers a worker keeps converted.
 const NAMES_KEPT: usize = 16;
 
+/// The longest field name kept; a longer one is converted each time.
+const NAME_KEPT_MAX: usize = 64;
+
 thread_local! {
     /// The field names this thread converted last.
     static NAMES: RefCell<Names> = RefCell::default();
@@ -245,8 +248,9 @@ thread_local! {
 /// Field names as upstreams spelled them, each with its [`HeaderName`].
 /// Upstreams send the same few names in the same case answer after
 /// answer, so most are found here rather than lowercased and matched
-/// against the standard names again. A fixed set, replaced in turn: an
-/// upstream that sends ever new names costs a lookup each, never memory.
+/// against the standard names again. A fixed set of short names, replaced
+/// in turn: an upstream that sends ever new or long names costs a lookup
+/// each, and never more than the set's few KiB.
 #[derive(Default)]
 struct Names {
     /// The names kept, as they arrived.
@@ -267,8 +271,10 @@ pub(super) fn field_name(raw: &[u8]) -> Result<HeaderName, InvalidHeaderName> {
             return Ok(name.clone());
         }
         let name = HeaderName::from_bytes(raw)?;
-        names.kept[names.next] = Some((raw.into(), name.clone()));
-        names.next = (names.next + 1) % NAMES_KEPT;
+        if raw.len() <= NAME_KEPT_MAX {
+            names.kept[names.next] = Some((raw.into(), name.clone()));
+            names.next = (names.next + 1) % NAMES_KEPT;
+        }
         Ok(name)
     })
 }
@@ -383,6 +389,17 @@ mod tests {
         }
         assert!(field_name(b"bad name").is_err());
         assert!(field_name(b"").is_err());
+        // A long name is converted, not kept.
+        let long = "x".repeat(NAME_KEPT_MAX + 1);
+        assert_eq!(field_name(long.as_bytes()).unwrap().as_str(), long);
+        let kept_long = NAMES.with_borrow(|names| {
+            names
+                .kept
+                .iter()
+                .flatten()
+                .any(|(raw, _)| raw.len() > NAME_KEPT_MAX)
+        });
+        assert!(!kept_long);
         // Far more names than are kept: each still right, the set bounded.
         for i in 0..3 * NAMES_KEPT {
             let raw = format!("X-Field-{i}");
