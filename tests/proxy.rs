@@ -9,7 +9,8 @@ use std::io::{Read, Write};
 
 use actix_web::web::Bytes;
 use common::{
-    Gateway, GatewayConfig, RedisServer, Stack, TempDir, client, get_as, header, refused_port,
+    Gateway, GatewayConfig, RedisServer, Stack, TempDir, client, eventually, get_as, header,
+    refused_port,
 };
 use futures_util::StreamExt;
 
@@ -323,8 +324,8 @@ async fn an_upstream_closing_kept_connections_fails_no_request() {
 
 /// A request that waited for one of its worker's upstream connection
 /// slots, all held by another upstream's slow exchanges, judges an idle
-/// connection's age after the wait: kept 100 ms and then waiting a second
-/// under a 300 ms idle timeout, the connection is not used again.
+/// connection's age after the wait: waiting about a second under a 300 ms
+/// idle timeout, the connection is not used again.
 #[actix_web::test]
 async fn an_idle_connection_is_judged_after_the_wait_for_a_connection_slot() {
     let counted = CountingUpstream::start(false);
@@ -353,7 +354,10 @@ async fn an_idle_connection_is_judged_after_the_wait_for_a_connection_slot() {
             actix_web::rt::spawn(async move { get_as(&client(), &url, t).await.status() })
         })
         .into();
-    actix_web::rt::time::sleep(std::time::Duration::from_millis(100)).await;
+    let held = eventually(std::time::Duration::from_secs(5), || async {
+        s.up.slow_now() == 2
+    });
+    assert!(held.await, "the slow exchanges never reached the upstream");
     let res = get_as(&c, &s.gw.url("/counted"), "c").await;
     assert_eq!(res.status(), 200);
     for status in futures_util::future::join_all(slow).await {
