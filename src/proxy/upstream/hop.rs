@@ -266,8 +266,8 @@ struct Names {
 /// When `raw` is no field name.
 pub(super) fn field_name(raw: &[u8]) -> Result<HeaderName, InvalidHeaderName> {
     NAMES.with_borrow_mut(|names| {
-        let kept = names.kept.iter().flatten();
-        if let Some((_, name)) = kept.into_iter().find(|(spelled, _)| **spelled == *raw) {
+        let mut kept = names.kept.iter().flatten();
+        if let Some((_, name)) = kept.find(|(spelled, _)| **spelled == *raw) {
             return Ok(name.clone());
         }
         let name = HeaderName::from_bytes(raw)?;
