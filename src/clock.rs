@@ -35,7 +35,7 @@ pub type SharedClock = Arc<dyn Clock>;
 /// The real monotonic clock, counting from its own creation.
 #[derive(Debug, Clone, Copy)]
 pub struct SystemClock {
-    /// Origin of the millisecond count.
+    /// Origin of the microsecond (and millisecond) count.
     origin: Instant,
     /// The origin in milliseconds since the Unix epoch.
     origin_unix_ms: u64,
