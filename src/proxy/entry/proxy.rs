@@ -155,14 +155,15 @@ pub(super) async fn handle(
                 reserved,
             )
         });
-        // A local decision (local-only mode, or the fallback while Redis
-        // is out) is made without letting the worker go: forwarded as
-        // soon as read, each request would wake its upstream, which on a
-        // shared core then takes the core between the gateway's requests.
-        // Such a request goes upstream in the worker's next turn, with the
-        // others read in this one. Requests decided by Redis or from
-        // leases measured better without the extra turn
-        // (docs/performance.md).
+        // A local decision (local-only mode, or the fallback while the
+        // breaker is open) is made without letting the worker go:
+        // forwarded as soon as read, each request would wake its upstream,
+        // which on a shared core then takes the core between the gateway's
+        // requests. Such a request goes upstream in the worker's next turn,
+        // with the others read in this one. (A fallback after a failed call
+        // has waited already; its extra turn costs a poll.) Requests
+        // decided by Redis or from leases measured better without the
+        // extra turn (docs/performance.md).
         if source == DecisionSource::Local {
             tokio::task::yield_now().await;
         }
