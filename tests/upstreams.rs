@@ -103,11 +103,15 @@ fn start_caddy(root: &Path) -> Listening {
 }
 
 /// A gateway whose one route forwards everything to `upstream`, with a
-/// limit no request here reaches.
-fn gateway_before(tag: &str, upstream: SocketAddr) -> Stack {
+/// limit no request here reaches; deciding through Redis, or alone when
+/// `local_only` (its requests then go upstream in the worker's next turn).
+fn gateway_before(tag: &str, upstream: SocketAddr, local_only: bool) -> Stack {
     let rules = "[[rule]]\ntenant = \"acme\"\nroute = \"files\"\ncapacity = 1000\n\
                  refill_per_second = 1000\n";
     Stack::start(tag, rules, |c, _| {
+        if local_only {
+            c.redis_url.clear();
+        }
         c.routes = format!(
             "[[routes]]\nid = \"files\"\npath_prefix = \"/\"\nupstream = \"http://{upstream}\"\n"
         );
@@ -236,21 +240,29 @@ fn forwards_what_the_server_says(gw: SocketAddr, dir: &TempDir, files: &(Vec<u8>
 }
 
 /// Serves the files with the server `start` starts, puts a gateway in
-/// front of it and checks what a client sees.
-fn through_a_gateway(tag: &str, start: impl FnOnce(&Path) -> Listening) {
+/// front of it (local-only when `local_only`) and checks what a client
+/// sees.
+fn through_a_gateway(tag: &str, start: impl FnOnce(&Path) -> Listening, local_only: bool) {
     let dir = TempDir::new(tag);
     let files = serve_files(&dir);
     let server = start(&dir.0);
-    let stack = gateway_before(tag, server.addr);
+    let stack = gateway_before(tag, server.addr, local_only);
     forwards_what_the_server_says(stack.gw.addr, &dir, &files);
 }
 
 #[test]
 fn a_real_nginx_upstream_is_forwarded_as_it_answers() {
-    through_a_gateway("up-nginx", start_nginx);
+    through_a_gateway("up-nginx", start_nginx, false);
+}
+
+/// The same through a local-only gateway, whose requests wait a turn of
+/// its worker after their decision before they go upstream.
+#[test]
+fn a_real_nginx_upstream_is_forwarded_by_a_local_only_gateway() {
+    through_a_gateway("up-nginx-local", start_nginx, true);
 }
 
 #[test]
 fn a_real_caddy_upstream_is_forwarded_as_it_answers() {
-    through_a_gateway("up-caddy", start_caddy);
+    through_a_gateway("up-caddy", start_caddy, false);
 }
