@@ -207,11 +207,13 @@ async fn a_write_in_the_cell_adds_the_take_and_a_value_it_cannot_add_to_is_rewri
         let at = expiry_at(&mut conn, key).await;
         assert_eq!(at, expiry_of(tat, fill), "{stored}: an expiry set anew");
         // The next take, in the same cell, adds one token's time exactly
-        // and keeps the expiry.
+        // and keeps the expiry. A token comes back every 100 ms, so the
+        // time between the two takes may have refilled one: the count
+        // left drops by one or stays.
         let d = decide(&b, key, &s, 1).await;
         assert!(
-            d.allowed && d.remaining + 1 == first.remaining,
-            "{stored}: {d:?}"
+            d.allowed && (first.remaining - 1..=first.remaining).contains(&d.remaining),
+            "{stored}: {d:?} after {first:?}"
         );
         let next: f64 = conn.get::<_, String>(key).await.unwrap().parse().unwrap();
         assert_eq!(next - tat, 100_000.0, "{stored}");
